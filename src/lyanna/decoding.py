@@ -1,0 +1,172 @@
+"""Decoding on the engine: requests, results, and the autoregressive baseline ``ar``.
+
+Every method (``ar`` here, speculative ones elsewhere) runs through ``Decoder.generate``, which
+owns prefill, the KV cache, timing and the output tracker, so methods differ only in how they
+extend the output.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from .engine import KVCache, Transformer
+from .errors import LyannaError
+from .loading import Target
+from .sampling import SamplingParams, next_token
+from .stopping import OutputTracker
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    max_new_tokens: int = 256
+    sampling: SamplingParams = SamplingParams()
+    stop: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise LyannaError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+@dataclass
+class GenerationResult:
+    method: str
+    prompt_tokens: int
+    tokens: list[int]
+    text: str
+    finish_reason: str
+    prefill_seconds: float  # time to the first new token
+    seconds: float  # end to end, prefill included
+    target_passes: int  # target forward passes, prefill included
+    draft_tokens: int = 0  # draft tokens sent to verification
+    accepted_draft_tokens: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def new_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float | None:
+        decode = self.seconds - self.prefill_seconds
+        return (self.new_tokens - 1) / decode if self.new_tokens > 1 and decode > 0 else None
+
+    @property
+    def tau(self) -> float:
+        """Tokens committed per target forward pass."""
+        return self.new_tokens / max(self.target_passes, 1)
+
+    @property
+    def waste_ratio(self) -> float | None:
+        return 1.0 - self.accepted_draft_tokens / self.draft_tokens if self.draft_tokens else None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "method": self.method,
+            "text": self.text,
+            "finish_reason": self.finish_reason,
+            "prompt_tokens": self.prompt_tokens,
+            "new_tokens": self.new_tokens,
+            "seconds": round(self.seconds, 4),
+            "prefill_seconds": round(self.prefill_seconds, 4),
+            "tokens_per_s": round(self.tokens_per_s, 3),
+            "decode_tokens_per_s": None if self.decode_tokens_per_s is None else round(self.decode_tokens_per_s, 3),
+            "tau": round(self.tau, 4),
+            "waste_ratio": None if self.waste_ratio is None else round(self.waste_ratio, 4),
+        }
+
+
+@dataclass
+class DecodeState:
+    """What a method works on: the cache holds the prompt and every committed token but the one
+    to be chosen next from ``last_logits`` (the target's logits after the cached context)."""
+
+    engine: Transformer
+    cache: KVCache
+    tracker: OutputTracker
+    params: SamplingParams
+    rng: np.random.Generator
+    last_logits: np.ndarray  # target logits after the last committed token
+    target_passes: int = 0
+
+
+Method = Callable[[DecodeState], None]
+
+
+def decode_ar(state: DecodeState) -> None:
+    """Plain autoregressive decoding: one target pass per token."""
+    engine, cache, tracker = state.engine, state.cache, state.tracker
+    while True:
+        token = next_token(state.last_logits, state.params, state.rng)
+        tracker.extend([token])
+        if tracker.finished:
+            return
+        state.last_logits = engine.forward([token], [cache.length], cache).logits[-1]
+        state.target_passes += 1
+
+
+METHODS: dict[str, Method] = {"ar": decode_ar}
+
+
+class Decoder:
+    """A loaded target plus everything to turn prompts into outputs with any registered method."""
+
+    def __init__(self, target: Target):
+        self.target = target
+        self.engine = Transformer(target.config, target.weights)
+        self.tokenizer = target.tokenizer
+        self.eos_token_ids = target.config.eos_token_ids
+
+    def encode(self, prompt: str, chat: bool = True, system: str | None = None) -> list[int]:
+        """Token ids of a prompt, wrapped in the model's chat template when it has one."""
+        if chat and getattr(self.tokenizer, "chat_template", None):
+            messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return list(self.tokenizer(prompt)["input_ids"])
+
+    def encode_messages(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        text = self.tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def generate(
+        self,
+        prompt_ids: Sequence[int],
+        request: GenerationRequest = GenerationRequest(),
+        method: str = "ar",
+        on_text: Callable[[str], None] | None = None,
+    ) -> GenerationResult:
+        if method not in METHODS:
+            raise LyannaError(f"unknown method {method!r}; available: {', '.join(sorted(METHODS))}")
+        prompt_ids = [int(t) for t in prompt_ids]
+        limit = self.target.config.max_position_embeddings
+        if not prompt_ids:
+            raise LyannaError("the prompt is empty")
+        if len(prompt_ids) + request.max_new_tokens > limit:
+            raise LyannaError(
+                f"prompt of {len(prompt_ids)} tokens plus max_new_tokens {request.max_new_tokens} "
+                f"exceeds the model's context window of {limit} tokens"
+            )
+        t0 = time.perf_counter()
+        cache = self.engine.new_cache(len(prompt_ids) + request.max_new_tokens + 256)
+        tracker = OutputTracker(self.tokenizer, self.eos_token_ids, request.max_new_tokens, request.stop, on_text)
+        logits = self.engine.forward(prompt_ids, np.arange(len(prompt_ids)), cache, logit_rows=[-1]).logits[-1]
+        state = DecodeState(self.engine, cache, tracker, request.sampling, request.sampling.rng(), logits, target_passes=1)
+        METHODS[method](state)
+        t1 = time.perf_counter()
+        return GenerationResult(
+            method=method,
+            prompt_tokens=len(prompt_ids),
+            tokens=list(tracker.tokens),
+            text=tracker.text,
+            finish_reason=tracker.finish_reason or "length",
+            prefill_seconds=(tracker.first_token_time or t1) - t0,
+            seconds=t1 - t0,
+            target_passes=state.target_passes,
+        )

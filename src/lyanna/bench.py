@@ -1,0 +1,225 @@
+"""``lyanna bench``: every method on the same prompts, in one process, with one timer.
+
+Methods run interleaved prompt by prompt after a warm-up, so drift on the machine hits them all
+alike. Aggregates are ratios of sums (total tokens / total seconds), never means of ratios.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from .decoding import METHODS, Decoder, GenerationRequest, GenerationResult
+from .errors import LyannaError
+from .sampling import SamplingParams
+
+DEFAULT_QUESTIONS = "spec_bench_question.jsonl"
+EXTERNAL_METHODS = ("hf",)
+
+
+@dataclass(frozen=True)
+class Question:
+    question_id: Any
+    category: str
+    prompt: str
+
+
+def data_dir() -> Path:
+    """The shared data folder: ``$LYANNA_DATA``, or ``../shared/data`` next to the repository or cwd."""
+    if os.environ.get("LYANNA_DATA"):
+        return Path(os.environ["LYANNA_DATA"])
+    for base in (Path.cwd(), Path(__file__).resolve().parents[2]):
+        candidate = base.parent / "shared" / "data"
+        if candidate.is_dir():
+            return candidate
+    raise LyannaError("cannot find ../shared/data: set LYANNA_DATA or pass --questions FILE")
+
+
+def load_questions(path: str | Path | None = None, limit: int | None = None) -> list[Question]:
+    """First turns of an MT-bench-format JSONL file; ``limit`` takes them round-robin across categories."""
+    path = Path(path) if path else data_dir() / DEFAULT_QUESTIONS
+    if not path.is_file():
+        raise LyannaError(f"questions file {path} not found")
+    by_cat: dict[str, list[Question]] = defaultdict(list)
+    with path.open() as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                q = Question(row.get("question_id", lineno), str(row.get("category", "uncategorized")), str(row["turns"][0]))
+            except (json.JSONDecodeError, KeyError, IndexError, TypeError) as e:
+                raise LyannaError(f"{path}:{lineno}: not an MT-bench question (need 'turns': [...]): {e}") from None
+            by_cat[q.category].append(q)
+    if not by_cat:
+        raise LyannaError(f"{path} holds no questions")
+    if limit is not None and limit < 1:
+        raise LyannaError(f"--limit must be >= 1, got {limit}")
+    ordered: list[Question] = []
+    queues = [list(qs) for qs in by_cat.values()]
+    while any(queues):
+        for qs in queues:
+            if qs:
+                ordered.append(qs.pop(0))
+    return ordered[:limit] if limit else ordered
+
+
+def machine_info() -> dict[str, Any]:
+    import numpy as np
+    import torch
+
+    cpu = platform.processor() or "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "torch": torch.__version__,
+    }
+
+
+Runner = Callable[[list[int], int], GenerationResult]
+
+
+def make_runners(decoder: Decoder, methods: Sequence[str], sampling: SamplingParams) -> dict[str, Runner]:
+    runners: dict[str, Runner] = {}
+    for m in methods:
+        if m == "hf":
+            if not sampling.greedy:
+                raise LyannaError("method hf is benchmarked greedy only (temperature 0)")
+            from .hf_baseline import HFGenerate
+
+            hf = HFGenerate(decoder.target.path, decoder.tokenizer, decoder.eos_token_ids)
+            runners[m] = hf.generate
+        elif m in METHODS:
+            runners[m] = lambda ids, n, m=m: decoder.generate(ids, GenerationRequest(max_new_tokens=n, sampling=sampling), method=m)
+        else:
+            known = ", ".join([*EXTERNAL_METHODS, *sorted(METHODS)])
+            raise LyannaError(f"unknown method {m!r}; available: {known}")
+    return runners
+
+
+def _aggregate(results: list[GenerationResult]) -> dict[str, Any]:
+    tokens = sum(r.new_tokens for r in results)
+    seconds = sum(r.seconds for r in results)
+    decode_s = sum(r.seconds - r.prefill_seconds for r in results)
+    passes = sum(r.target_passes for r in results)
+    drafted = sum(r.draft_tokens for r in results)
+    return {
+        "new_tokens": tokens,
+        "seconds": round(seconds, 3),
+        "tokens_per_s": round(tokens / seconds, 3) if seconds else None,
+        "decode_tokens_per_s": round(sum(max(r.new_tokens - 1, 0) for r in results) / decode_s, 3) if decode_s > 0 else None,
+        "tau": round(tokens / passes, 4) if passes and all(r.target_passes for r in results) else None,
+        "waste_ratio": round(1 - sum(r.accepted_draft_tokens for r in results) / drafted, 4) if drafted else None,
+    }
+
+
+def run_bench(
+    decoder: Decoder,
+    methods: Sequence[str],
+    questions: Sequence[Question],
+    max_new_tokens: int,
+    sampling: SamplingParams = SamplingParams(),
+    settings: dict[str, Any] | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Run every method on every question and return the JSON-ready report."""
+    from tqdm import tqdm
+
+    if not methods:
+        raise LyannaError("give at least one method")
+    if max_new_tokens < 1:
+        raise LyannaError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    runners = make_runners(decoder, methods, sampling)
+    prompts = [decoder.encode(q.prompt) for q in questions]
+    for run in runners.values():  # warm-up: first-call allocations and lazy imports
+        run(prompts[0], min(8, max_new_tokens))
+    per_method: dict[str, list[GenerationResult]] = {m: [] for m in methods}
+    bar = tqdm(total=len(questions) * len(methods), desc="bench", unit="run", disable=not progress)
+    for ids in prompts:
+        for m, run in runners.items():
+            per_method[m].append(run(ids, max_new_tokens))
+            bar.update(1)
+    bar.close()
+
+    ar = per_method.get("ar")
+    ar_total = _aggregate(ar) if ar else None
+    results = []
+    for m in methods:
+        rs = per_method[m]
+        agg = _aggregate(rs)
+        speedup = round(agg["tokens_per_s"] / ar_total["tokens_per_s"], 3) if ar_total and agg["tokens_per_s"] else None
+        equal = all(r.tokens == a.tokens for r, a in zip(rs, ar)) if ar and sampling.greedy else None
+        cats: dict[str, dict[str, Any]] = {}
+        for cat in dict.fromkeys(q.category for q in questions):
+            idx = [i for i, q in enumerate(questions) if q.category == cat]
+            c = _aggregate([rs[i] for i in idx])
+            ca = _aggregate([ar[i] for i in idx]) if ar else None
+            cats[cat] = {
+                "tokens_per_s": c["tokens_per_s"],
+                "speedup": round(c["tokens_per_s"] / ca["tokens_per_s"], 3) if ca and ca["tokens_per_s"] else None,
+            }
+        results.append({
+            "method": m,
+            **agg,
+            "speedup": speedup,
+            "equal_to_ar": equal,
+            "per_category": cats,
+            "per_question": [
+                {"question_id": q.question_id, "category": q.category, "new_tokens": r.new_tokens,
+                 "seconds": round(r.seconds, 4), "prefill_seconds": round(r.prefill_seconds, 4),
+                 "equal_to_ar": (r.tokens == ar[i].tokens) if ar and sampling.greedy else None}
+                for i, (q, r) in enumerate(zip(questions, rs))
+            ],
+        })
+    return {
+        "model": decoder.target.name,
+        "machine": machine_info(),
+        "settings": {
+            "methods": list(methods),
+            "questions": len(questions),
+            "max_new_tokens": max_new_tokens,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "seed": sampling.seed,
+            "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            **(settings or {}),
+        },
+        "results": results,
+    }
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """A markdown table of the aggregate results."""
+    def fmt(v: Any, spec: str = ".2f") -> str:
+        if v is None:
+            return "-"
+        if isinstance(v, bool):
+            return "yes" if v else "NO"
+        return format(v, spec) if isinstance(v, float) else str(v)
+
+    lines = [
+        "| method | new tokens | seconds | tokens/s | decode tokens/s | speedup | tau | waste | equal to ar |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in report["results"]:
+        lines.append(
+            f"| {r['method']} | {r['new_tokens']} | {fmt(r['seconds'])} | {fmt(r['tokens_per_s'])} | "
+            f"{fmt(r['decode_tokens_per_s'])} | {fmt(r['speedup'], '.3f')} | {fmt(r['tau'])} | "
+            f"{fmt(r['waste_ratio'])} | {fmt(r['equal_to_ar'])} |"
+        )
+    return "\n".join(lines)

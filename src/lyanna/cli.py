@@ -1,0 +1,148 @@
+"""The ``lyanna`` command line: generate, bench, demo."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from .errors import LyannaError
+from .loading import DEFAULT_MODEL
+
+DEMO_PROMPT = "Explain in a few sentences why the sky is blue."
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=_non_negative_int, default=0, help="0 = off")
+    p.add_argument("--seed", type=int, default=None)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lyanna", description="Fast, lossless LLM decoding by hidden-state speculative decoding.")
+    parser.add_argument("--model", default=DEFAULT_MODEL, help=f"alias, Hugging Face model directory or .gguf file (default {DEFAULT_MODEL})")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate a reply to one prompt (streamed)")
+    g.add_argument("prompt")
+    g.add_argument("--method", default="ar")
+    g.add_argument("--max-new-tokens", type=_positive_int, default=256)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--no-chat", action="store_true", help="do not wrap the prompt in the chat template")
+    g.add_argument("--json", action="store_true", help="print one JSON object instead of streamed text")
+    _sampling_args(g)
+
+    b = sub.add_parser("bench", help="benchmark methods on the same prompts in one process")
+    b.add_argument("--methods", default="hf,ar", help="comma-separated (default hf,ar)")
+    b.add_argument("--questions", default=None, help="MT-bench-format JSONL (default: Spec-Bench from ../shared/data)")
+    b.add_argument("--limit", type=_positive_int, default=None, help="take N questions round-robin across categories")
+    b.add_argument("--max-new-tokens", type=_positive_int, default=128)
+    b.add_argument("--json", dest="json_out", default=None, metavar="OUT", help="write the report as JSON to OUT")
+    b.add_argument("--no-progress", action="store_true")
+    _sampling_args(b)
+
+    sub.add_parser("demo", help="load the model and generate a reply to a fixed prompt (make run)")
+    return parser
+
+
+def _sampling(args: argparse.Namespace):
+    from .sampling import SamplingParams
+
+    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+
+
+def _generate(args: argparse.Namespace) -> None:
+    from .decoding import Decoder, GenerationRequest
+    from .loading import load_target
+
+    request = GenerationRequest(max_new_tokens=args.max_new_tokens, sampling=_sampling(args), stop=tuple(args.stop))
+    decoder = Decoder(load_target(args.model))
+    ids = decoder.encode(args.prompt, chat=not args.no_chat)
+    stream = None if args.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
+    result = decoder.generate(ids, request, method=args.method, on_text=stream)
+    if args.json:
+        print(json.dumps(result.to_json()))
+    else:
+        print()
+    print(_stats_line(result), file=sys.stderr)
+
+
+def _stats_line(result) -> str:
+    decode = result.decode_tokens_per_s
+    tau = "" if result.tau is None else f", tau {result.tau:.2f}"
+    return (
+        f"[{result.method}] {result.new_tokens} tokens in {result.seconds:.2f} s: "
+        f"{result.tokens_per_s:.1f} tokens/s (decode {decode or 0:.1f}){tau}, finish: {result.finish_reason}"
+    )
+
+
+def _bench(args: argparse.Namespace) -> None:
+    from .bench import format_table, load_questions, run_bench
+    from .decoding import Decoder
+    from .loading import load_target
+
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    sampling = _sampling(args)
+    questions = load_questions(args.questions, args.limit)
+    decoder = Decoder(load_target(args.model))
+    report = run_bench(
+        decoder, methods, questions, args.max_new_tokens, sampling,
+        settings={"questions_file": str(args.questions or "spec_bench_question.jsonl"), "limit": args.limit},
+        progress=not args.no_progress,
+    )
+    print(format_table(report))
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(report, indent=2))
+        print(f"wrote {args.json_out}", file=sys.stderr)
+
+
+def _demo(args: argparse.Namespace) -> None:
+    from .decoding import Decoder, GenerationRequest
+    from .loading import load_target
+
+    decoder = Decoder(load_target(args.model))
+    print(f"model: {args.model}\nprompt: {DEMO_PROMPT}\n")
+    ids = decoder.encode(DEMO_PROMPT)
+    result = decoder.generate(ids, GenerationRequest(max_new_tokens=128), method="ar",
+                              on_text=lambda s: (sys.stdout.write(s), sys.stdout.flush()))
+    print("\n")
+    print(_stats_line(result))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        {"generate": _generate, "bench": _bench, "demo": _demo}[args.command](args)
+    except LyannaError as e:
+        print(f"lyanna: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("lyanna: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,66 @@
+"""Hugging Face ``generate()`` on the same weights: the external peer for benchmarks and tests."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from .decoding import GenerationResult
+
+
+class _FirstTokenClock:
+    """A generate() streamer that only notes when the first new token arrives."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.first_token_time: float | None = None
+
+    def put(self, value: Any) -> None:
+        self.calls += 1
+        if self.calls == 2 and self.first_token_time is None:  # call 1 is the prompt
+            self.first_token_time = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
+class HFGenerate:
+    """Greedy ``model.generate`` in fp32 with the same EOS tokens as our decoder."""
+
+    def __init__(self, model_dir: Path, tokenizer: Any, eos_token_ids: Sequence[int]):
+        import torch
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        self.torch = torch
+        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+        self.tokenizer = tokenizer
+        self.eos_token_ids = list(eos_token_ids)
+
+    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int) -> GenerationResult:
+        torch = self.torch
+        clock = _FirstTokenClock()
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = self.model.generate(
+                torch.tensor([list(prompt_ids)]),
+                attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                eos_token_id=self.eos_token_ids,
+                pad_token_id=self.eos_token_ids[0],
+                streamer=clock,
+            )
+        t1 = time.perf_counter()
+        tokens = out[0, len(prompt_ids):].tolist()
+        return GenerationResult(
+            method="hf",
+            prompt_tokens=len(prompt_ids),
+            tokens=tokens,
+            text=self.tokenizer.decode(tokens, skip_special_tokens=True),
+            finish_reason="stop" if tokens and tokens[-1] in self.eos_token_ids else "length",
+            prefill_seconds=(clock.first_token_time or t1) - t0,
+            seconds=t1 - t0,
+            target_passes=0,
+        )

@@ -1,0 +1,99 @@
+"""Shared fixtures: tiny models built in the test (any architecture) and the real default model."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def make_tokenizer(out: Path) -> None:
+    """A byte-level BPE tokenizer with no merges (256 byte symbols + 3 specials), built here."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {"<|endoftext|>": 0, "<|im_start|>": 1, "<|im_end|>": 2}
+    for ch in sorted(alphabet):
+        vocab[ch] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>", unk_token="<|endoftext|>",
+        additional_special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(out)
+
+
+def make_tiny_model(out: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
+    """A random Hugging Face model (vocab 259) saved as safetensors with a tokenizer."""
+    import torch
+    import transformers
+
+    cls_cfg, cls_model = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    }[arch]
+    kwargs = dict(
+        vocab_size=259, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False, initializer_range=0.2,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, rms_norm_eps=1e-6,
+    )
+    kwargs.update(overrides)
+    torch.manual_seed(seed)
+    model = cls_model(cls_cfg(**kwargs)).float().eval()
+    if arch == "qwen2":  # make the attention biases matter
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.5)
+    model.save_pretrained(out, safe_serialization=True)
+    make_tokenizer(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_decoder(tiny_model_dir):
+    from lyanna.decoding import Decoder
+    from lyanna.loading import load_target
+
+    return Decoder(load_target(tiny_model_dir))
+
+
+@pytest.fixture(scope="session")
+def default_target():
+    from lyanna.loading import load_target
+
+    return load_target()
+
+
+@pytest.fixture(scope="session")
+def default_decoder(default_target):
+    from lyanna.decoding import Decoder
+
+    return Decoder(default_target)
+
+
+@pytest.fixture(scope="session")
+def hf_default(default_target):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(default_target.path), dtype=torch.float32).eval()
+
+
+def read_json(path: Path) -> dict:
+    return json.loads(Path(path).read_text())

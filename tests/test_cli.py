@@ -1,0 +1,87 @@
+"""The command line: JSON output, streamed text, bench report shape, and clear errors."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lyanna.cli import main
+
+
+def run_cli(capsys, *args):
+    code = main(list(args))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_generate_json(capsys, tiny_model_dir):
+    code, out, err = run_cli(capsys, "--model", str(tiny_model_dir), "generate", "hi", "--json", "--max-new-tokens", "12")
+    assert code == 0
+    row = json.loads(out)
+    for key in ("method", "text", "new_tokens", "seconds", "tokens_per_s", "tau", "waste_ratio"):
+        assert key in row
+    assert row["method"] == "ar" and 1 <= row["new_tokens"] <= 12
+    assert "tokens/s" in err
+
+
+def test_generate_streams_text(capsys, tiny_model_dir):
+    code, out, err = run_cli(capsys, "--model", str(tiny_model_dir), "generate", "hi", "--max-new-tokens", "8", "--seed", "1")
+    assert code == 0 and out.endswith("\n") and "[ar]" in err
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["generate", "hi", "--max-new-tokens", "0"], "positive integer"),
+        (["generate", "hi", "--max-new-tokens", "x"], "positive integer"),
+        (["generate", "hi", "--top-k", "-3"], "integer >= 0"),
+        (["bench", "--limit", "0"], "positive integer"),
+    ],
+)
+def test_bad_arguments_exit_2(capsys, args, needle):
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    assert e.value.code == 2
+    assert needle in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["generate", "hi", "--temperature", "-1"], "temperature"),
+        (["generate", "hi", "--top-p", "2"], "top_p"),
+        (["generate", "hi", "--method", "nope"], "unknown method"),
+        (["bench", "--methods", "ar,nope", "--limit", "1"], "unknown method"),
+        (["bench", "--questions", "/no/file.jsonl"], "not found"),
+    ],
+)
+def test_bad_values_give_one_line_error(capsys, tiny_model_dir, args, needle):
+    code, out, err = run_cli(capsys, "--model", str(tiny_model_dir), *args)
+    assert code == 1
+    assert err.startswith("lyanna: error:") and needle in err and err.count("\n") == 1
+
+
+def test_bench_report_shape(capsys, tmp_path, tiny_model_dir):
+    questions = tmp_path / "q.jsonl"
+    rows = [{"question_id": i, "category": c, "turns": [f"question {i}", "second turn"]}
+            for i, c in enumerate(["a", "a", "a", "b", "c"])]
+    questions.write_text("\n".join(json.dumps(r) for r in rows))
+    out_json = tmp_path / "out.json"
+    code, out, err = run_cli(capsys, "--model", str(tiny_model_dir), "bench", "--methods", "hf,ar", "--questions",
+                             str(questions), "--limit", "4", "--max-new-tokens", "6", "--json", str(out_json), "--no-progress")
+    assert code == 0
+    report = json.loads(out_json.read_text())
+    assert set(report) >= {"model", "machine", "settings", "results"}
+    assert [r["method"] for r in report["results"]] == ["hf", "ar"]
+    hf, ar = report["results"]
+    # round-robin across categories: a, b, c, a
+    assert [q["category"] for q in ar["per_question"]] == ["a", "b", "c", "a"]
+    for r in (hf, ar):
+        for key in ("new_tokens", "seconds", "tokens_per_s", "decode_tokens_per_s", "speedup", "tau", "waste_ratio",
+                    "equal_to_ar", "per_category"):
+            assert key in r
+        assert set(r["per_category"]) == {"a", "b", "c"}
+    assert ar["speedup"] == 1.0 and ar["tau"] == 1.0 and ar["waste_ratio"] is None
+    assert hf["tau"] is None
+    assert hf["equal_to_ar"] in (True, False)
+    assert "| hf |" in out and "| ar |" in out

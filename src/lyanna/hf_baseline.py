@@ -33,6 +33,7 @@ class HFGenerate:
         from transformers.utils import logging as hf_logging
 
         hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
         self.torch = torch
         self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
         self.tokenizer = tokenizer

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from .decoding import METHODS, Decoder, GenerationRequest, GenerationResult
+from .decoding import Decoder, GenerationRequest, GenerationResult
 from .errors import LyannaError
 from .sampling import SamplingParams
 
@@ -104,10 +104,10 @@ def make_runners(decoder: Decoder, methods: Sequence[str], sampling: SamplingPar
 
             hf = HFGenerate(decoder.target.path, decoder.tokenizer, decoder.eos_token_ids)
             runners[m] = hf.generate
-        elif m in METHODS:
+        elif m in decoder.methods:
             runners[m] = lambda ids, n, m=m: decoder.generate(ids, GenerationRequest(max_new_tokens=n, sampling=sampling), method=m)
         else:
-            known = ", ".join([*EXTERNAL_METHODS, *sorted(METHODS)])
+            known = ", ".join([*EXTERNAL_METHODS, *decoder.methods])
             raise LyannaError(f"unknown method {m!r}; available: {known}")
     return runners
 

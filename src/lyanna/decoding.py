@@ -92,8 +92,13 @@ class DecodeState:
     tracker: OutputTracker
     params: SamplingParams
     rng: np.random.Generator
-    last_logits: np.ndarray  # target logits after the last committed token
+    prompt_ids: list[int]
+    last_logits: np.ndarray  # target logits after the cached context
+    prefill_hidden: dict[int, np.ndarray] = field(default_factory=dict)  # taps over the prompt
     target_passes: int = 0
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
+    stats: dict[str, Any] = field(default_factory=dict)
 
 
 Method = Callable[[DecodeState], None]
@@ -112,6 +117,8 @@ def decode_ar(state: DecodeState) -> None:
 
 
 METHODS: dict[str, Method] = {"ar": decode_ar}
+# Tree positions past the committed context that a cache must hold: the largest verification block.
+MAX_TREE_TOKENS = 256
 
 
 class Decoder:
@@ -122,6 +129,20 @@ class Decoder:
         self.engine = Transformer(target.config, target.weights)
         self.tokenizer = target.tokenizer
         self.eos_token_ids = target.config.eos_token_ids
+        self.drafters: dict[str, Any] = {}
+        from .drafters.suffix import SuffixDrafter
+
+        self.add_drafter("suffix", SuffixDrafter())
+
+    def add_drafter(self, name: str, drafter: Any) -> None:
+        """Make ``name`` a method: the shared speculative loop driven by ``drafter``."""
+        if name in METHODS:
+            raise LyannaError(f"method name {name!r} is taken")
+        self.drafters[name] = drafter
+
+    @property
+    def methods(self) -> list[str]:
+        return [*METHODS, *self.drafters]
 
     def encode(self, prompt: str, chat: bool = True, system: str | None = None) -> list[int]:
         """Token ids of a prompt, wrapped in the model's chat template when it has one."""
@@ -142,8 +163,10 @@ class Decoder:
         method: str = "ar",
         on_text: Callable[[str], None] | None = None,
     ) -> GenerationResult:
-        if method not in METHODS:
-            raise LyannaError(f"unknown method {method!r}; available: {', '.join(sorted(METHODS))}")
+        if method not in self.methods:
+            raise LyannaError(f"unknown method {method!r}; available: {', '.join(self.methods)}")
+        drafter = self.drafters.get(method)
+        taps = tuple(drafter.taps) if drafter is not None else ()
         prompt_ids = [int(t) for t in prompt_ids]
         limit = self.target.config.max_position_embeddings
         if not prompt_ids:
@@ -154,11 +177,19 @@ class Decoder:
                 f"exceeds the model's context window of {limit} tokens"
             )
         t0 = time.perf_counter()
-        cache = self.engine.new_cache(len(prompt_ids) + request.max_new_tokens + 256)
+        cache = self.engine.new_cache(len(prompt_ids) + request.max_new_tokens + MAX_TREE_TOKENS)
         tracker = OutputTracker(self.tokenizer, self.eos_token_ids, request.max_new_tokens, request.stop, on_text)
-        logits = self.engine.forward(prompt_ids, np.arange(len(prompt_ids)), cache, logit_rows=[-1]).logits[-1]
-        state = DecodeState(self.engine, cache, tracker, request.sampling, request.sampling.rng(), logits, target_passes=1)
-        METHODS[method](state)
+        out = self.engine.forward(prompt_ids, np.arange(len(prompt_ids)), cache, logit_rows=[-1], taps=taps)
+        state = DecodeState(
+            self.engine, cache, tracker, request.sampling, request.sampling.rng(), prompt_ids,
+            out.logits[-1], out.hidden, target_passes=1,
+        )
+        if drafter is None:
+            METHODS[method](state)
+        else:
+            from .speculative import decode_speculative
+
+            decode_speculative(state, drafter)
         t1 = time.perf_counter()
         return GenerationResult(
             method=method,
@@ -169,4 +200,7 @@ class Decoder:
             prefill_seconds=(tracker.first_token_time or t1) - t0,
             seconds=t1 - t0,
             target_passes=state.target_passes,
+            draft_tokens=state.draft_tokens,
+            accepted_draft_tokens=state.accepted_draft_tokens,
+            extra=state.stats,
         )

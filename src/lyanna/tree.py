@@ -15,7 +15,11 @@ import numpy as np
 class DraftTree:
     tokens: np.ndarray  # [n] int64 draft token ids
     parents: np.ndarray  # [n] int64, -1 for children of the committed context
-    scores: np.ndarray = field(default=None)  # [n] float64 draft probability of each node given its parent
+    scores: np.ndarray = field(default=None)  # [n] drafter's joint path probability estimate (ranking only)
+    # Parents (-1 for the root) whose children were *sampled* i.i.d. from a draft distribution q,
+    # mapped to that q (a [vocab] array). Children of other parents were chosen deterministically.
+    # The verifier needs the whole q to form the residual max(p - q, 0) losslessly.
+    sampled_from: dict[int, np.ndarray] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         tokens = np.asarray(self.tokens, dtype=np.int64).reshape(-1)
@@ -26,14 +30,41 @@ class DraftTree:
         idx = np.arange(tokens.size)
         if np.any(parents < -1) or np.any(parents >= idx):
             raise ValueError("each parent must be -1 or an earlier node (topological order)")
+        for parent, q in self.sampled_from.items():
+            if not -1 <= parent < tokens.size:
+                raise ValueError(f"sampled_from names parent {parent}, which is not in the tree")
+            if np.any(q[tokens[parents == parent]] <= 0):
+                raise ValueError(f"a sampled child of parent {parent} has zero draft probability")
         object.__setattr__(self, "tokens", tokens)
         object.__setattr__(self, "parents", parents)
         object.__setattr__(self, "scores", scores)
 
     @classmethod
+    def empty(cls) -> "DraftTree":
+        return cls(np.zeros(0, np.int64), np.zeros(0, np.int64))
+
+    @classmethod
     def chain(cls, tokens: list[int] | np.ndarray, scores: np.ndarray | None = None) -> "DraftTree":
         """A single path: each token continues the previous one."""
         return cls(np.asarray(tokens, np.int64), np.arange(len(tokens)) - 1, scores)
+
+    def children(self) -> dict[int, list[int]]:
+        """Children of each parent (-1 for the root), in tree order."""
+        kids: dict[int, list[int]] = {}
+        for i, p in enumerate(self.parents.tolist()):
+            kids.setdefault(p, []).append(i)
+        return kids
+
+    def prune_depth(self, max_depth: int) -> "DraftTree":
+        """Drop nodes deeper than ``max_depth`` (children are never kept without their parent)."""
+        keep = np.flatnonzero(self.depths <= max_depth)
+        if keep.size == len(self):
+            return self
+        remap = {-1: -1, **{int(old): new for new, old in enumerate(keep)}}
+        return DraftTree(
+            self.tokens[keep], np.array([remap[int(p)] for p in self.parents[keep]], np.int64), self.scores[keep],
+            {remap[p]: q for p, q in self.sampled_from.items() if p in remap},
+        )
 
     def __len__(self) -> int:
         return int(self.tokens.size)

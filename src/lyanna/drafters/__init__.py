@@ -1,0 +1,1 @@
+"""Drafters: each proposes ``DraftTree`` objects for the shared speculative loop."""

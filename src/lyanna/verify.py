@@ -1,0 +1,88 @@
+"""Lossless verification of a draft tree against one target pass.
+
+Greedy: follow the target's argmax down the tree as long as a child matches, then take the
+target's own token. Sampling: at each node, decide among its children so that the token finally
+committed at that position is distributed exactly as the target's filtered distribution p:
+
+- deterministically chosen children (top-k, suffix matches): try them in order; accept child x
+  with probability p(x), otherwise set p(x) = 0 and renormalize; if all are rejected, sample
+  from what is left;
+- children sampled i.i.d. from a draft distribution q: accept x with probability
+  min(1, p(x) / q(x)), otherwise p = normalize(max(p - q, 0)) and try the next one.
+
+After the accepted path ends, the next token (bonus) always comes from the target.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .sampling import SamplingParams, sample, target_probs
+from .tree import DraftTree
+
+
+@dataclass(frozen=True)
+class Verdict:
+    path: list[int]  # accepted tree nodes, root to leaf
+    tokens: list[int]  # the accepted draft tokens, then the target's bonus token
+
+
+def _deterministic_step(p: np.ndarray, candidates: list[int], rng: np.random.Generator) -> tuple[int | None, np.ndarray]:
+    """Return (index into candidates or None, residual distribution)."""
+    for i, x in enumerate(candidates):
+        px = p[x]
+        if px > 0 and rng.random() < px:
+            return i, p
+        if px > 0:
+            p = p.copy()
+            p[x] = 0.0
+            p /= p.sum()
+    return None, p
+
+
+def _sampled_step(p: np.ndarray, q: np.ndarray, candidates: list[int], rng: np.random.Generator) -> tuple[int | None, np.ndarray]:
+    for i, x in enumerate(candidates):
+        if rng.random() * q[x] < p[x]:
+            return i, p
+        residual = np.maximum(p - q, 0.0)
+        total = residual.sum()
+        if total <= 0:  # p <= q everywhere means p == q: rejection cannot happen in exact arithmetic
+            continue
+        p = residual / total
+    return None, p
+
+
+def verify(tree: DraftTree, logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> Verdict:
+    """Decide the accepted path and the bonus token.
+
+    ``logits[0]`` are the target's logits after the committed context (they judge the children of
+    the root, ``parents == -1``); ``logits[1 + i]`` are the logits after tree node i.
+    """
+    if logits.shape[0] != len(tree) + 1:
+        raise ValueError(f"need {len(tree) + 1} rows of logits for a tree of {len(tree)} nodes, got {logits.shape[0]}")
+    kids = tree.children()
+    tokens = tree.tokens
+    path: list[int] = []
+    node = -1
+    while True:
+        row = logits[node + 1]
+        children = kids.get(node, [])
+        if params.greedy:
+            best = int(np.argmax(row))
+            match = next((c for c in children if tokens[c] == best), None)
+            if match is None:
+                return Verdict(path, [int(tokens[i]) for i in path] + [best])
+            path.append(match)
+            node = match
+            continue
+        p = target_probs(row, params)
+        candidates = [int(tokens[c]) for c in children]
+        if node in tree.sampled_from:
+            chosen, residual = _sampled_step(p, tree.sampled_from[node], candidates, rng)
+        else:
+            chosen, residual = _deterministic_step(p, candidates, rng)
+        if chosen is None:
+            return Verdict(path, [int(tokens[i]) for i in path] + [sample(residual, rng)])
+        path.append(children[chosen])
+        node = children[chosen]

@@ -9,7 +9,7 @@ cache, and can later keep only a chosen subset of the block (``KVCache.compact``
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -57,7 +57,9 @@ class ForwardOutput:
 
 
 @dataclass
-class _Layer:
+class LayerWeights:
+    """One decoder layer, fused and permuted for the numpy forward."""
+
     attn_norm: np.ndarray
     wqkv: np.ndarray  # [q+k+v, hidden]; q/k rows permuted so RoPE pairs are adjacent
     bqkv: np.ndarray | None
@@ -66,8 +68,30 @@ class _Layer:
     w_gate_up: np.ndarray  # [2 * intermediate, hidden]
     w_down: np.ndarray
 
+    @classmethod
+    def from_hf(cls, get: Callable[[str], np.ndarray], prefix: str, c: ModelConfig) -> "LayerWeights":
+        """Build from Hugging Face names under ``prefix`` (e.g. ``model.layers.3.``)."""
+        q = _interleave_rows(get(prefix + "self_attn.q_proj.weight"), c.num_heads, c.head_dim)
+        k = _interleave_rows(get(prefix + "self_attn.k_proj.weight"), c.num_kv_heads, c.head_dim)
+        bias = None
+        if c.attention_bias:
+            bias = np.concatenate([
+                _interleave_rows(get(prefix + "self_attn.q_proj.bias"), c.num_heads, c.head_dim),
+                _interleave_rows(get(prefix + "self_attn.k_proj.bias"), c.num_kv_heads, c.head_dim),
+                get(prefix + "self_attn.v_proj.bias"),
+            ])
+        return cls(
+            attn_norm=get(prefix + "input_layernorm.weight"),
+            wqkv=np.ascontiguousarray(np.concatenate([q, k, get(prefix + "self_attn.v_proj.weight")])),
+            bqkv=bias,
+            wo=get(prefix + "self_attn.o_proj.weight"),
+            mlp_norm=get(prefix + "post_attention_layernorm.weight"),
+            w_gate_up=np.ascontiguousarray(np.concatenate([get(prefix + "mlp.gate_proj.weight"), get(prefix + "mlp.up_proj.weight")])),
+            w_down=get(prefix + "mlp.down_proj.weight"),
+        )
 
-def _rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     var = np.mean(x * x, axis=-1, keepdims=True)
     return (x * (1.0 / np.sqrt(var + eps))) * weight
 
@@ -92,6 +116,63 @@ def rope_inv_freq(config: ModelConfig) -> np.ndarray:
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
+def rotation(inv_freq: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """RoPE as complex unit factors, [n, 1, head_dim / 2]."""
+    angles = np.outer(np.asarray(positions).astype(np.float32), inv_freq).astype(np.float32)
+    return (np.cos(angles) + 1j * np.sin(angles)).astype(np.complex64)[:, None, :]
+
+
+def attention_bias(start: int, within: np.ndarray) -> np.ndarray:
+    """Additive mask [n, start + n]: the cached prefix is visible, the block as ``within`` says."""
+    n = within.shape[0]
+    bias = np.zeros((n, start + n), np.float32)
+    bias[:, start:] = np.where(within, 0.0, -np.inf)
+    return bias
+
+
+def layer_forward(
+    layer: LayerWeights, c: ModelConfig, x: np.ndarray, rot: np.ndarray,
+    k_cache: np.ndarray, v_cache: np.ndarray, start: int, bias: np.ndarray | None,
+) -> np.ndarray:
+    """One pre-norm decoder layer over a block of n rows written to cache slots [start, start + n).
+
+    ``k_cache``/``v_cache`` are this layer's [kv_heads, capacity, head_dim] arrays; ``bias`` is an
+    additive [n, start + n] mask or None (every row sees everything up to its own slot, as for
+    n == 1). Shared by the target engine and the draft heads.
+    """
+    n = x.shape[0]
+    end = start + n
+    nh, nkv, hd = c.num_heads, c.num_kv_heads, c.head_dim
+    groups = nh // nkv
+    q_dim, kv_dim = nh * hd, nkv * hd
+    h = rms_norm(x, layer.attn_norm, c.rms_norm_eps)
+    qkv = h @ layer.wqkv.T
+    if layer.bqkv is not None:
+        qkv += layer.bqkv
+    q = (np.ascontiguousarray(qkv[:, :q_dim]).view(np.complex64).reshape(n, nh, hd // 2) * rot).view(np.float32)
+    k = (np.ascontiguousarray(qkv[:, q_dim : q_dim + kv_dim]).view(np.complex64).reshape(n, nkv, hd // 2) * rot).view(np.float32)
+    v = qkv[:, q_dim + kv_dim :].reshape(n, nkv, hd)
+    k_cache[:, start:end] = k.transpose(1, 0, 2)
+    v_cache[:, start:end] = v.transpose(1, 0, 2)
+    # Grouped-query attention without repeating k/v: each kv head serves `groups` query heads,
+    # stacked as (group, token) rows.
+    qg = (q * np.float32(1.0 / np.sqrt(hd))).reshape(n, nkv, groups, hd).transpose(1, 2, 0, 3).reshape(nkv, groups * n, hd)
+    s = np.matmul(qg, k_cache[:, :end].transpose(0, 2, 1))
+    if bias is not None:
+        s = (s.reshape(nkv, groups, n, end) + bias).reshape(nkv, groups * n, end)
+    s -= s.max(axis=-1, keepdims=True)
+    np.exp(s, out=s)
+    s /= s.sum(axis=-1, keepdims=True)
+    o = np.matmul(s, v_cache[:, :end])
+    o = o.reshape(nkv, groups, n, hd).transpose(2, 0, 1, 3).reshape(n, nh * hd)
+    x = x + o @ layer.wo.T
+    h = rms_norm(x, layer.mlp_norm, c.rms_norm_eps)
+    gu = h @ layer.w_gate_up.T
+    gate, up = gu[:, : c.intermediate_size], gu[:, c.intermediate_size :]
+    with np.errstate(over="ignore"):  # exp(-gate) may overflow to inf: silu is then exactly 0
+        return x + ((gate / (1.0 + np.exp(-gate))) * up) @ layer.w_down.T
+
+
 def _interleave_rows(w: np.ndarray, heads: int, head_dim: int) -> np.ndarray:
     """Reorder each head's rows from Hugging Face's half-split RoPE layout to adjacent pairs.
 
@@ -108,7 +189,6 @@ class Transformer:
     def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray]):
         self.config = config
         c = config
-        self.q_dim, self.kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
 
         def get(name: str) -> np.ndarray:
             try:
@@ -121,37 +201,12 @@ class Transformer:
             raise LyannaError(f"embedding shape {self.embed.shape} does not match config ({c.vocab_size}, {c.hidden_size})")
         self.final_norm = get("model.norm.weight")
         self.lm_head = self.embed if c.tie_word_embeddings or "lm_head.weight" not in weights else get("lm_head.weight")
-        self.layers: list[_Layer] = []
-        for i in range(c.num_layers):
-            p = f"model.layers.{i}."
-            q = _interleave_rows(get(p + "self_attn.q_proj.weight"), c.num_heads, c.head_dim)
-            k = _interleave_rows(get(p + "self_attn.k_proj.weight"), c.num_kv_heads, c.head_dim)
-            v = get(p + "self_attn.v_proj.weight")
-            bias = None
-            if c.attention_bias:
-                bias = np.concatenate([
-                    _interleave_rows(get(p + "self_attn.q_proj.bias"), c.num_heads, c.head_dim),
-                    _interleave_rows(get(p + "self_attn.k_proj.bias"), c.num_kv_heads, c.head_dim),
-                    get(p + "self_attn.v_proj.bias"),
-                ])
-            self.layers.append(_Layer(
-                attn_norm=get(p + "input_layernorm.weight"),
-                wqkv=np.ascontiguousarray(np.concatenate([q, k, v])),
-                bqkv=bias,
-                wo=get(p + "self_attn.o_proj.weight"),
-                mlp_norm=get(p + "post_attention_layernorm.weight"),
-                w_gate_up=np.ascontiguousarray(np.concatenate([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])),
-                w_down=get(p + "mlp.down_proj.weight"),
-            ))
+        self.layers = [LayerWeights.from_hf(get, f"model.layers.{i}.", c) for i in range(c.num_layers)]
         self.inv_freq = rope_inv_freq(c)
 
     def new_cache(self, capacity: int) -> KVCache:
         c = self.config
         return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, capacity)
-
-    def _rotation(self, positions: np.ndarray) -> np.ndarray:
-        angles = np.outer(positions.astype(np.float32), self.inv_freq).astype(np.float32)
-        return (np.cos(angles) + 1j * np.sin(angles)).astype(np.complex64)[:, None, :]
 
     def forward(
         self,
@@ -186,49 +241,19 @@ class Transformer:
             within = np.tril(np.ones((n, n), bool)) if block_mask is None else np.asarray(block_mask, bool)
             if within.shape != (n, n):
                 raise ValueError(f"block_mask must be [{n}, {n}], got {within.shape}")
-            bias = np.zeros((n, end), np.float32)
-            bias[:, start:] = np.where(within, 0.0, -np.inf)
-
-        nh, nkv, hd = c.num_heads, c.num_kv_heads, c.head_dim
-        groups = nh // nkv
-        scale = np.float32(1.0 / np.sqrt(hd))
-        rot = self._rotation(positions)
+            bias = attention_bias(start, within)
+        rot = rotation(self.inv_freq, positions)
         x = self.embed[tokens]
         hidden: dict[int, np.ndarray] = {}
-        with np.errstate(over="ignore"):
-            for li, layer in enumerate(self.layers):
-                if li in taps:
-                    hidden[li] = x
-                h = _rms_norm(x, layer.attn_norm, c.rms_norm_eps)
-                qkv = h @ layer.wqkv.T
-                if layer.bqkv is not None:
-                    qkv += layer.bqkv
-                q = (np.ascontiguousarray(qkv[:, : self.q_dim]).view(np.complex64).reshape(n, nh, hd // 2) * rot).view(np.float32)
-                k = (np.ascontiguousarray(qkv[:, self.q_dim : self.q_dim + self.kv_dim]).view(np.complex64).reshape(n, nkv, hd // 2) * rot).view(np.float32)
-                v = qkv[:, self.q_dim + self.kv_dim :].reshape(n, nkv, hd)
-                cache.k[li, :, start:end] = k.transpose(1, 0, 2)
-                cache.v[li, :, start:end] = v.transpose(1, 0, 2)
-                # Grouped-query attention without repeating k/v: each kv head serves `groups`
-                # query heads, stacked as (group, token) rows.
-                qg = (q * scale).reshape(n, nkv, groups, hd).transpose(1, 2, 0, 3).reshape(nkv, groups * n, hd)
-                s = np.matmul(qg, cache.k[li, :, :end].transpose(0, 2, 1))
-                if bias is not None:
-                    s = (s.reshape(nkv, groups, n, end) + bias).reshape(nkv, groups * n, end)
-                s -= s.max(axis=-1, keepdims=True)
-                np.exp(s, out=s)
-                s /= s.sum(axis=-1, keepdims=True)
-                o = np.matmul(s, cache.v[li, :, :end])
-                o = o.reshape(nkv, groups, n, hd).transpose(2, 0, 1, 3).reshape(n, nh * hd)
-                x = x + o @ layer.wo.T
-                h = _rms_norm(x, layer.mlp_norm, c.rms_norm_eps)
-                gu = h @ layer.w_gate_up.T
-                gate, up = gu[:, : c.intermediate_size], gu[:, c.intermediate_size :]
-                x = x + ((gate / (1.0 + np.exp(-gate))) * up) @ layer.w_down.T
+        for li, layer in enumerate(self.layers):
+            if li in taps:
+                hidden[li] = x
+            x = layer_forward(layer, c, x, rot, cache.k[li], cache.v[li], start, bias)
         cache.length = end
         rows = x if logit_rows is None else x[logit_rows]
         if c.num_layers in taps:
-            hidden[c.num_layers] = _rms_norm(x, self.final_norm, c.rms_norm_eps)
+            hidden[c.num_layers] = rms_norm(x, self.final_norm, c.rms_norm_eps)
             normed = hidden[c.num_layers] if logit_rows is None else hidden[c.num_layers][logit_rows]
         else:
-            normed = _rms_norm(rows, self.final_norm, c.rms_norm_eps)
+            normed = rms_norm(rows, self.final_norm, c.rms_norm_eps)
         return ForwardOutput(logits=normed @ self.lm_head.T, hidden=hidden)

@@ -10,10 +10,13 @@ from lyanna import verify as verify_module
 from lyanna.bench import load_questions
 from lyanna.config import ModelConfig
 from lyanna.decoding import Decoder, GenerationRequest
+from lyanna.drafters.eagle import EagleDrafter
+from lyanna.drafters.head import DraftHead
 from lyanna.drafters.suffix import SuffixDrafter
 from lyanna.engine import Transformer
 from lyanna.loading import Target
 from lyanna.sampling import SamplingParams, target_probs
+from lyanna.training.fit import init_eagle_head
 from lyanna.tree import DraftTree
 
 SMALL_VOCAB = 8
@@ -122,6 +125,8 @@ def small_decoder():
     d = Decoder(small_vocab_target())
     d.add_drafter("peek", PeekingDrafter(d.engine))
     d.add_drafter("random-sampled", RandomSampledDrafter())
+    head = init_eagle_head(d.engine, d.target.weights)  # unfitted: losslessness must not depend on quality
+    d.add_drafter("eagle", EagleDrafter(DraftHead(d.engine, head.numpy_weights()), tap=2, depth=3, topk=2, width=2))
     return d
 
 
@@ -135,7 +140,7 @@ def joint2(small_decoder):
     return exact_distribution(small_decoder.engine, PARAMS)
 
 
-@pytest.mark.parametrize("method", ["ar", "suffix", "peek", "random-sampled"])
+@pytest.mark.parametrize("method", ["ar", "suffix", "eagle", "peek", "random-sampled"])
 def test_sampled_output_has_target_distribution(small_decoder, joint2, method):
     assert sampled_chi2(small_decoder, method, PARAMS, N_SAMPLES, joint2) < CHI2_LIMIT
 

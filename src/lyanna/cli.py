@@ -42,6 +42,8 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lyanna", description="Fast, lossless LLM decoding by hidden-state speculative decoding.")
     parser.add_argument("--model", default=DEFAULT_MODEL, help=f"alias, Hugging Face model directory or .gguf file (default {DEFAULT_MODEL})")
+    parser.add_argument("--draft", action="append", default=[], metavar="DIR",
+                        help="draft-head checkpoint to load; its method (e.g. eagle) becomes available (repeatable)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate a reply to one prompt (streamed)")
@@ -73,11 +75,10 @@ def _sampling(args: argparse.Namespace):
 
 
 def _generate(args: argparse.Namespace) -> None:
-    from .decoding import Decoder, GenerationRequest
-    from .loading import load_target
+    from .decoding import GenerationRequest
 
     request = GenerationRequest(max_new_tokens=args.max_new_tokens, sampling=_sampling(args), stop=tuple(args.stop))
-    decoder = Decoder(load_target(args.model))
+    decoder = _decoder(args)
     ids = decoder.encode(args.prompt, chat=not args.no_chat)
     stream = None if args.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
     result = decoder.generate(ids, request, method=args.method, on_text=stream)
@@ -86,6 +87,16 @@ def _generate(args: argparse.Namespace) -> None:
     else:
         print()
     print(_stats_line(result), file=sys.stderr)
+
+
+def _decoder(args: argparse.Namespace):
+    from .decoding import Decoder
+    from .loading import load_target
+
+    decoder = Decoder(load_target(args.model))
+    for path in args.draft:
+        decoder.load_draft(path)
+    return decoder
 
 
 def _stats_line(result) -> str:
@@ -99,13 +110,11 @@ def _stats_line(result) -> str:
 
 def _bench(args: argparse.Namespace) -> None:
     from .bench import format_table, load_questions, run_bench
-    from .decoding import Decoder
-    from .loading import load_target
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     sampling = _sampling(args)
     questions = load_questions(args.questions, args.limit)
-    decoder = Decoder(load_target(args.model))
+    decoder = _decoder(args)
     report = run_bench(
         decoder, methods, questions, args.max_new_tokens, sampling,
         settings={"questions_file": str(args.questions or "spec_bench_question.jsonl"), "limit": args.limit},

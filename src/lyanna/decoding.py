@@ -140,6 +140,20 @@ class Decoder:
             raise LyannaError(f"method name {name!r} is taken")
         self.drafters[name] = drafter
 
+    def load_draft(self, path: str) -> str:
+        """Load a draft-head checkpoint and register it as the method its config names."""
+        import json
+        from pathlib import Path
+
+        from .drafters.eagle import EagleDrafter
+
+        cfg_file = Path(path) / "config.json"
+        arch = json.loads(cfg_file.read_text()).get("arch") if cfg_file.is_file() else None
+        if arch != "eagle":
+            raise LyannaError(f"{path}: not a known draft checkpoint (need config.json with arch 'eagle')")
+        self.drafters[arch] = EagleDrafter.from_checkpoint(path, self.target, self.engine)
+        return arch
+
     @property
     def methods(self) -> list[str]:
         return [*METHODS, *self.drafters]

@@ -1,0 +1,80 @@
+"""Draft-head checkpoints: safetensors weights plus a JSON config naming the target they fit.
+
+A head trained for one target is meaningless on another (it reads that target's hidden states and
+shares its embedding and LM head), so loading checks a fingerprint of the target and refuses a
+mismatch with a one-line error.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import LyannaError
+from ..loading import Target
+
+FORMAT = "lyanna-draft-head"
+VERSION = 1
+
+
+def target_fingerprint(target: Target, tap: int) -> dict[str, Any]:
+    """What a head depends on: shapes, the tapped layer, and a hash of (a sample of) the LM head."""
+    c = target.config
+    head = target.weights.get("lm_head.weight", target.weights["model.embed_tokens.weight"])
+    sample = np.ascontiguousarray(head[:: max(1, head.shape[0] // 512)], dtype=np.float32)
+    return {
+        "architecture": c.architecture,
+        "hidden_size": c.hidden_size,
+        "vocab_size": c.vocab_size,
+        "num_layers": c.num_layers,
+        "tap": tap,
+        "lm_head_sha256": hashlib.sha256(sample.tobytes()).hexdigest()[:16],
+    }
+
+
+def save_head(out_dir: str | Path, arch: str, weights: dict[str, np.ndarray], target: Target, tap: int,
+              settings: dict[str, Any] | None = None) -> Path:
+    from safetensors.numpy import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in weights.items()}, str(out / "model.safetensors"))
+    config = {"format": FORMAT, "version": VERSION, "arch": arch, "target": target_fingerprint(target, tap),
+              "settings": settings or {}}
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
+def load_head(path: str | Path, target: Target, arch: str) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """Read a head checkpoint for ``target``; refuses other formats, archs and targets."""
+    from safetensors import SafetensorError
+    from safetensors.numpy import load_file
+
+    path = Path(path)
+    cfg_file, weights_file = path / "config.json", path / "model.safetensors"
+    if not cfg_file.is_file() or not weights_file.is_file():
+        raise LyannaError(f"{path} is not a draft checkpoint: it needs config.json and model.safetensors")
+    try:
+        config = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise LyannaError(f"{cfg_file} is not valid JSON ({e})") from None
+    if config.get("format") != FORMAT:
+        raise LyannaError(f"{cfg_file} is not a Lyanna draft-head config (format {config.get('format')!r})")
+    if config.get("arch") != arch:
+        raise LyannaError(f"{path} holds a {config.get('arch')!r} head, not {arch!r}")
+    expected = target_fingerprint(target, int(config["target"].get("tap", -1)))
+    for key, want in expected.items():
+        got = config["target"].get(key)
+        if got != want:
+            raise LyannaError(
+                f"{path} was trained for another target ({key}: {got!r}, this target has {want!r}); "
+                "train a head for this model with `lyanna train`"
+            )
+    try:
+        weights = load_file(str(weights_file))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise LyannaError(f"cannot read {weights_file}: {str(e).splitlines()[0]}; the file is truncated or corrupt") from None
+    return config, weights

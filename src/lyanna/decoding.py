@@ -177,6 +177,8 @@ class Decoder:
         method: str = "ar",
         on_text: Callable[[str], None] | None = None,
     ) -> GenerationResult:
+        if method == "eagle" and method not in self.methods:
+            raise LyannaError("method 'eagle' needs a draft head: pass --draft DIR (a checkpoint made by the training pipeline)")
         if method not in self.methods:
             raise LyannaError(f"unknown method {method!r}; available: {', '.join(self.methods)}")
         drafter = self.drafters.get(method)

@@ -18,7 +18,7 @@ from ..tree import DraftTree
 class SuffixDrafter:
     taps: tuple[int, ...] = ()
 
-    def __init__(self, max_ngram: int = 6, min_ngram: int = 3, max_depth: int = 10, branches: int = 2, max_nodes: int = 20):
+    def __init__(self, max_ngram: int = 6, min_ngram: int = 3, max_depth: int = 7, branches: int = 1, max_nodes: int = 16):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError("need 1 <= min_ngram <= max_ngram")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram

@@ -64,6 +64,13 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--no-progress", action="store_true")
     _sampling_args(b)
 
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=_int_at_least(1, "a port number"), default=8000)
+    sv.add_argument("--method", default="ar", help="default decoding method (requests may pick another with lyanna_method)")
+    sv.add_argument("--queue-size", type=_positive_int, default=16, help="requests queued or running before 429")
+    sv.add_argument("--request-timeout", type=float, default=300.0, help="seconds before a request is cancelled (504)")
+
     sub.add_parser("demo", help="load the model and generate a reply to a fixed prompt (make run)")
     return parser
 
@@ -126,6 +133,12 @@ def _bench(args: argparse.Namespace) -> None:
         print(f"wrote {args.json_out}", file=sys.stderr)
 
 
+def _serve(args: argparse.Namespace) -> None:
+    from .server import serve
+
+    serve(_decoder(args), args.host, args.port, args.method, args.queue_size, args.request_timeout)
+
+
 def _demo(args: argparse.Namespace) -> None:
     from .decoding import Decoder, GenerationRequest
     from .loading import load_target
@@ -142,7 +155,7 @@ def _demo(args: argparse.Namespace) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        {"generate": _generate, "bench": _bench, "demo": _demo}[args.command](args)
+        {"generate": _generate, "bench": _bench, "serve": _serve, "demo": _demo}[args.command](args)
     except LyannaError as e:
         print(f"lyanna: error: {e}", file=sys.stderr)
         return 1

@@ -176,7 +176,10 @@ class Decoder:
         request: GenerationRequest = GenerationRequest(),
         method: str = "ar",
         on_text: Callable[[str], None] | None = None,
+        should_cancel: Callable[[], bool] | None = None,
     ) -> GenerationResult:
+        """Generate with ``method``; ``on_text`` receives streamed text, and ``should_cancel`` is
+        polled at every commit (a true answer ends generation with finish reason ``cancelled``)."""
         if method == "eagle" and method not in self.methods:
             raise LyannaError("method 'eagle' needs a draft head: pass --draft DIR (a checkpoint made by the training pipeline)")
         if method not in self.methods:
@@ -194,7 +197,7 @@ class Decoder:
             )
         t0 = time.perf_counter()
         cache = self.engine.new_cache(len(prompt_ids) + request.max_new_tokens + MAX_TREE_TOKENS)
-        tracker = OutputTracker(self.tokenizer, self.eos_token_ids, request.max_new_tokens, request.stop, on_text)
+        tracker = OutputTracker(self.tokenizer, self.eos_token_ids, request.max_new_tokens, request.stop, on_text, should_cancel)
         out = self.engine.forward(prompt_ids, np.arange(len(prompt_ids)), cache, logit_rows=[-1], taps=taps)
         state = DecodeState(
             self.engine, cache, tracker, request.sampling, request.sampling.rng(), prompt_ids,

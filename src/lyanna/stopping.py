@@ -20,6 +20,7 @@ class OutputTracker:
         max_new_tokens: int,
         stop: Sequence[str] = (),
         on_text: Callable[[str], None] | None = None,
+        should_cancel: Callable[[], bool] | None = None,
     ):
         if max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
@@ -28,6 +29,7 @@ class OutputTracker:
         self.max_new_tokens = max_new_tokens
         self.stop = tuple(s for s in stop if s)
         self.on_text = on_text
+        self.should_cancel = should_cancel
         self.tokens: list[int] = []
         self.text = ""
         self.finish_reason: str | None = None
@@ -43,6 +45,8 @@ class OutputTracker:
     def extend(self, tokens: Sequence[int]) -> int:
         """Commit ``tokens`` in order until generation ends; returns how many were committed."""
         taken = 0
+        if self.should_cancel is not None and not self.finished and self.should_cancel():
+            self.finish_reason = "cancelled"  # a client went away or a deadline passed
         for t in tokens:
             if self.finished:
                 break

@@ -270,3 +270,14 @@ def test_sigterm_shuts_down_gracefully(tiny_model_dir):
         assert "Application shutdown complete" in log
     finally:
         proc.kill()
+
+
+def test_loadtest_is_bounded_and_loopback_only(server):
+    from lyanna.errors import LyannaError
+    from lyanna.loadtest import run_load
+
+    report = run_load(server.url, ["hello", "cats"], requests=6, concurrency=3, max_tokens=4)
+    assert report["succeeded"] == 6 and report["failed"] == 0
+    assert report["latency_p95_s"] >= report["latency_p50_s"] > 0
+    with pytest.raises(LyannaError, match="loopback"):
+        run_load("http://10.0.0.1:8000", ["x"], 1, 1, 1)

@@ -71,6 +71,14 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--queue-size", type=_positive_int, default=16, help="requests queued or running before 429")
     sv.add_argument("--request-timeout", type=float, default=300.0, help="seconds before a request is cancelled (504)")
 
+    lt = sub.add_parser("loadtest", help="bounded load test of a running server (loopback only)")
+    lt.add_argument("--url", default="http://127.0.0.1:8000")
+    lt.add_argument("--requests", type=_positive_int, default=100)
+    lt.add_argument("--concurrency", type=_positive_int, default=8)
+    lt.add_argument("--max-tokens", type=_positive_int, default=64)
+    lt.add_argument("--questions", default=None, help="MT-bench-format JSONL for prompts (default Spec-Bench)")
+    lt.add_argument("--json", dest="json_out", default=None, metavar="OUT")
+
     sub.add_parser("demo", help="load the model and generate a reply to a fixed prompt (make run)")
     return parser
 
@@ -139,6 +147,17 @@ def _serve(args: argparse.Namespace) -> None:
     serve(_decoder(args), args.host, args.port, args.method, args.queue_size, args.request_timeout)
 
 
+def _loadtest(args: argparse.Namespace) -> None:
+    from .bench import load_questions
+    from .loadtest import run_load
+
+    prompts = [q.prompt for q in load_questions(args.questions)]
+    report = run_load(args.url, prompts, args.requests, args.concurrency, args.max_tokens)
+    print(json.dumps(report, indent=2))
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(report, indent=2))
+
+
 def _demo(args: argparse.Namespace) -> None:
     from .decoding import Decoder, GenerationRequest
     from .loading import load_target
@@ -155,7 +174,7 @@ def _demo(args: argparse.Namespace) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        {"generate": _generate, "bench": _bench, "serve": _serve, "demo": _demo}[args.command](args)
+        {"generate": _generate, "bench": _bench, "serve": _serve, "loadtest": _loadtest, "demo": _demo}[args.command](args)
     except LyannaError as e:
         print(f"lyanna: error: {e}", file=sys.stderr)
         return 1

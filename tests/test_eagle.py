@@ -84,9 +84,9 @@ def test_eagle_tree_is_ancestor_closed_and_within_budget(tiny_decoder, fitted):
     for i, p in enumerate(tree.parents):  # a child never outscores its parent
         if p >= 0:
             assert tree.scores[i] <= tree.scores[p] + 1e-12
-    cached = drafter.cache.length
+    cached = drafter.context.cache.length
     drafter.propose(ids + [int(np.argmax(out.logits[-1]))], 10)
-    assert drafter.cache.length == cached  # speculative pairs never stay in the draft cache
+    assert drafter.context.cache.length == cached  # speculative pairs never stay in the draft cache
 
 
 def test_checkpoint_for_another_target_is_refused(tmp_path, tiny_decoder, fitted):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..engine import KVCache, LayerWeights, Transformer, layer_forward, rotation
+from ..engine import KVCache, LayerWeights, Transformer, attention_bias, layer_forward, rotation
 from ..errors import LyannaError
 
 
@@ -49,3 +49,49 @@ class DraftHead:
         logits = features @ self.lm_head.T
         logits = logits - logits.max(axis=-1, keepdims=True)
         return logits - np.log(np.exp(logits).sum(axis=-1, keepdims=True))
+
+
+class PairContext:
+    """A draft head's view of the committed context.
+
+    It keeps the target features of committed tokens and the head's KV cache over the pairs
+    (feature after token i-1, token i); pair i sits at position i and cache slot i - 1. Drafters
+    append speculative rows after ``base`` and drop them with ``rewind``.
+    """
+
+    def __init__(self, head: DraftHead, tap: int):
+        self.head, self.tap = head, tap
+        self.cache = head.new_cache(1024)
+        self.features = np.zeros((0, head.config.hidden_size), np.float32)
+        self.base = 0
+        self.passes = 0  # head forward passes, for statistics
+
+    def start(self, hidden: dict[int, np.ndarray]) -> None:
+        self.features = hidden[self.tap]
+        self.cache.length = self.base = 0
+
+    def commit(self, hidden: dict[int, np.ndarray]) -> None:
+        self.features = np.concatenate([self.features, hidden[self.tap]])
+
+    def catch_up(self, ctx: np.ndarray, extra: int) -> np.ndarray:
+        """Feed every committed pair not fed yet, the root (``ctx[-1]``) last, and return the
+        head's prediction after the root. ``extra`` slots are reserved for speculative rows."""
+        # A root fed already (a repeated proposal for the same context) is fed again.
+        self.cache.length = min(self.cache.length, len(ctx) - 2)
+        need = len(ctx) + extra
+        if need > self.cache.capacity:
+            bigger = self.head.new_cache(max(need, 2 * self.cache.capacity))
+            bigger.k[:, :, : self.cache.length] = self.cache.k[:, :, : self.cache.length]
+            bigger.v[:, :, : self.cache.length] = self.cache.v[:, :, : self.cache.length]
+            bigger.length = self.cache.length
+            self.cache = bigger
+        pending = np.arange(self.cache.length + 1, len(ctx))
+        n = len(pending)
+        bias = None if n == 1 else attention_bias(self.cache.length, np.tril(np.ones((n, n), bool)))
+        out = self.head.step(self.features[pending - 1], ctx[pending], pending, self.cache, bias)
+        self.passes += 1
+        self.base = self.cache.length
+        return out[-1]
+
+    def rewind(self) -> None:
+        self.cache.length = self.base

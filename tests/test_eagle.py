@@ -59,7 +59,7 @@ def test_fitting_lowers_the_loss(fitted):
 def test_eagle_greedy_equals_ar_and_drafts_are_accepted(tmp_path, tiny_decoder, fitted):
     head, _, tap = fitted
     save_head(tmp_path / "eagle", "eagle", head.numpy_weights(), tiny_decoder.target, tap)
-    assert tiny_decoder.load_draft(str(tmp_path / "eagle")) == "eagle"
+    assert tiny_decoder.load_draft(str(tmp_path / "eagle")) == ["eagle"]
     accepted = 0
     for prompt, stop in [("abc", ()), ("hello there", ("e",)), ("the cat", ())]:
         ids = tiny_decoder.encode(prompt)

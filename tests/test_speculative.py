@@ -5,6 +5,7 @@ import itertools
 
 import numpy as np
 import pytest
+import torch
 
 from lyanna import verify as verify_module
 from lyanna.bench import load_questions
@@ -12,11 +13,12 @@ from lyanna.config import ModelConfig
 from lyanna.decoding import Decoder, GenerationRequest
 from lyanna.drafters.eagle import EagleDrafter
 from lyanna.drafters.head import DraftHead
+from lyanna.drafters.lyanna import ChainHead, LyannaDrafter, TokenInfo
 from lyanna.drafters.suffix import SuffixDrafter
 from lyanna.engine import Transformer
 from lyanna.loading import Target
 from lyanna.sampling import SamplingParams, target_probs
-from lyanna.training.fit import init_eagle_head
+from lyanna.training.fit import init_eagle_head, init_lyanna_head
 from lyanna.tree import DraftTree
 
 SMALL_VOCAB = 8
@@ -127,6 +129,13 @@ def small_decoder():
     d.add_drafter("random-sampled", RandomSampledDrafter())
     head = init_eagle_head(d.engine, d.target.weights)  # unfitted: losslessness must not depend on quality
     d.add_drafter("eagle", EagleDrafter(DraftHead(d.engine, head.numpy_weights()), tap=2, depth=3, topk=2, width=2))
+    ly = init_lyanna_head(d.engine, d.target.weights, np.arange(SMALL_VOCAB)[::-1].copy(), rank=4)
+    with torch.no_grad():
+        ly.ti.b.normal_(0, 1.0)
+    w = {**ly.numpy_weights(), "ti.hot": np.array([0, 1, 2, 3])}
+    for name, knobs in {"lyanna": {"policy": "fuse"}, "lyanna-nofusion": {"policy": "reuse", "reuse_min_expected": 0.0}}.items():
+        d.add_drafter(name, LyannaDrafter(ChainHead(d.engine, w), TokenInfo(w["ti.a"], w["ti.b"], w["ti.hot"]), tap=2,
+                                          depth=3, topk=2, width=2, **knobs))
     return d
 
 
@@ -140,7 +149,7 @@ def joint2(small_decoder):
     return exact_distribution(small_decoder.engine, PARAMS)
 
 
-@pytest.mark.parametrize("method", ["ar", "suffix", "eagle", "peek", "random-sampled"])
+@pytest.mark.parametrize("method", ["ar", "suffix", "eagle", "lyanna", "lyanna-nofusion", "peek", "random-sampled"])
 def test_sampled_output_has_target_distribution(small_decoder, joint2, method):
     assert sampled_chi2(small_decoder, method, PARAMS, N_SAMPLES, joint2) < CHI2_LIMIT
 

@@ -140,19 +140,28 @@ class Decoder:
             raise LyannaError(f"method name {name!r} is taken")
         self.drafters[name] = drafter
 
-    def load_draft(self, path: str) -> str:
-        """Load a draft-head checkpoint and register it as the method its config names."""
+    def load_draft(self, path: str) -> list[str]:
+        """Load a draft-head checkpoint and register the methods it provides (``eagle``; or
+        ``lyanna`` with its ablations ``lyanna-noresample`` and ``lyanna-nofusion``)."""
         import json
         from pathlib import Path
 
-        from .drafters.eagle import EagleDrafter
-
         cfg_file = Path(path) / "config.json"
         arch = json.loads(cfg_file.read_text()).get("arch") if cfg_file.is_file() else None
-        if arch != "eagle":
-            raise LyannaError(f"{path}: not a known draft checkpoint (need config.json with arch 'eagle')")
-        self.drafters[arch] = EagleDrafter.from_checkpoint(path, self.target, self.engine)
-        return arch
+        if arch == "eagle":
+            from .drafters.eagle import EagleDrafter
+
+            self.drafters["eagle"] = EagleDrafter.from_checkpoint(path, self.target, self.engine)
+            return ["eagle"]
+        if arch == "lyanna":
+            from .drafters.lyanna import LyannaDrafter
+
+            variants = {"lyanna": {"policy": "fuse"}, "lyanna-noresample": {"policy": "off"},
+                        "lyanna-nofusion": {"policy": "reuse", "reuse_min_expected": 0.0}}
+            for name, knobs in variants.items():
+                self.drafters[name] = LyannaDrafter.from_checkpoint(path, self.target, self.engine, **knobs)
+            return list(variants)
+        raise LyannaError(f"{path}: not a known draft checkpoint (need config.json with arch 'eagle' or 'lyanna')")
 
     @property
     def methods(self) -> list[str]:
@@ -180,8 +189,8 @@ class Decoder:
     ) -> GenerationResult:
         """Generate with ``method``; ``on_text`` receives streamed text, and ``should_cancel`` is
         polled at every commit (a true answer ends generation with finish reason ``cancelled``)."""
-        if method == "eagle" and method not in self.methods:
-            raise LyannaError("method 'eagle' needs a draft head: pass --draft DIR (a checkpoint made by the training pipeline)")
+        if method.split("-")[0] in ("eagle", "lyanna") and method not in self.methods:
+            raise LyannaError(f"method {method!r} needs a draft head: pass --draft DIR (a checkpoint made by the training pipeline)")
         if method not in self.methods:
             raise LyannaError(f"unknown method {method!r}; available: {', '.join(self.methods)}")
         drafter = self.drafters.get(method)

@@ -50,6 +50,7 @@ def decode_speculative(state: DecodeState, drafter: Drafter) -> None:
     engine, cache, tracker = state.engine, state.cache, state.tracker
     stats = state.stats
     drafter.start(state.prompt_ids, state.prefill_hidden)
+    passes_before = getattr(drafter, "passes", 0)
     root = next_token(state.last_logits, state.params, state.rng)
     tracker.extend([root])
     by_depth_tried: Counter[int] = Counter()
@@ -71,6 +72,7 @@ def decode_speculative(state: DecodeState, drafter: Drafter) -> None:
         cache.compact(start, keep)
         t2 = time.perf_counter()
         committed_drafts = min(len(verdict.path), taken)
+        stats["recovered_tokens"] = stats.get("recovered_tokens", 0) + int(tree.origin[verdict.path[:committed_drafts]].sum())
         state.draft_tokens += len(tree)
         state.accepted_draft_tokens += committed_drafts
         accepted_lengths.append(committed_drafts)
@@ -88,4 +90,6 @@ def decode_speculative(state: DecodeState, drafter: Drafter) -> None:
         stats["verify_seconds"] = stats.get("verify_seconds", 0.0) + (t2 - t1)
         stats["other_seconds"] = stats.get("other_seconds", 0.0) + (t3 - t2)
     stats["rounds"] = len(accepted_lengths)
+    if hasattr(drafter, "passes"):
+        stats["draft_passes"] = drafter.passes - passes_before
     stats["accepted_by_depth"] = {d: [by_depth_accepted[d], by_depth_tried[d]] for d in sorted(by_depth_tried)}

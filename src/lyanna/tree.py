@@ -20,6 +20,9 @@ class DraftTree:
     # mapped to that q (a [vocab] array). Children of other parents were chosen deterministically.
     # The verifier needs the whole q to form the residual max(p - q, 0) losslessly.
     sampled_from: dict[int, np.ndarray] = field(default_factory=dict)
+    # Where each node came from (0: a fresh draft, 1: re-sampled from an earlier draft chain);
+    # statistics only.
+    origin: np.ndarray = field(default=None)
 
     def __post_init__(self) -> None:
         tokens = np.asarray(self.tokens, dtype=np.int64).reshape(-1)
@@ -35,13 +38,64 @@ class DraftTree:
                 raise ValueError(f"sampled_from names parent {parent}, which is not in the tree")
             if np.any(q[tokens[parents == parent]] <= 0):
                 raise ValueError(f"a sampled child of parent {parent} has zero draft probability")
+        origin = np.zeros(tokens.shape, np.int8) if self.origin is None else np.asarray(self.origin, np.int8).reshape(-1)
+        if origin.shape != tokens.shape:
+            raise ValueError("origin must have one entry per node")
         object.__setattr__(self, "tokens", tokens)
         object.__setattr__(self, "parents", parents)
         object.__setattr__(self, "scores", scores)
+        object.__setattr__(self, "origin", origin)
 
     @classmethod
     def empty(cls) -> "DraftTree":
         return cls(np.zeros(0, np.int64), np.zeros(0, np.int64))
+
+    @classmethod
+    def best_of(cls, tokens: list[int], parents: list[int], scores: list[float], max_nodes: int,
+                origin: list[int] | None = None) -> "DraftTree":
+        """The ``max_nodes`` candidates with the highest joint probability ``scores`` (log space),
+        in topological order. Scores never increase from parent to child, and ties go to the
+        shallower node, so the chosen set is ancestor-closed."""
+        depth = [0] * len(tokens)
+        for i, p in enumerate(parents):
+            depth[i] = 1 if p < 0 else depth[p] + 1
+        chosen = sorted(range(len(tokens)), key=lambda i: (-scores[i], depth[i], i))[:max_nodes]
+        keep = sorted(chosen, key=lambda i: (depth[i], i))
+        remap = {-1: -1, **{old: new for new, old in enumerate(keep)}}
+        return cls(
+            np.array([tokens[i] for i in keep], np.int64),
+            np.array([remap[parents[i]] for i in keep], np.int64),
+            np.exp(np.array([scores[i] for i in keep], np.float64)),
+            origin=None if origin is None else np.array([origin[i] for i in keep], np.int8),
+        )
+
+    def merged(self, other: "DraftTree", max_nodes: int) -> "DraftTree":
+        """Union of two trees under the same root (equal paths become one node, keeping the
+        higher score and this tree's origin), cut to the best ``max_nodes``."""
+        index: dict[tuple[int, ...], int] = {}
+        tokens: list[int] = []
+        parents: list[int] = []
+        scores: list[float] = []
+        origin: list[int] = []
+        for tree in (self, other):
+            paths: list[tuple[int, ...]] = []
+            for i, (t, p) in enumerate(zip(tree.tokens.tolist(), tree.parents.tolist())):
+                path = (paths[p] if p >= 0 else ()) + (t,)
+                paths.append(path)
+                score = float(np.log(tree.scores[i]))
+                if path in index:
+                    scores[index[path]] = max(scores[index[path]], score)
+                    continue
+                index[path] = len(tokens)
+                tokens.append(t)
+                parents.append(index[path[:-1]] if len(path) > 1 else -1)
+                scores.append(score)
+                origin.append(int(tree.origin[i]))
+        # a merged parent may have gained score: keep children at or below it
+        for i, p in enumerate(parents):
+            if p >= 0:
+                scores[i] = min(scores[i], scores[p])
+        return DraftTree.best_of(tokens, parents, scores, max_nodes, origin)
 
     @classmethod
     def chain(cls, tokens: list[int] | np.ndarray, scores: np.ndarray | None = None) -> "DraftTree":
@@ -63,7 +117,7 @@ class DraftTree:
         remap = {-1: -1, **{int(old): new for new, old in enumerate(keep)}}
         return DraftTree(
             self.tokens[keep], np.array([remap[int(p)] for p in self.parents[keep]], np.int64), self.scores[keep],
-            {remap[p]: q for p, q in self.sampled_from.items() if p in remap},
+            {remap[p]: q for p, q in self.sampled_from.items() if p in remap}, self.origin[keep],
         )
 
     def __len__(self) -> int:

@@ -41,7 +41,8 @@ def save_head(out_dir: str | Path, arch: str, weights: dict[str, np.ndarray], ta
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    save_file({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in weights.items()}, str(out / "model.safetensors"))
+    save_file({k: np.ascontiguousarray(v, dtype=np.float32 if v.dtype.kind == "f" else v.dtype) for k, v in weights.items()},
+              str(out / "model.safetensors"))
     config = {"format": FORMAT, "version": VERSION, "arch": arch, "target": target_fingerprint(target, tap),
               "settings": settings or {}}
     (out / "config.json").write_text(json.dumps(config, indent=2))

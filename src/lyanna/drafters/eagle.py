@@ -35,6 +35,10 @@ class EagleDrafter:
         config, weights = load_head(path, target, "eagle")
         return cls(DraftHead(engine, weights), int(config["target"]["tap"]), **tree)
 
+    @property
+    def passes(self) -> int:
+        return self.context.passes
+
     def start(self, prompt_ids: Sequence[int], hidden: dict[int, np.ndarray]) -> None:
         self.context.start(hidden)
 
@@ -94,11 +98,4 @@ class EagleDrafter:
                 candidates += add_children(node, logps[r], scores[node], d)
         pc.rewind()  # speculative pairs are dropped; committed ones stay
 
-        order = sorted(range(len(tokens)), key=lambda i: (-scores[i], depths[i], i))[: self.max_nodes]
-        keep = sorted(order, key=lambda i: (depths[i], i))
-        remap = {-1: -1, **{old: new for new, old in enumerate(keep)}}
-        return DraftTree(
-            np.array([tokens[i] for i in keep], np.int64),
-            np.array([remap[parents[i]] for i in keep], np.int64),
-            np.exp(np.array([scores[i] for i in keep])),
-        )
+        return DraftTree.best_of(tokens, parents, scores, self.max_nodes)

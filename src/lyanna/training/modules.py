@@ -104,3 +104,74 @@ class EagleHead(nn.Module):
 
     def numpy_weights(self) -> dict[str, np.ndarray]:
         return {k: v.detach().cpu().numpy().copy() for k, v in self.state_dict().items()}
+
+
+class LyannaHead(EagleHead):
+    """The Lyanna draft head: EAGLE's pair input for the first chain step, then ``f_k =
+    layer(f_{k-1})``; raw logits over the draft vocabulary; low-rank token info ``A[y] @ B``.
+
+    ``unroll`` runs the chain from every context position at once, with exactly the attention the
+    drafter sees at decode time: each chain step attends to the pairs up to its root and to the
+    earlier steps of its own chain.
+    """
+
+    def __init__(self, c: ModelConfig, embed: np.ndarray, lm_head: np.ndarray, d2t: np.ndarray, rank: int):
+        super().__init__(c, embed, lm_head)
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.register_buffer("d2t", torch.as_tensor(np.asarray(d2t), dtype=torch.long))
+        self.register_buffer("draft_lm", self.lm_head[self.d2t].clone(), persistent=False)
+        self.ti = nn.Module()
+        self.ti.a = nn.Parameter(torch.randn(c.vocab_size, rank) * 0.01)
+        self.ti.b = nn.Parameter(torch.zeros(rank, len(d2t)))
+
+    def raw_logits(self, f: torch.Tensor) -> torch.Tensor:
+        return self.norm(f) @ self.draft_lm.T
+
+    def token_info(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.ti.a[tokens] @ self.ti.b
+
+    def _qkv(self, x: torch.Tensor, positions: torch.Tensor):
+        c, attn = self.c, self.layer.self_attn
+        angles = positions.float()[:, None] * self.inv_freq[None, :]
+        angles = torch.cat([angles, angles], dim=-1)
+        cos, sin = angles.cos()[:, None], angles.sin()[:, None]
+        h = self.layer.input_layernorm(x)
+        t = x.shape[0]
+        q = _rope(attn.q_proj(h).view(t, c.num_heads, c.head_dim), cos, sin)
+        k = _rope(attn.k_proj(h).view(t, c.num_kv_heads, c.head_dim), cos, sin)
+        return q, k, attn.v_proj(h).view(t, c.num_kv_heads, c.head_dim)
+
+    def _step(self, x: torch.Tensor, q: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor,
+              own_k: list[torch.Tensor], own_v: list[torch.Tensor]) -> torch.Tensor:
+        c = self.c
+        t, g = x.shape[0], c.num_heads // c.num_kv_heads
+        qg = q.view(t, c.num_kv_heads, g, c.head_dim) / c.head_dim ** 0.5
+        s = torch.einsum("tkgd,skd->tkgs", qg, ctx_k)
+        causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+        s = s.masked_fill(~causal[:, None, None, :], float("-inf"))
+        if own_k:
+            s = torch.cat([s, torch.stack([(qg * k[:, :, None, :]).sum(-1) for k in own_k], -1)], -1)
+        p = torch.softmax(s, dim=-1)
+        o = torch.einsum("tkgs,skd->tkgd", p[..., :t], ctx_v)
+        if own_k:
+            o = o + torch.einsum("tkgj,jtkd->tkgd", p[..., t:], torch.stack(own_v))
+        x = x + self.layer.self_attn.o_proj(o.reshape(t, -1))
+        return x + self.layer.mlp(self.layer.post_attention_layernorm(x))
+
+    def unroll(self, features: torch.Tensor, tokens: torch.Tensor, depth: int) -> list[torch.Tensor]:
+        """Chain features ``f_1..f_depth`` for the roots at positions 1..T-1 (pair i = (feature
+        after token i-1, token i)); row j of step k predicts the token at position j + 1 + k."""
+        positions = torch.arange(1, len(tokens), device=features.device)
+        x = self.fc(torch.cat([features[:-1], self.embed[tokens[1:]]], dim=-1))
+        q, ctx_k, ctx_v = self._qkv(x, positions)
+        f = self._step(x, q, ctx_k, ctx_v, [], [])
+        out = [f]
+        own_k: list[torch.Tensor] = []
+        own_v: list[torch.Tensor] = []
+        for k in range(2, depth + 1):
+            q, kk, vv = self._qkv(f, positions + k - 1)
+            own_k.append(kk)
+            own_v.append(vv)
+            f = self._step(f, q, ctx_k, ctx_v, own_k, own_v)
+            out.append(f)
+        return out

@@ -1,0 +1,171 @@
+"""The Lyanna drafter: chain independence, token-info table, re-sampling without draft passes,
+fusion, and losslessness."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from lyanna.decoding import GenerationRequest
+from lyanna.drafters.checkpoint import save_head
+from lyanna.drafters.lyanna import ChainHead, LyannaDrafter, TokenInfo, token_info_tree
+from lyanna.training.fit import fit_lyanna, init_lyanna_head, target_features
+
+D2T = np.arange(259)[::-1].copy()  # a permuted draft vocabulary: the index mapping is exercised
+
+
+def export(head, hot):
+    w = head.numpy_weights()
+    w["ti.hot"] = np.asarray(hot, np.int64)
+    return w
+
+
+@pytest.fixture(scope="module")
+def fitted(tiny_decoder):
+    engine = tiny_decoder.engine
+    seqs = []
+    for prompt in ["abc", "hello there", "xyz xyz", "the cat"]:
+        ids = tiny_decoder.encode(prompt)
+        seqs.append(ids + tiny_decoder.generate(ids, GenerationRequest(max_new_tokens=40)).tokens)
+    examples = target_features(engine, seqs, engine.config.num_layers)
+    head = init_lyanna_head(engine, tiny_decoder.target.weights, D2T, rank=8)
+    with torch.no_grad():
+        head.ti.b.normal_(0, 0.5)  # make token info matter from the start
+    losses = fit_lyanna(head, examples, engine, steps=40, depth=3, lr=2e-3)
+    return head, losses, examples
+
+
+def drafter_for(decoder, head, policy="fuse", hot=range(0, 259, 2), **knobs):
+    w = export(head, list(hot))
+    chain_head = ChainHead(decoder.engine, w)
+    ti = TokenInfo(w["ti.a"], w["ti.b"], w["ti.hot"])
+    return LyannaDrafter(chain_head, ti, decoder.engine.config.num_layers, policy=policy, **knobs)
+
+
+def started(decoder, drafter, prompt="abc"):
+    engine = decoder.engine
+    ids = decoder.encode(prompt)
+    out = engine.forward(ids, np.arange(len(ids)), engine.new_cache(len(ids) + 64), taps=drafter.taps)
+    drafter.start(ids, out.hidden)
+    return ids + [int(np.argmax(out.logits[-1]))]
+
+
+def test_training_lowers_the_chain_loss(fitted):
+    _, losses, _ = fitted
+    assert np.mean(losses[-8:]) < 0.9 * np.mean(losses[:8])
+
+
+def test_numpy_chain_matches_torch_unroll(tiny_decoder, fitted):
+    head, _, examples = fitted
+    ex = examples[0]
+    drafter = drafter_for(tiny_decoder, head)
+    drafter.start(list(ex.tokens[:-1]), {drafter.tap: ex.features[:-1]})
+    raw = drafter.chain(list(ex.tokens), 4)
+    with torch.no_grad():
+        chain = head.unroll(torch.from_numpy(ex.features), torch.from_numpy(ex.tokens), 4)
+        ref = torch.stack([head.raw_logits(f[-1]) for f in chain]).numpy()
+    np.testing.assert_allclose(raw, ref, atol=2e-4)
+
+
+def test_chain_is_identical_whatever_draft_tokens_are_chosen(tiny_decoder, fitted):
+    head, _, _ = fitted
+    chains = []
+    for topk, width, scale in [(1, 1, 1.0), (4, 4, 1.0), (3, 2, -5.0)]:
+        drafter = drafter_for(tiny_decoder, head, topk=topk, width=width)
+        drafter.ti.table *= scale  # very different token info, so very different draft tokens
+        ctx = started(tiny_decoder, drafter)
+        drafter.propose(ctx, 6)
+        chains.append(drafter._chain.copy())
+    assert all(np.array_equal(chains[0], c) for c in chains[1:])  # bit-identical
+
+
+def test_token_info_table_equals_low_rank_product():
+    rng = np.random.default_rng(0)
+    a, b = rng.normal(size=(50, 4)).astype(np.float32), rng.normal(size=(4, 30)).astype(np.float32)
+    hot = [3, 7, 11, 40]
+    ti = TokenInfo(a, b, hot)
+    for t in hot:
+        np.testing.assert_allclose(ti(t), a[t] @ b, rtol=1e-5, atol=1e-6)
+    assert ti.table.shape == (4, 30)
+    np.testing.assert_allclose(ti(5), a[5] @ b, rtol=1e-5)  # cold: computed on the fly
+    assert not TokenInfo(a, b, hot, fallback="none")(5).any()  # cold: no token info
+
+
+def test_resampled_tree_needs_zero_draft_passes(tiny_decoder, fitted):
+    head, _, _ = fitted
+    drafter = drafter_for(tiny_decoder, head, policy="reuse", reuse_min_expected=0.0, depth=5)
+    ctx = started(tiny_decoder, drafter)
+    drafter.propose(ctx, 5)
+    chain = drafter._chain.copy()
+    passes = drafter.passes
+    # verification accepted one draft token (5) and the target then chose 9
+    hidden = {drafter.tap: np.zeros((2, tiny_decoder.engine.config.hidden_size), np.float32)}
+    drafter.commit([ctx[-1], 5], hidden)
+    tree = drafter.propose(ctx + [5, 9], 5)
+    assert drafter.passes == passes  # no draft forward pass
+    assert len(tree) > 0 and tree.origin.all() and tree.depths.max() <= 3
+    expected = token_info_tree(chain[2:], 9, drafter.ti, drafter.head.d2t, drafter.topk, drafter.width, drafter.max_nodes)
+    assert np.array_equal(tree.tokens, expected.tokens) and np.array_equal(tree.parents, expected.parents)
+
+
+def test_fusion_merges_resampled_into_fresh_tree(tiny_decoder, fitted):
+    head, _, _ = fitted
+    drafter = drafter_for(tiny_decoder, head, policy="fuse", depth=5, max_nodes=24)
+    ctx = started(tiny_decoder, drafter)
+    drafter.propose(ctx, 5)
+    passes = drafter.passes
+    hidden = {drafter.tap: np.zeros((2, tiny_decoder.engine.config.hidden_size), np.float32)}
+    drafter.commit([ctx[-1], 5], hidden)
+    tree = drafter.propose(ctx + [5, 9], 5)
+    assert drafter.passes > passes  # a fresh chain was drafted too
+    assert len(tree) <= 24
+    paths = {tuple(int(tree.tokens[j]) for j in tree.path_to(i)) for i in range(len(tree))}
+    assert len(paths) == len(tree)  # equal paths were merged into one node
+
+
+@pytest.mark.parametrize("method", ["lyanna", "lyanna-noresample", "lyanna-nofusion"])
+def test_greedy_equals_ar_with_every_policy(tmp_path, tiny_decoder, fitted, method):
+    head, _, _ = fitted
+    save_head(tmp_path / "ly", "lyanna", export(head, range(0, 259, 3)), tiny_decoder.target, tiny_decoder.engine.config.num_layers)
+    assert "lyanna" in tiny_decoder.load_draft(str(tmp_path / "ly"))
+    recovered = 0
+    for prompt, stop in [("abc", ()), ("hello there", ("e",)), ("the cat", ()), ("xyz xyz", ())]:
+        ids = tiny_decoder.encode(prompt)
+        req = GenerationRequest(max_new_tokens=40, stop=stop)
+        ar = tiny_decoder.generate(ids, req)
+        ly = tiny_decoder.generate(ids, req, method=method)
+        assert (ly.tokens, ly.text, ly.finish_reason) == (ar.tokens, ar.text, ar.finish_reason)
+        recovered += ly.extra.get("recovered_tokens", 0)
+        assert ly.extra["draft_passes"] >= 0
+    if method == "lyanna-noresample":
+        assert recovered == 0
+
+
+@pytest.mark.slow
+def test_lyanna_greedy_equals_ar_on_default_model(tmp_path, default_decoder):
+    """A head fitted for a few steps on the default model (hot draft vocabulary of 4096 tokens)."""
+    d = default_decoder
+    engine = d.engine
+    tap = engine.config.num_layers
+    prompts = ["What is the capital of France?", "Write a short poem about rain."]
+    seqs = []
+    for p in prompts:
+        ids = d.encode(p)
+        seqs.append(ids + d.generate(ids, GenerationRequest(max_new_tokens=40)).tokens)
+    counts = np.bincount(np.concatenate(seqs), minlength=engine.config.vocab_size)
+    d2t = np.argsort(-counts, kind="stable")[:4096]
+    head = init_lyanna_head(engine, d.target.weights, d2t, rank=16)
+    examples = target_features(engine, seqs, tap)
+    fit_lyanna(head, examples, engine, steps=4, depth=3, lr=1e-4)
+    save_head(tmp_path / "ly", "lyanna", export(head, d2t[:512]), d.target, tap)
+    methods = d.load_draft(str(tmp_path / "ly"))
+    try:
+        for p in prompts + ["Explain photosynthesis in two sentences."]:
+            ids = d.encode(p)
+            req = GenerationRequest(max_new_tokens=40)
+            ar = d.generate(ids, req).tokens
+            for m in ("lyanna", "lyanna-nofusion"):
+                assert d.generate(ids, req, method=m).tokens == ar
+    finally:
+        for m in methods:
+            d.drafters.pop(m)

@@ -74,6 +74,20 @@ def tiny_decoder(tiny_model_dir):
 
 
 @pytest.fixture(scope="session")
+def tiny_examples(tiny_decoder):
+    """Training examples for draft heads: prompts plus the tiny model's own greedy replies, with
+    the target features at the final-norm tap."""
+    from lyanna.decoding import GenerationRequest
+    from lyanna.training.fit import target_features
+
+    seqs = []
+    for prompt in ["abc", "hello there", "xyz xyz", "the cat"]:
+        ids = tiny_decoder.encode(prompt)
+        seqs.append(ids + tiny_decoder.generate(ids, GenerationRequest(max_new_tokens=48)).tokens)
+    return target_features(tiny_decoder.engine, seqs, tiny_decoder.engine.config.num_layers)
+
+
+@pytest.fixture(scope="session")
 def default_target():
     from lyanna.loading import load_target
 

@@ -25,15 +25,11 @@ def random_sequences(n, length, seed=0, low=3, high=259):
 
 
 @pytest.fixture(scope="module")
-def fitted(tiny_decoder):
+def fitted(tiny_decoder, tiny_examples):
     """A head fitted for a few steps on the tiny model's own greedy outputs."""
     engine = tiny_decoder.engine
-    seqs = []
-    for prompt in ["abc", "hello there", "xyz xyz", "the cat"]:
-        ids = tiny_decoder.encode(prompt)
-        seqs.append(ids + tiny_decoder.generate(ids, GenerationRequest(max_new_tokens=48)).tokens)
     tap = engine.config.num_layers
-    examples = target_features(engine, seqs, tap)
+    examples = tiny_examples
     head = init_eagle_head(engine, tiny_decoder.target.weights)
     losses = fit_eagle(head, examples, steps=60, lr=1e-3)
     return head, losses, tap

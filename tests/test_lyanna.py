@@ -21,13 +21,9 @@ def export(head, hot):
 
 
 @pytest.fixture(scope="module")
-def fitted(tiny_decoder):
+def fitted(tiny_decoder, tiny_examples):
     engine = tiny_decoder.engine
-    seqs = []
-    for prompt in ["abc", "hello there", "xyz xyz", "the cat"]:
-        ids = tiny_decoder.encode(prompt)
-        seqs.append(ids + tiny_decoder.generate(ids, GenerationRequest(max_new_tokens=40)).tokens)
-    examples = target_features(engine, seqs, engine.config.num_layers)
+    examples = tiny_examples
     head = init_lyanna_head(engine, tiny_decoder.target.weights, D2T, rank=8)
     with torch.no_grad():
         head.ti.b.normal_(0, 0.5)  # make token info matter from the start

@@ -14,7 +14,7 @@ from lyanna.drafters.head import DraftHead
 from lyanna.engine import attention_bias
 from lyanna.errors import LyannaError
 from lyanna.loading import load_target
-from lyanna.training.fit import fit_eagle, init_eagle_head, target_features
+from lyanna.training.fit import fit, init_eagle_head, target_features
 
 from .conftest import make_tiny_model
 
@@ -31,7 +31,7 @@ def fitted(tiny_decoder, tiny_examples):
     tap = engine.config.num_layers
     examples = tiny_examples
     head = init_eagle_head(engine, tiny_decoder.target.weights)
-    losses = fit_eagle(head, examples, steps=60, lr=1e-3)
+    losses = fit(head, examples, steps=60, depth=2, lr=1e-3)
     return head, losses, tap
 
 
@@ -112,7 +112,7 @@ def test_eagle_greedy_equals_ar_on_default_model(tmp_path, default_decoder):
         ids = d.encode(p)
         seqs.append(ids + d.generate(ids, GenerationRequest(max_new_tokens=48)).tokens)
     head = init_eagle_head(engine, d.target.weights)
-    fit_eagle(head, target_features(engine, seqs, tap), steps=8, lr=1e-4)
+    fit(head, target_features(engine, seqs, tap), steps=4, depth=2, lr=1e-4)
     save_head(tmp_path / "eagle", "eagle", head.numpy_weights(), d.target, tap)
     d.load_draft(str(tmp_path / "eagle"))
     try:

@@ -9,7 +9,7 @@ import torch
 from lyanna.decoding import GenerationRequest
 from lyanna.drafters.checkpoint import save_head
 from lyanna.drafters.lyanna import ChainHead, LyannaDrafter, TokenInfo, token_info_tree
-from lyanna.training.fit import fit_lyanna, init_lyanna_head, target_features
+from lyanna.training.fit import fit, init_lyanna_head, target_features
 
 D2T = np.arange(259)[::-1].copy()  # a permuted draft vocabulary: the index mapping is exercised
 
@@ -27,7 +27,7 @@ def fitted(tiny_decoder, tiny_examples):
     head = init_lyanna_head(engine, tiny_decoder.target.weights, D2T, rank=8)
     with torch.no_grad():
         head.ti.b.normal_(0, 0.5)  # make token info matter from the start
-    losses = fit_lyanna(head, examples, engine, steps=40, depth=3, lr=2e-3)
+    losses = fit(head, examples, steps=40, depth=3, lr=2e-3)
     return head, losses, examples
 
 
@@ -152,7 +152,7 @@ def test_lyanna_greedy_equals_ar_on_default_model(tmp_path, default_decoder):
     d2t = np.argsort(-counts, kind="stable")[:4096]
     head = init_lyanna_head(engine, d.target.weights, d2t, rank=16)
     examples = target_features(engine, seqs, tap)
-    fit_lyanna(head, examples, engine, steps=4, depth=3, lr=1e-4)
+    fit(head, examples, steps=4, depth=3, lr=1e-4)
     save_head(tmp_path / "ly", "lyanna", export(head, d2t[:512]), d.target, tap)
     methods = d.load_draft(str(tmp_path / "ly"))
     try:

@@ -45,29 +45,6 @@ def init_eagle_head(engine: Transformer, target_weights: dict[str, np.ndarray], 
     return head
 
 
-def fit_eagle(head: EagleHead, examples: Sequence[Example], steps: int, lr: float = 3e-4, cls_weight: float = 0.1,
-              seed: int = 0) -> list[float]:
-    """Adam steps over (feature_{i-1}, token_i) -> feature_i pairs, one example per step; returns losses."""
-    rng = np.random.default_rng(seed)
-    opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=lr)
-    losses = []
-    for _ in range(steps):
-        ex = examples[int(rng.integers(len(examples)))]
-        feats = torch.from_numpy(ex.features)
-        toks = torch.from_numpy(ex.tokens)
-        positions = torch.arange(1, len(toks))
-        pred = head(feats[:-1][None], toks[1:][None], positions)[0]
-        target = feats[1:]
-        with torch.no_grad():
-            soft = F.softmax(head.logits(target), dim=-1)
-        loss = F.smooth_l1_loss(pred, target) + cls_weight * -(soft * F.log_softmax(head.logits(pred), dim=-1)).sum(-1).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(float(loss.detach()))
-    return losses
-
-
 def init_lyanna_head(engine: Transformer, target_weights: dict[str, np.ndarray], d2t: np.ndarray, rank: int = 32,
                      seed: int = 0) -> LyannaHead:
     """Like ``init_eagle_head``, plus the raw-logit norm from the target's final norm and a zero TI."""
@@ -79,45 +56,77 @@ def init_lyanna_head(engine: Transformer, target_weights: dict[str, np.ndarray],
     return head
 
 
-def lyanna_loss(head: LyannaHead, ex: Example, target_probs: torch.Tensor, depth: int, raw_weight: float = 0.5,
-                decay: float = 0.8) -> torch.Tensor:
-    """Unrolled chain loss: at step k, soft cross-entropy of ``l_k + TI(true parent)`` and of the raw
-    ``l_k`` against the target's next-token distribution over the draft vocabulary."""
+def label_probs(head: EagleHead, ex: Example) -> torch.Tensor:
+    """The target's next-token distribution after every position: its LM head on the final-norm
+    features the heads are trained on (so no second target pass is needed)."""
+    with torch.no_grad():
+        return torch.softmax(head.logits(torch.from_numpy(ex.features)), -1)
+
+
+def example_loss(head: EagleHead, ex: Example, depth: int, decay: float = 0.8, raw_weight: float = 0.5,
+                 cls_weight: float = 0.1) -> torch.Tensor:
+    """Multi-step unrolled loss; step k at root row j predicts the token at position j + 1 + k,
+    whose target distribution is the label row j + k.
+
+    EAGLE: smooth-L1 to the true feature plus ``cls_weight`` soft cross-entropy (EAGLE-1's losses,
+    unrolled on its own predictions). Lyanna: soft cross-entropy of ``l_k + TI(true parent)`` plus
+    ``raw_weight`` times that of the raw ``l_k`` (so re-sampled trees have something to stand on),
+    over the draft vocabulary."""
     toks = torch.from_numpy(ex.tokens)
-    chain = head.unroll(torch.from_numpy(ex.features), toks, depth)
-    probs = target_probs[:, head.d2t]
-    probs = probs / probs.sum(-1, keepdim=True).clamp_min(1e-12)
+    feats = torch.from_numpy(ex.features)
+    probs = label_probs(head, ex)
+    lyanna = isinstance(head, LyannaHead)
+    if lyanna:
+        probs = probs[:, head.d2t]
+        probs = probs / probs.sum(-1, keepdim=True).clamp_min(1e-12)
     total = torch.zeros(())
     t = len(toks)
-    for k, f in enumerate(chain, start=1):
-        n = t - k  # roots at positions 1..t-k still have a labelled position k ahead
+    for k, f in enumerate(head.unroll(feats, toks, depth), start=1):
+        n = t - k
         if n <= 0:
             break
-        raw = head.raw_logits(f[:n])
-        label = probs[k : k + n]  # target's distribution after position j + k (rows j = 1..n)
-        parents = toks[k : k + n]  # the true token before the predicted one
-        injected = raw + head.token_info(parents)
-        ce = -(label * F.log_softmax(injected, -1)).sum(-1).mean()
-        ce_raw = -(label * F.log_softmax(raw, -1)).sum(-1).mean()
-        total = total + decay ** (k - 1) * (ce + raw_weight * ce_raw)
+        label = probs[k : k + n]
+        if lyanna:
+            raw = head.raw_logits(f[:n])
+            injected = raw + head.token_info(toks[k : k + n])
+            step = -(label * F.log_softmax(injected, -1)).sum(-1).mean()
+            step = step + raw_weight * -(label * F.log_softmax(raw, -1)).sum(-1).mean()
+        else:
+            step = F.smooth_l1_loss(f[:n], feats[k : k + n])
+            step = step + cls_weight * -(label * F.log_softmax(head.logits(f[:n]), -1)).sum(-1).mean()
+        total = total + decay ** (k - 1) * step
     return total
 
 
-def fit_lyanna(head: LyannaHead, examples: Sequence[Example], engine: Transformer, steps: int, depth: int = 4,
-               lr: float = 3e-4, seed: int = 0) -> list[float]:
-    """Adam steps on ``lyanna_loss``; the target's distributions come from its LM head on the
-    final-norm features when the head taps them, else from one extra target pass."""
+def agreement(head: EagleHead, ex: Example, depth: int, start: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Per-depth (matches, counts) of the head's top-1 token against the target's, teacher-forced,
+    over predicted positions >= ``start`` (the reply)."""
+    toks = torch.from_numpy(ex.tokens)
+    hits, counts = np.zeros(depth), np.zeros(depth)
+    with torch.no_grad():
+        target_top = head.logits(torch.from_numpy(ex.features)).argmax(-1)
+        for k, f in enumerate(head.unroll(torch.from_numpy(ex.features), toks, depth), start=1):
+            n = len(toks) - k
+            if n <= 0:
+                break
+            if isinstance(head, LyannaHead):
+                guess = head.d2t[(head.raw_logits(f[:n]) + head.token_info(toks[k : k + n])).argmax(-1)]
+            else:
+                guess = head.logits(f[:n]).argmax(-1)
+            rows = torch.arange(n) + k + 1 >= start  # predicted position j + 1 + k in the reply
+            hits[k - 1] += float((guess == target_top[k : k + n])[rows].sum())
+            counts[k - 1] += float(rows.sum())
+    return hits, counts
+
+
+def fit(head: EagleHead, examples: Sequence[Example], steps: int, depth: int = 3, lr: float = 3e-4,
+        seed: int = 0) -> list[float]:
+    """Plain single-process Adam steps, one example per step (tests and small experiments)."""
     rng = np.random.default_rng(seed)
     opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=lr)
-    probs_cache: dict[int, torch.Tensor] = {}
     losses = []
     for _ in range(steps):
-        i = int(rng.integers(len(examples)))
-        if i not in probs_cache:
-            ex = examples[i]
-            logits = engine.forward(ex.tokens, np.arange(len(ex.tokens)), engine.new_cache(len(ex.tokens))).logits
-            probs_cache[i] = torch.softmax(torch.from_numpy(logits), -1)
-        loss = lyanna_loss(head, examples[i], probs_cache[i], depth)
+        loss = example_loss(head, examples[int(rng.integers(len(examples)))], depth)
         opt.zero_grad()
         loss.backward()
         opt.step()

@@ -102,34 +102,6 @@ class EagleHead(nn.Module):
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         return features @ self.lm_head.T
 
-    def numpy_weights(self) -> dict[str, np.ndarray]:
-        return {k: v.detach().cpu().numpy().copy() for k, v in self.state_dict().items()}
-
-
-class LyannaHead(EagleHead):
-    """The Lyanna draft head: EAGLE's pair input for the first chain step, then ``f_k =
-    layer(f_{k-1})``; raw logits over the draft vocabulary; low-rank token info ``A[y] @ B``.
-
-    ``unroll`` runs the chain from every context position at once, with exactly the attention the
-    drafter sees at decode time: each chain step attends to the pairs up to its root and to the
-    earlier steps of its own chain.
-    """
-
-    def __init__(self, c: ModelConfig, embed: np.ndarray, lm_head: np.ndarray, d2t: np.ndarray, rank: int):
-        super().__init__(c, embed, lm_head)
-        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.register_buffer("d2t", torch.as_tensor(np.asarray(d2t), dtype=torch.long))
-        self.register_buffer("draft_lm", self.lm_head[self.d2t].clone(), persistent=False)
-        self.ti = nn.Module()
-        self.ti.a = nn.Parameter(torch.randn(c.vocab_size, rank) * 0.01)
-        self.ti.b = nn.Parameter(torch.zeros(rank, len(d2t)))
-
-    def raw_logits(self, f: torch.Tensor) -> torch.Tensor:
-        return self.norm(f) @ self.draft_lm.T
-
-    def token_info(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.ti.a[tokens] @ self.ti.b
-
     def _qkv(self, x: torch.Tensor, positions: torch.Tensor):
         c, attn = self.c, self.layer.self_attn
         angles = positions.float()[:, None] * self.inv_freq[None, :]
@@ -158,9 +130,20 @@ class LyannaHead(EagleHead):
         x = x + self.layer.self_attn.o_proj(o.reshape(t, -1))
         return x + self.layer.mlp(self.layer.post_attention_layernorm(x))
 
+    def _chain_input(self, f: torch.Tensor, tokens: torch.Tensor, k: int) -> torch.Tensor:
+        """Input of chain step k >= 2 for every root: [f_{k-1} ; embedding of the token at root + k - 1]."""
+        shifted = torch.zeros_like(tokens[1:])
+        n = len(tokens) - k
+        if n > 0:
+            shifted[:n] = tokens[k : k + n]  # rows past the end are padding: no label uses them
+        return self.fc(torch.cat([f, self.embed[shifted]], dim=-1))
+
     def unroll(self, features: torch.Tensor, tokens: torch.Tensor, depth: int) -> list[torch.Tensor]:
         """Chain features ``f_1..f_depth`` for the roots at positions 1..T-1 (pair i = (feature
-        after token i-1, token i)); row j of step k predicts the token at position j + 1 + k."""
+        after token i-1, token i)); row j of step k predicts the token at position j + 1 + k.
+
+        Every step attends to the pairs up to its root and to the earlier steps of its own chain,
+        exactly as the drafter does at decode time."""
         positions = torch.arange(1, len(tokens), device=features.device)
         x = self.fc(torch.cat([features[:-1], self.embed[tokens[1:]]], dim=-1))
         q, ctx_k, ctx_v = self._qkv(x, positions)
@@ -169,9 +152,38 @@ class LyannaHead(EagleHead):
         own_k: list[torch.Tensor] = []
         own_v: list[torch.Tensor] = []
         for k in range(2, depth + 1):
-            q, kk, vv = self._qkv(f, positions + k - 1)
+            x = self._chain_input(f, tokens, k)
+            q, kk, vv = self._qkv(x, positions + k - 1)
             own_k.append(kk)
             own_v.append(vv)
-            f = self._step(f, q, ctx_k, ctx_v, own_k, own_v)
+            f = self._step(x, q, ctx_k, ctx_v, own_k, own_v)
             out.append(f)
         return out
+
+    def numpy_weights(self) -> dict[str, np.ndarray]:
+        return {k: v.detach().cpu().numpy().copy() for k, v in self.state_dict().items()}
+
+
+class LyannaHead(EagleHead):
+    """The Lyanna draft head: EAGLE's pair input for the first chain step, then ``f_k =
+    layer(f_{k-1})`` with no token; raw logits over the draft vocabulary; low-rank token info
+    ``A[y] @ B``."""
+
+    def __init__(self, c: ModelConfig, embed: np.ndarray, lm_head: np.ndarray, d2t: np.ndarray, rank: int):
+        super().__init__(c, embed, lm_head)
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.register_buffer("d2t", torch.as_tensor(np.asarray(d2t), dtype=torch.long))
+        self.register_buffer("draft_lm", self.lm_head[self.d2t].clone(), persistent=False)
+        self.ti = nn.Module()
+        self.ti.a = nn.Parameter(torch.randn(c.vocab_size, rank) * 0.01)
+        self.ti.b = nn.Parameter(torch.zeros(rank, len(d2t)))
+
+    def raw_logits(self, f: torch.Tensor) -> torch.Tensor:
+        return self.norm(f) @ self.draft_lm.T
+
+    def token_info(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.ti.a[tokens] @ self.ti.b
+
+    def _chain_input(self, f: torch.Tensor, tokens: torch.Tensor, k: int) -> torch.Tensor:
+        return f  # the hidden-state chain: no token enters after the first step
+

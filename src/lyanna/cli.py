@@ -79,6 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     lt.add_argument("--questions", default=None, help="MT-bench-format JSONL for prompts (default Spec-Bench)")
     lt.add_argument("--json", dest="json_out", default=None, metavar="OUT")
 
+    sub.add_parser("train", help="draft training pipeline: lyanna train {data,features,select,fit,export} ...")
+
     sub.add_parser("demo", help="load the model and generate a reply to a fixed prompt (make run)")
     return parser
 
@@ -172,6 +174,11 @@ def _demo(args: argparse.Namespace) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["train"]:  # its own parser, shared with `python -m lyanna.train` (torchrun)
+        from .train import main as train_main
+
+        return train_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         {"generate": _generate, "bench": _bench, "serve": _serve, "loadtest": _loadtest, "demo": _demo}[args.command](args)

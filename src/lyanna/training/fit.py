@@ -58,9 +58,12 @@ def init_lyanna_head(engine: Transformer, target_weights: dict[str, np.ndarray],
 
 def label_probs(head: EagleHead, ex: Example) -> torch.Tensor:
     """The target's next-token distribution after every position: its LM head on the final-norm
-    features the heads are trained on (so no second target pass is needed)."""
+    features the heads are trained on (so no second target pass is needed). For a Lyanna head it
+    is restricted to the draft vocabulary and renormalized, which is the softmax of those rows."""
     with torch.no_grad():
-        return torch.softmax(head.logits(torch.from_numpy(ex.features)), -1)
+        feats = torch.from_numpy(ex.features)
+        logits = feats @ head.draft_lm.T if isinstance(head, LyannaHead) else head.logits(feats)
+        return torch.softmax(logits, -1)
 
 
 def example_loss(head: EagleHead, ex: Example, depth: int, decay: float = 0.8, raw_weight: float = 0.5,
@@ -76,9 +79,6 @@ def example_loss(head: EagleHead, ex: Example, depth: int, decay: float = 0.8, r
     feats = torch.from_numpy(ex.features)
     probs = label_probs(head, ex)
     lyanna = isinstance(head, LyannaHead)
-    if lyanna:
-        probs = probs[:, head.d2t]
-        probs = probs / probs.sum(-1, keepdim=True).clamp_min(1e-12)
     total = torch.zeros(())
     t = len(toks)
     for k, f in enumerate(head.unroll(feats, toks, depth), start=1):

@@ -33,7 +33,7 @@ def _progress(total: int, desc: str, initial: int = 0):
 def _run_info(run: Path) -> dict[str, Any]:
     f = run / "run.json"
     if not f.is_file():
-        raise LyannaError(f"{run} is not a training run (no run.json): start with `lyanna train data --run {run}`")
+        raise LyannaError(f"{run} is not a training run (no run.json): start with `lyanna train data --run-dir {run}`")
     return json.loads(f.read_text())
 
 
@@ -211,3 +211,196 @@ def stage_select(run: Path, mode: str, keep: float, seed: int) -> Path:
     out.write_text(json.dumps({"mode": mode, "keep": keep, "ids": chosen}))
     print(f"select: kept {len(chosen)} of {len(ids)} examples -> {out}")
     return out
+
+
+def _distributed() -> tuple[int, int]:
+    """(rank, world) under torchrun, initializing the process group once; (0, 1) otherwise."""
+    import torch.distributed as dist
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not dist.is_initialized():
+        import torch
+
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return (dist.get_rank(), world) if world > 1 else (0, 1)
+
+
+def _token_frequencies(examples, vocab: int) -> np.ndarray:
+    counts = np.zeros(vocab, np.int64)
+    for _, ex, plen in examples:
+        np.add.at(counts, ex.tokens[plen:], 1)  # what the target writes is what gets drafted
+    return counts
+
+
+def _split(examples) -> tuple[list, list]:
+    held = [e for i, e in enumerate(examples) if i % 20 == 19] or examples[-1:]
+    train = [e for i, e in enumerate(examples) if i % 20 != 19] or examples
+    return train, held
+
+
+def stage_fit(run: Path, arch: str, steps: int, batch: int = 8, lr: float = 3e-4, depth: int = 4, rank: int = 32,
+              draft_vocab: int = 8192, selection: str | None = None, seed: int = 0, eval_every: int = 50,
+              save_every: int = 50, name: str | None = None) -> dict[str, Any]:
+    """Train a draft head; data-parallel under torchrun (every rank takes a slice of each batch)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from ..engine import Transformer
+    from ..loading import load_target
+    from .fit import agreement, example_loss, init_eagle_head, init_lyanna_head
+
+    if arch not in ("lyanna", "eagle"):
+        raise LyannaError(f"--arch must be lyanna or eagle, got {arch!r}")
+    if steps < 1 or batch < 1 or depth < 1:
+        raise LyannaError("steps, batch and depth must be >= 1")
+    rank_id, world = _distributed()
+    if batch % world:
+        raise LyannaError(f"--batch {batch} must be a multiple of the {world} processes")
+    info = _run_info(run)
+    ids = set(json.loads((run / "select" / selection).read_text())["ids"]) if selection else None
+    examples = load_examples(run, ids)
+    train, held = _split(examples)
+    target = load_target(info["model"])
+    engine = Transformer(target.config, target.weights)
+    out = run / "fit" / (name or arch)
+    out.mkdir(parents=True, exist_ok=True)
+    state_json = out / "state.json"
+    state: dict[str, Any] = json.loads(state_json.read_text()) if state_json.is_file() else {
+        "arch": arch, "step": 0, "history": [], "seconds": 0.0, "selection": selection,
+        "settings": {"batch": batch, "lr": lr, "depth": depth, "rank": rank, "draft_vocab": draft_vocab, "seed": seed},
+        "train_examples": len(train), "held_out_examples": len(held),
+        "train_tokens": int(sum(len(ex.tokens) for _, ex, _ in train)),
+    }
+    if state["arch"] != arch:
+        raise LyannaError(f"{out} holds a {state['arch']} run; pass another --name")
+    if arch == "lyanna":
+        counts = _token_frequencies(train, target.config.vocab_size)
+        d2t = np.argsort(-counts, kind="stable")[: min(draft_vocab, target.config.vocab_size)]
+        head = init_lyanna_head(engine, target.weights, d2t, rank=rank, seed=seed)
+    else:
+        head = init_eagle_head(engine, target.weights, seed=seed)
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr)
+    if (out / "state.safetensors").is_file():
+        saved = load_file(str(out / "state.safetensors"))
+        head.load_state_dict({k[len("head/"):]: v for k, v in saved.items() if k.startswith("head/")}, strict=False)
+        names = [n for n, p in head.named_parameters() if p.requires_grad]
+        for n, p in zip(names, params):
+            if f"opt/{n}/exp_avg" in saved:
+                opt.state[p] = {"step": torch.tensor(float(state["step"])), "exp_avg": saved[f"opt/{n}/exp_avg"],
+                                "exp_avg_sq": saved[f"opt/{n}/exp_avg_sq"]}
+
+    class _Loss(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.head = head
+
+        def forward(self, exs: list) -> torch.Tensor:
+            return torch.stack([example_loss(self.head, ex, depth) for ex in exs]).mean()
+
+    model: torch.nn.Module = _Loss()
+    if world > 1:
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = DistributedDataParallel(model)
+
+    def evaluate() -> list[float]:
+        hits, counts = np.zeros(depth), np.zeros(depth)
+        for _, ex, plen in held:
+            h, c = agreement(head, ex, depth, start=plen)
+            hits += h
+            counts += c
+        return [round(float(x), 4) for x in hits / np.maximum(counts, 1)]
+
+    def save() -> None:
+        tensors = {f"head/{k}": v.detach().clone().contiguous() for k, v in head.state_dict().items()}
+        for n, p in head.named_parameters():
+            st = opt.state.get(p)
+            if st:
+                tensors[f"opt/{n}/exp_avg"] = st["exp_avg"].contiguous()
+                tensors[f"opt/{n}/exp_avg_sq"] = st["exp_avg_sq"].contiguous()
+        save_file(tensors, str(out / ".state.tmp"))
+        os.replace(out / ".state.tmp", out / "state.safetensors")
+        state_json.write_text(json.dumps(state, indent=2))
+
+    from tqdm import tqdm
+
+    bar = tqdm(total=steps, initial=state["step"], desc=f"fit {arch}", unit="step", dynamic_ncols=True,
+               disable=rank_id != 0 or os.environ.get("LYANNA_NO_PROGRESS") == "1")
+    t0 = time.perf_counter()
+    while state["step"] < steps:
+        step = state["step"]
+        picks = np.random.default_rng([seed, step]).integers(len(train), size=batch)
+        local = [train[i][1] for i in picks[rank_id::world]]
+        loss = model(local)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        state["step"] = step + 1
+        bar.update(1)
+        bar.set_postfix(loss=f"{float(loss.detach()):.3f}")
+        done = state["step"] == steps
+        if rank_id == 0 and (state["step"] % eval_every == 0 or done):
+            acc = evaluate()
+            state["history"].append({"step": state["step"], "loss": round(float(loss.detach()), 4), "agreement": acc})
+            bar.write(f"step {state['step']}: loss {float(loss.detach()):.4f}, held-out agreement by depth {acc}")
+        if rank_id == 0 and (state["step"] % save_every == 0 or done):
+            state["seconds"] += time.perf_counter() - t0
+            t0 = time.perf_counter()
+            save()
+    bar.close()
+    return state
+
+
+def stage_export(run: Path, arch: str, out_dir: Path, name: str | None = None, hot: int = 2048, command: str = "") -> Path:
+    """Write the draft checkpoint (and, for Lyanna, the hot-token list the table is built from)
+    plus a model card."""
+    from safetensors.numpy import load_file
+
+    from ..drafters.checkpoint import save_head
+    from ..loading import load_target
+
+    info = _run_info(run)
+    fit_dir = run / "fit" / (name or arch)
+    if not (fit_dir / "state.safetensors").is_file():
+        raise LyannaError(f"{fit_dir} has no trained state: run `lyanna train fit --arch {arch}` first")
+    state = json.loads((fit_dir / "state.json").read_text())
+    if state["arch"] != arch:
+        raise LyannaError(f"{fit_dir} holds a {state['arch']} head, not {arch}")
+    saved = load_file(str(fit_dir / "state.safetensors"))
+    weights = {k[len("head/"):]: v for k, v in saved.items() if k.startswith("head/")}
+    target = load_target(info["model"])
+    coverage = None
+    if arch == "lyanna":
+        counts = _token_frequencies(load_examples(run), target.config.vocab_size)
+        hot_ids = np.argsort(-counts, kind="stable")[:hot]
+        weights["ti.hot"] = hot_ids.astype(np.int64)
+        coverage = float(counts[hot_ids].sum() / max(counts.sum(), 1))
+        d2t_cov = float(counts[weights["d2t"]].sum() / max(counts.sum(), 1))
+    tap = target.config.num_layers
+    settings = {**state["settings"], "steps": state["step"], "train_seconds": round(state["seconds"], 1),
+                "train_examples": state["train_examples"], "train_tokens": state["train_tokens"],
+                "selection": state.get("selection"), "hot_tokens": hot if arch == "lyanna" else None,
+                "hot_coverage": coverage, "command": command}
+    save_head(out_dir, arch, weights, target, tap, settings)
+    last = state["history"][-1] if state["history"] else {}
+    lines = [
+        f"# {arch} draft head for {info['model']}",
+        "",
+        f"Trained with Lyanna's own pipeline (`lyanna train`), {time.strftime('%Y-%m-%d')}.",
+        "",
+        f"- target: `{info['model']}`, tapped hidden state: final-norm output (index {tap})",
+        f"- data: {state['train_examples']} training examples ({state['train_tokens']} tokens; prompts from "
+        f"`{info['prompts']}` answered greedily by the target, at most {info['max_new_tokens']} new tokens), "
+        f"{state['held_out_examples']} held out; selection: {state.get('selection') or 'all'}",
+        f"- steps: {state['step']} (batch {state['settings']['batch']}, lr {state['settings']['lr']}, unrolled depth "
+        f"{state['settings']['depth']}), wall time {state['seconds'] / 60:.1f} min",
+        f"- held-out top-1 agreement with the target by depth (teacher-forced): {last.get('agreement')}",
+    ]
+    if arch == "lyanna":
+        lines.append(f"- draft vocabulary: {len(weights['d2t'])} tokens covering {d2t_cov:.1%} of reply tokens; "
+                     f"token-info rank {state['settings']['rank']}; materialized hot rows: {hot} ({coverage:.1%} of reply tokens)")
+    lines += ["", "Reproduce:", "", "```", command or "(see run.json)", "```", ""]
+    (Path(out_dir) / "README.md").write_text("\n".join(lines))
+    print(f"export: wrote {out_dir}")
+    return Path(out_dir)

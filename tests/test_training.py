@@ -1,0 +1,118 @@
+"""The training pipeline end to end on a tiny model: stages, resumption, selection, DDP, export."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from lyanna.decoding import Decoder, GenerationRequest
+from lyanna.errors import LyannaError
+from lyanna.loading import load_target
+from lyanna.train import main as train_main
+from lyanna.training import pipeline
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory, tiny_model_dir):
+    """Data and features for 24 prompts (two of them benchmark questions that must be dropped)."""
+    root = tmp_path_factory.mktemp("train")
+    shared = root / "shared"
+    shared.mkdir()
+    bench_q = "What is the capital of France?"
+    (shared / "spec_bench_question.jsonl").write_text(json.dumps({"question_id": 1, "category": "qa", "turns": [bench_q]}) + "\n")
+    prompts = [{"id": f"p{i}", "prompt": f"tell me about item {i} and cats"} for i in range(22)]
+    prompts += [{"id": "b1", "prompt": bench_q}, {"id": "b2", "prompt": "  what is the CAPITAL of france?  "}]
+    pfile = root / "prompts.jsonl"
+    pfile.write_text("\n".join(json.dumps(p) for p in prompts))
+    run = root / "run"
+    os.environ["LYANNA_NO_PROGRESS"] = "1"
+    n = pipeline.stage_data(run, str(tiny_model_dir), pfile, shared, None, 24, 64, seed=0)
+    assert n == 22  # benchmark questions never reach training
+    pipeline.stage_features(run)
+    return run
+
+
+def test_data_is_resumable_and_deterministic(run_dir, tiny_model_dir, tmp_path):
+    rows = list(pipeline.iter_data(run_dir))
+    assert len(rows) == 22 and {r["id"] for r in rows} == {f"p{i}" for i in range(22)}
+    decoder = Decoder(load_target(tiny_model_dir))
+    r = rows[0]
+    assert decoder.generate(r["prompt_ids"], GenerationRequest(max_new_tokens=24)).tokens == r["output_ids"]
+    # a second call finds everything done: no new shard
+    shards = sorted((run_dir / "data").glob("shard-*.jsonl"))
+    info = json.loads((run_dir / "run.json").read_text())
+    assert sorted((run_dir / "data").glob("shard-*.jsonl")) == shards and info["model"] == str(tiny_model_dir)
+
+
+def test_features_are_fp16_and_match_the_engine(run_dir, tiny_model_dir):
+    shard = load_file(str(sorted((run_dir / "features").glob("shard-*.safetensors"))[0]))
+    feats = [k for k in shard if k.endswith("/features")]
+    assert len(feats) == 22 and all(shard[k].dtype == np.float16 for k in feats)
+    examples = pipeline.load_examples(run_dir)
+    assert len(examples) == 22
+
+
+def test_selection_modes(run_dir):
+    flat = json.loads(pipeline.stage_select(run_dir, "flat", 0.5, 0).read_text())["ids"]
+    rand = json.loads(pipeline.stage_select(run_dir, "random", 0.5, 0).read_text())["ids"]
+    assert len(flat) == len(rand) == 11 and set(flat) != set(rand)
+    with pytest.raises(LyannaError):
+        pipeline.stage_select(run_dir, "flat", 1.5, 0)
+
+
+@pytest.mark.parametrize("arch", ["lyanna", "eagle"])
+def test_fit_lowers_loss_resumes_and_exports_a_lossless_draft(run_dir, tiny_model_dir, tmp_path, arch):
+    state = pipeline.stage_fit(run_dir, arch, steps=12, batch=2, lr=2e-3, depth=3, rank=8, draft_vocab=200,
+                               eval_every=6, name=f"{arch}-t")
+    assert state["step"] == 12 and len(state["history"]) == 2
+    assert all(0 <= a <= 1 for a in state["history"][-1]["agreement"])
+    first = json.loads((run_dir / "fit" / f"{arch}-t" / "state.json").read_text())
+    state = pipeline.stage_fit(run_dir, arch, steps=30, batch=2, lr=2e-3, depth=3, rank=8, draft_vocab=200,
+                               eval_every=6, name=f"{arch}-t")  # resumes at step 12
+    assert state["step"] == 30 and state["history"][:2] == first["history"]
+    assert state["history"][-1]["loss"] < state["history"][0]["loss"]
+    out = tmp_path / arch
+    assert train_main(["export", "--run-dir", str(run_dir), "--arch", arch, "--name", f"{arch}-t", "--out", str(out),
+                       "--hot", "64"]) == 0
+    card = (out / "README.md").read_text()
+    assert "agreement" in card and "lyanna train export" in card
+    decoder = Decoder(load_target(tiny_model_dir))
+    methods = decoder.load_draft(str(out))
+    for prompt in ["tell me about item 3 and cats", "hello"]:
+        ids = decoder.encode(prompt)
+        req = GenerationRequest(max_new_tokens=30)
+        ar = decoder.generate(ids, req).tokens
+        for m in methods:
+            assert decoder.generate(ids, req, method=m).tokens == ar
+
+
+def test_distributed_fit_equals_single_process(run_dir):
+    """torchrun with 2 gloo processes: the same weights as one process with the same global batch."""
+    single = pipeline.stage_fit(run_dir, "lyanna", steps=3, batch=4, lr=1e-3, depth=2, rank=4, draft_vocab=100,
+                                eval_every=3, name="single")
+    env = {**os.environ, "LYANNA_NO_PROGRESS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29533", "-m", "lyanna.train",
+           "fit", "--run-dir", str(run_dir), "--arch", "lyanna", "--steps", "3", "--batch", "4", "--lr", "1e-3", "--depth", "2",
+           "--rank", "4", "--draft-vocab", "100", "--eval-every", "3", "--name", "ddp"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    a = load_file(str(run_dir / "fit" / "single" / "state.safetensors"))
+    b = load_file(str(run_dir / "fit" / "ddp" / "state.safetensors"))
+    for k in a:
+        if k.startswith("head/"):
+            np.testing.assert_allclose(a[k], b[k], atol=1e-5, err_msg=k)
+    assert json.loads((run_dir / "fit" / "ddp" / "state.json").read_text())["step"] == single["step"]
+
+
+def test_bad_input_is_refused(run_dir, tmp_path):
+    with pytest.raises(LyannaError, match="not a training run"):
+        pipeline.stage_features(tmp_path / "nothing")
+    with pytest.raises(LyannaError, match="arch"):
+        pipeline.stage_fit(run_dir, "medusa", steps=1)
+    with pytest.raises(LyannaError, match="no trained state"):
+        pipeline.stage_export(run_dir, "eagle", tmp_path / "x", name="never")

@@ -25,10 +25,11 @@ def run_dir(tmp_path_factory, tiny_model_dir):
     shared.mkdir()
     bench_q = "What is the capital of France?"
     (shared / "spec_bench_question.jsonl").write_text(json.dumps({"question_id": 1, "category": "qa", "turns": [bench_q]}) + "\n")
-    prompts = [{"id": f"p{i}", "prompt": f"tell me about item {i} and cats"} for i in range(22)]
+    prompts = [{"id": f"p{i}", "prompt": f"tell me about item {i} and cats"} for i in range(21)]
+    prompts.append({"id": "p21", "prompt": "a line\u2028separator inside a JSON string"})  # not a record break
     prompts += [{"id": "b1", "prompt": bench_q}, {"id": "b2", "prompt": "  what is the CAPITAL of france?  "}]
     pfile = root / "prompts.jsonl"
-    pfile.write_text("\n".join(json.dumps(p) for p in prompts))
+    pfile.write_text("\n".join(json.dumps(p, ensure_ascii=False) for p in prompts))
     run = root / "run"
     os.environ["LYANNA_NO_PROGRESS"] = "1"
     n = pipeline.stage_data(run, str(tiny_model_dir), pfile, shared, None, 24, 64, seed=0)

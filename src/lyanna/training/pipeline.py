@@ -43,7 +43,7 @@ def benchmark_prompts(data_dir: Path) -> set[str]:
     for name in ("spec_bench_question.jsonl", "mt_bench_question.jsonl"):
         f = data_dir / name
         if f.is_file():
-            for line in f.read_text().splitlines():
+            for line in f.read_text().split("\n"):
                 if line.strip():
                     for turn in json.loads(line).get("turns", []):
                         seen.add(" ".join(str(turn).split()).lower())
@@ -55,7 +55,7 @@ def read_prompts(path: Path, limit: int | None, seed: int, exclude: set[str]) ->
     if not path.is_file():
         raise LyannaError(f"training prompts {path} not found")
     rows = []
-    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+    for lineno, line in enumerate(path.read_text().split("\n"), 1):
         if not line.strip():
             continue
         try:
@@ -72,7 +72,7 @@ def read_prompts(path: Path, limit: int | None, seed: int, exclude: set[str]) ->
 
 def iter_data(run: Path) -> Iterator[dict[str, Any]]:
     for shard in sorted((run / "data").glob("shard-*.jsonl")):
-        for line in shard.read_text().splitlines():
+        for line in shard.read_text().split("\n"):
             if line.strip():
                 yield json.loads(line)
 

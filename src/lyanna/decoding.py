@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -117,6 +118,7 @@ def decode_ar(state: DecodeState) -> None:
 
 
 METHODS: dict[str, Method] = {"ar": decode_ar}
+DRAFTS_DIR = Path(__file__).parent / "drafts"  # trained heads shipped with the package, by model alias
 # Tree positions past the committed context that a cache must hold: the largest verification block.
 MAX_TREE_TOKENS = 256
 
@@ -124,7 +126,8 @@ MAX_TREE_TOKENS = 256
 class Decoder:
     """A loaded target plus everything to turn prompts into outputs with any registered method."""
 
-    def __init__(self, target: Target):
+    def __init__(self, target: Target, default_drafts: bool = True):
+        """``default_drafts``: register the draft heads shipped for this model (``lyanna/drafts/<name>/``)."""
         self.target = target
         self.engine = Transformer(target.config, target.weights)
         self.tokenizer = target.tokenizer
@@ -133,6 +136,10 @@ class Decoder:
         from .drafters.suffix import SuffixDrafter
 
         self.add_drafter("suffix", SuffixDrafter())
+        shipped = DRAFTS_DIR / target.name
+        if default_drafts and shipped.is_dir():
+            for sub in sorted(p for p in shipped.iterdir() if (p / "config.json").is_file()):
+                self.load_draft(str(sub))
 
     def add_drafter(self, name: str, drafter: Any) -> None:
         """Make ``name`` a method: the shared speculative loop driven by ``drafter``."""
@@ -144,7 +151,6 @@ class Decoder:
         """Load a draft-head checkpoint and register the methods it provides (``eagle``; or
         ``lyanna`` with its ablations ``lyanna-noresample`` and ``lyanna-nofusion``)."""
         import json
-        from pathlib import Path
 
         cfg_file = Path(path) / "config.json"
         arch = json.loads(cfg_file.read_text()).get("arch") if cfg_file.is_file() else None

@@ -67,16 +67,17 @@ def test_bench_report_shape(capsys, tmp_path, tiny_model_dir):
             for i, c in enumerate(["a", "a", "a", "b", "c"])]
     questions.write_text("\n".join(json.dumps(r) for r in rows))
     out_json = tmp_path / "out.json"
-    code, out, err = run_cli(capsys, "--model", str(tiny_model_dir), "bench", "--methods", "hf,ar", "--questions",
+    code, out, err = run_cli(capsys, "--model", str(tiny_model_dir), "bench", "--methods", "hf,hf-pld,ar", "--questions",
                              str(questions), "--limit", "4", "--max-new-tokens", "6", "--json", str(out_json), "--no-progress")
     assert code == 0
     report = json.loads(out_json.read_text())
     assert set(report) >= {"model", "machine", "settings", "results"}
-    assert [r["method"] for r in report["results"]] == ["hf", "ar"]
-    hf, ar = report["results"]
+    assert [r["method"] for r in report["results"]] == ["hf", "hf-pld", "ar"]
+    hf, pld, ar = report["results"]
+    assert pld["equal_to_ar"] == hf["equal_to_ar"]  # prompt lookup is lossless in greedy mode
     # round-robin across categories: a, b, c, a
     assert [q["category"] for q in ar["per_question"]] == ["a", "b", "c", "a"]
-    for r in (hf, ar):
+    for r in (hf, pld, ar):
         for key in ("new_tokens", "seconds", "tokens_per_s", "decode_tokens_per_s", "speedup", "tau", "waste_ratio",
                     "equal_to_ar", "per_category"):
             assert key in r

@@ -19,7 +19,8 @@ from .errors import LyannaError
 from .sampling import SamplingParams
 
 DEFAULT_QUESTIONS = "spec_bench_question.jsonl"
-EXTERNAL_METHODS = ("hf",)
+EXTERNAL_METHODS = ("hf", "hf-pld")
+PLD_TOKENS = 10  # Hugging Face's documented example value for prompt_lookup_num_tokens
 
 
 @dataclass(frozen=True)
@@ -96,14 +97,16 @@ Runner = Callable[[list[int], int], GenerationResult]
 
 def make_runners(decoder: Decoder, methods: Sequence[str], sampling: SamplingParams) -> dict[str, Runner]:
     runners: dict[str, Runner] = {}
+    hf = None
     for m in methods:
-        if m == "hf":
+        if m in EXTERNAL_METHODS:
             if not sampling.greedy:
-                raise LyannaError("method hf is benchmarked greedy only (temperature 0)")
+                raise LyannaError(f"method {m} is benchmarked greedy only (temperature 0)")
             from .hf_baseline import HFGenerate
 
-            hf = HFGenerate(decoder.target.path, decoder.tokenizer, decoder.eos_token_ids)
-            runners[m] = hf.generate
+            if hf is None:
+                hf = HFGenerate(decoder.target.path, decoder.tokenizer, decoder.eos_token_ids)
+            runners[m] = hf.generate if m == "hf" else (lambda ids, n, hf=hf: hf.generate(ids, n, prompt_lookup=PLD_TOKENS))
         elif m in decoder.methods:
             runners[m] = lambda ids, n, m=m: decoder.generate(ids, GenerationRequest(max_new_tokens=n, sampling=sampling), method=m)
         else:

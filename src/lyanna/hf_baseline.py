@@ -25,7 +25,8 @@ class _FirstTokenClock:
 
 
 class HFGenerate:
-    """Greedy ``model.generate`` in fp32 with the same EOS tokens as our decoder."""
+    """Greedy ``model.generate`` in fp32 with the same EOS tokens as our decoder; with
+    ``prompt_lookup`` it is Hugging Face's prompt lookup decoding (method ``hf-pld``)."""
 
     def __init__(self, model_dir: Path, tokenizer: Any, eos_token_ids: Sequence[int]):
         import torch
@@ -39,7 +40,7 @@ class HFGenerate:
         self.tokenizer = tokenizer
         self.eos_token_ids = list(eos_token_ids)
 
-    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int) -> GenerationResult:
+    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, prompt_lookup: int | None = None) -> GenerationResult:
         torch = self.torch
         clock = _FirstTokenClock()
         t0 = time.perf_counter()
@@ -52,11 +53,12 @@ class HFGenerate:
                 eos_token_id=self.eos_token_ids,
                 pad_token_id=self.eos_token_ids[0],
                 streamer=clock,
+                **({"prompt_lookup_num_tokens": prompt_lookup} if prompt_lookup else {}),
             )
         t1 = time.perf_counter()
         tokens = out[0, len(prompt_ids):].tolist()
         return GenerationResult(
-            method="hf",
+            method="hf-pld" if prompt_lookup else "hf",
             prompt_tokens=len(prompt_ids),
             tokens=tokens,
             text=self.tokenizer.decode(tokens, skip_special_tokens=True),

@@ -86,3 +86,20 @@ def test_bench_report_shape(capsys, tmp_path, tiny_model_dir):
     assert hf["tau"] is None
     assert hf["equal_to_ar"] in (True, False)
     assert "| hf |" in out and "| ar |" in out
+
+
+def test_report_writes_markdown_and_figures(capsys, tmp_path, tiny_model_dir):
+    questions = tmp_path / "q.jsonl"
+    questions.write_text("\n".join(json.dumps({"question_id": i, "category": c, "turns": [f"abcabc {i} abcabc"]})
+                                   for i, c in enumerate(["a", "b"])))
+    bench_json = tmp_path / "bench.json"
+    assert main(["--model", str(tiny_model_dir), "bench", "--methods", "ar,suffix", "--questions", str(questions),
+                 "--max-new-tokens", "8", "--json", str(bench_json), "--no-progress"]) == 0
+    out = tmp_path / "BENCHMARKS.md"
+    assert main(["report", str(bench_json), "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "| suffix |" in text and "machine:" in text and "date:" in text
+    figures = list((tmp_path / "docs" / "figures").glob("*.png"))
+    assert any(f.name.endswith("-speedup.png") for f in figures)
+    for f in figures:
+        assert f.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f.name in text

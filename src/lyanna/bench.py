@@ -121,9 +121,22 @@ def _aggregate(results: list[GenerationResult]) -> dict[str, Any]:
     decode_s = sum(r.seconds - r.prefill_seconds for r in results)
     passes = sum(r.target_passes for r in results)
     drafted = sum(r.draft_tokens for r in results)
+    by_depth: dict[int, list[int]] = {}
+    for r in results:
+        for d, (acc, tried) in r.extra.get("accepted_by_depth", {}).items():
+            cell = by_depth.setdefault(int(d), [0, 0])
+            cell[0] += acc
+            cell[1] += tried
+    split = {k: round(sum(r.extra.get(f"{k}_seconds", 0.0) for r in results), 3) for k in ("draft", "verify", "other")}
     return {
         "new_tokens": tokens,
         "seconds": round(seconds, 3),
+        "prefill_seconds": round(sum(r.prefill_seconds for r in results), 3),
+        "time_split": split if any(split.values()) else None,
+        "acceptance_by_depth": {str(d): round(a / t, 4) for d, (a, t) in sorted(by_depth.items()) if t} or None,
+        "recovered_tokens": sum(r.extra.get("recovered_tokens", 0) for r in results) if any("recovered_tokens" in r.extra for r in results) else None,
+        "draft_passes_per_token": round(sum(r.extra.get("draft_passes", 0) for r in results) / tokens, 4)
+        if tokens and any("draft_passes" in r.extra for r in results) else None,
         "tokens_per_s": round(tokens / seconds, 3) if seconds else None,
         "decode_tokens_per_s": round(sum(max(r.new_tokens - 1, 0) for r in results) / decode_s, 3) if decode_s > 0 else None,
         "tau": round(tokens / passes, 4) if passes and all(r.target_passes for r in results) else None,

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -79,6 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
     lt.add_argument("--questions", default=None, help="MT-bench-format JSONL for prompts (default Spec-Bench)")
     lt.add_argument("--json", dest="json_out", default=None, metavar="OUT")
 
+    rp = sub.add_parser("report", help="turn bench JSON files into BENCHMARKS.md with figures")
+    rp.add_argument("bench_json", nargs="+")
+    rp.add_argument("--out", default="BENCHMARKS.md")
+
     sub.add_parser("train", help="draft training pipeline: lyanna train {data,features,select,fit,export} ...")
 
     sub.add_parser("demo", help="load the model and generate a reply to a fixed prompt (make run)")
@@ -134,7 +139,8 @@ def _bench(args: argparse.Namespace) -> None:
     decoder = _decoder(args)
     report = run_bench(
         decoder, methods, questions, args.max_new_tokens, sampling,
-        settings={"questions_file": str(args.questions or "spec_bench_question.jsonl"), "limit": args.limit},
+        settings={"questions_file": str(args.questions or "spec_bench_question.jsonl"), "limit": args.limit,
+                  "command": "lyanna " + shlex.join(sys.argv[1:]) if "bench" in sys.argv[1:] else None},
         progress=not args.no_progress,
     )
     print(format_table(report))
@@ -160,6 +166,12 @@ def _loadtest(args: argparse.Namespace) -> None:
         Path(args.json_out).write_text(json.dumps(report, indent=2))
 
 
+def _report(args: argparse.Namespace) -> None:
+    from .report import write_report
+
+    print(f"wrote {write_report(args.bench_json, args.out)}")
+
+
 def _demo(args: argparse.Namespace) -> None:
     from .decoding import Decoder, GenerationRequest
     from .loading import load_target
@@ -181,7 +193,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return train_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
-        {"generate": _generate, "bench": _bench, "serve": _serve, "loadtest": _loadtest, "demo": _demo}[args.command](args)
+        {"generate": _generate, "bench": _bench, "serve": _serve, "loadtest": _loadtest, "report": _report, "demo": _demo}[args.command](args)
     except LyannaError as e:
         print(f"lyanna: error: {e}", file=sys.stderr)
         return 1

@@ -20,6 +20,13 @@ def _figures(report: dict[str, Any], fig_dir: Path, stem: str) -> list[tuple[str
     results = report["results"]
     out: list[tuple[str, Path]] = []
 
+    def save(fig: Any, name: str, caption: str) -> None:
+        fig.tight_layout()
+        path = fig_dir / f"{stem}-{name}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        out.append((caption, path))
+
     cats = list(results[0]["per_category"])
     methods = [r for r in results if r["speedup"] is not None]
     if methods and cats:
@@ -32,11 +39,7 @@ def _figures(report: dict[str, Any], fig_dir: Path, stem: str) -> list[tuple[str
         ax.set_xticks(np.arange(len(cats)) + 0.4 - width / 2, cats, rotation=30, ha="right")
         ax.set_ylabel("speedup vs ar")
         ax.legend(fontsize=8, ncol=min(4, len(methods)))
-        fig.tight_layout()
-        path = fig_dir / f"{stem}-speedup.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        out.append(("Speedup over `ar` per category", path))
+        save(fig, "speedup", "Speedup over `ar` per category")
 
     spec = [r for r in results if r.get("acceptance_by_depth")]
     if spec:
@@ -50,11 +53,7 @@ def _figures(report: dict[str, Any], fig_dir: Path, stem: str) -> list[tuple[str
         axes[1].bar([r["method"] for r in spec], [r["tau"] or 0 for r in spec])
         axes[1].set_ylabel("tau (tokens per target pass)")
         axes[1].tick_params(axis="x", rotation=30)
-        fig.tight_layout()
-        path = fig_dir / f"{stem}-acceptance.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        out.append(("Acceptance by depth and tau", path))
+        save(fig, "acceptance", "Acceptance by depth and tau")
 
     split = [r for r in results if r.get("time_split")]
     if split:
@@ -67,11 +66,7 @@ def _figures(report: dict[str, Any], fig_dir: Path, stem: str) -> list[tuple[str
         ax.set_ylabel("decode ms per generated token")
         ax.legend(fontsize=8)
         ax.tick_params(axis="x", rotation=30)
-        fig.tight_layout()
-        path = fig_dir / f"{stem}-time-split.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        out.append(("Where decode time goes", path))
+        save(fig, "time-split", "Where decode time goes")
     return out
 
 

@@ -44,10 +44,14 @@ def test_data_is_resumable_and_deterministic(run_dir, tiny_model_dir, tmp_path):
     decoder = Decoder(load_target(tiny_model_dir))
     r = rows[0]
     assert decoder.generate(r["prompt_ids"], GenerationRequest(max_new_tokens=24)).tokens == r["output_ids"]
-    # a second call finds everything done: no new shard
+    # a second call finds everything done: no new shard, same rows
     shards = sorted((run_dir / "data").glob("shard-*.jsonl"))
-    info = json.loads((run_dir / "run.json").read_text())
-    assert sorted((run_dir / "data").glob("shard-*.jsonl")) == shards and info["model"] == str(tiny_model_dir)
+    root = run_dir.parent
+    assert pipeline.stage_data(run_dir, str(tiny_model_dir), root / "prompts.jsonl", root / "shared", None, 24, 64, 0) == 22
+    assert sorted((run_dir / "data").glob("shard-*.jsonl")) == shards
+    assert list(pipeline.iter_data(run_dir)) == rows
+    with pytest.raises(LyannaError, match="made for model"):
+        pipeline.stage_data(run_dir, "another-model", root / "prompts.jsonl", root / "shared", None, 24, 64, 0)
 
 
 def test_features_are_fp16_and_match_the_engine(run_dir, tiny_model_dir):
@@ -56,6 +60,11 @@ def test_features_are_fp16_and_match_the_engine(run_dir, tiny_model_dir):
     assert len(feats) == 22 and all(shard[k].dtype == np.float16 for k in feats)
     examples = pipeline.load_examples(run_dir)
     assert len(examples) == 22
+    engine = Decoder(load_target(tiny_model_dir)).engine
+    _, ex, _ = examples[0]
+    ref = engine.forward(ex.tokens, np.arange(len(ex.tokens)), engine.new_cache(len(ex.tokens)),
+                         taps=(engine.config.num_layers,)).hidden[engine.config.num_layers]
+    np.testing.assert_allclose(ex.features, ref, rtol=2e-3, atol=2e-3)  # fp16 storage
 
 
 def test_selection_modes(run_dir):

@@ -95,24 +95,58 @@ def machine_info() -> dict[str, Any]:
 Runner = Callable[[list[int], int], GenerationResult]
 
 
-def make_runners(decoder: Decoder, methods: Sequence[str], sampling: SamplingParams) -> dict[str, Runner]:
+def split_budget(spec: str, default: int | str) -> tuple[str, int | str]:
+    """``lyanna@8`` -> (lyanna, 8); ``lyanna`` -> (lyanna, default)."""
+    from .budget import parse_budget
+
+    method, _, budget = spec.partition("@")
+    return method, parse_budget(budget) if budget else default
+
+
+def make_runners(decoder: Decoder, methods: Sequence[str], sampling: SamplingParams, budget: int | str = "auto",
+                 fallback: bool = False) -> dict[str, Runner]:
+    """One runner per method spec; a spec ``METHOD@N`` (or ``@auto``) fixes the tree budget."""
     runners: dict[str, Runner] = {}
     hf = None
-    for m in methods:
-        if m in EXTERNAL_METHODS:
+    for spec in methods:
+        m, b = split_budget(spec, budget)
+        if "@" in spec and (m not in decoder.drafters):
+            raise LyannaError(f"{spec}: only speculative methods take a tree budget")
+        if m == "llamacpp":
+            from .llamacpp_baseline import LlamaCppGenerate
+
+            if not sampling.greedy:
+                raise LyannaError("method llamacpp is benchmarked greedy only (temperature 0)")
+            runners[spec] = LlamaCppGenerate(decoder.target, decoder.eos_token_ids).generate
+        elif m in EXTERNAL_METHODS:
             if not sampling.greedy:
                 raise LyannaError(f"method {m} is benchmarked greedy only (temperature 0)")
             from .hf_baseline import HFGenerate
 
             if hf is None:
                 hf = HFGenerate(decoder.target.path, decoder.tokenizer, decoder.eos_token_ids)
-            runners[m] = hf.generate if m == "hf" else (lambda ids, n, hf=hf: hf.generate(ids, n, prompt_lookup=PLD_TOKENS))
+            runners[spec] = hf.generate if m == "hf" else (lambda ids, n, hf=hf: hf.generate(ids, n, prompt_lookup=PLD_TOKENS))
         elif m in decoder.methods:
-            runners[m] = lambda ids, n, m=m: decoder.generate(ids, GenerationRequest(max_new_tokens=n, sampling=sampling), method=m)
+            runners[spec] = lambda ids, n, m=m, b=b: decoder.generate(
+                ids, GenerationRequest(max_new_tokens=n, sampling=sampling), method=m, budget=b, fallback=fallback)
         else:
-            known = ", ".join([*EXTERNAL_METHODS, *decoder.methods])
+            known = ", ".join([*EXTERNAL_METHODS, "llamacpp", *decoder.methods])
             raise LyannaError(f"unknown method {m!r}; available: {known}")
     return runners
+
+
+HEALTHY_TAU = 1.3
+
+
+def health(result: dict[str, Any]) -> list[str]:
+    """Warnings for a speculative method that does not pay: tau near 1 or slower than ``ar``."""
+    notes = []
+    if result["tau"] is not None and result["draft_tokens"] and result["tau"] < HEALTHY_TAU:
+        notes.append(f"tau {result['tau']:.2f} is near 1: its drafts are rarely accepted here")
+    if result["speedup"] is not None and result["method"] != "ar" and result["speedup"] < 1.0:
+        notes.append(f"{result['speedup']:.2f}x ar: slower than plain decoding on this machine "
+                     "(use method ar, or --fallback to stop drafting when it does not pay)")
+    return notes
 
 
 def _aggregate(results: list[GenerationResult]) -> dict[str, Any]:
@@ -140,6 +174,8 @@ def _aggregate(results: list[GenerationResult]) -> dict[str, Any]:
         "tokens_per_s": round(tokens / seconds, 3) if seconds else None,
         "decode_tokens_per_s": round(sum(max(r.new_tokens - 1, 0) for r in results) / decode_s, 3) if decode_s > 0 else None,
         "tau": round(tokens / passes, 4) if passes and all(r.target_passes for r in results) else None,
+        "draft_tokens": drafted,
+        "fell_back": sum("fell_back_after_tokens" in r.extra for r in results),
         "waste_ratio": round(1 - sum(r.accepted_draft_tokens for r in results) / drafted, 4) if drafted else None,
     }
 
@@ -152,6 +188,8 @@ def run_bench(
     sampling: SamplingParams = SamplingParams(),
     settings: dict[str, Any] | None = None,
     progress: bool = True,
+    budget: int | str = "auto",
+    fallback: bool = False,
 ) -> dict[str, Any]:
     """Run every method on every question and return the JSON-ready report."""
     from tqdm import tqdm
@@ -160,7 +198,7 @@ def run_bench(
         raise LyannaError("give at least one method")
     if max_new_tokens < 1:
         raise LyannaError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
-    runners = make_runners(decoder, methods, sampling)
+    runners = make_runners(decoder, methods, sampling, budget, fallback)
     prompts = [decoder.encode(q.prompt) for q in questions]
     for run in runners.values():  # warm-up: first-call allocations and lazy imports
         run(prompts[0], min(8, max_new_tokens))
@@ -189,7 +227,7 @@ def run_bench(
                 "tokens_per_s": c["tokens_per_s"],
                 "speedup": round(c["tokens_per_s"] / ca["tokens_per_s"], 3) if ca and ca["tokens_per_s"] else None,
             }
-        results.append({
+        row = {
             "method": m,
             **agg,
             "speedup": speedup,
@@ -201,7 +239,9 @@ def run_bench(
                  "equal_to_ar": (r.tokens == ar[i].tokens) if ar and sampling.greedy else None}
                 for i, (q, r) in enumerate(zip(questions, rs))
             ],
-        })
+        }
+        row["health"] = health(row)
+        results.append(row)
     return {
         "model": decoder.target.name,
         "machine": machine_info(),
@@ -212,6 +252,8 @@ def run_bench(
             "temperature": sampling.temperature,
             "top_p": sampling.top_p,
             "seed": sampling.seed,
+            "budget": budget,
+            "fallback": fallback,
             "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             **(settings or {}),
         },

@@ -40,6 +40,23 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
 
 
+def _budget(text: str):
+    from .budget import parse_budget
+
+    try:
+        return parse_budget(text)
+    except LyannaError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _budget_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--budget", type=_budget, default="auto",
+                   help="draft nodes verified per round: 'auto' (default; from this machine's latency, see "
+                        "lyanna calibrate) or a number; in bench, METHOD@N overrides it per method")
+    p.add_argument("--fallback", action="store_true",
+                   help="stop drafting for the rest of a generation once speculation is slower than ar")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lyanna", description="Fast, lossless LLM decoding by hidden-state speculative decoding.")
     parser.add_argument("--model", default=DEFAULT_MODEL, help=f"alias, Hugging Face model directory or .gguf file (default {DEFAULT_MODEL})")
@@ -54,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--no-chat", action="store_true", help="do not wrap the prompt in the chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streamed text")
+    _budget_args(g)
     _sampling_args(g)
 
     b = sub.add_parser("bench", help="benchmark methods on the same prompts in one process")
@@ -63,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-new-tokens", type=_positive_int, default=128)
     b.add_argument("--json", dest="json_out", default=None, metavar="OUT", help="write the report as JSON to OUT")
     b.add_argument("--no-progress", action="store_true")
+    _budget_args(b)
     _sampling_args(b)
 
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
@@ -79,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     lt.add_argument("--max-tokens", type=_positive_int, default=64)
     lt.add_argument("--questions", default=None, help="MT-bench-format JSONL for prompts (default Spec-Bench)")
     lt.add_argument("--json", dest="json_out", default=None, metavar="OUT")
+
+    cb = sub.add_parser("calibrate", help="measure target latency against tree size on this machine (cached)")
+    cb.add_argument("--force", action="store_true", help="measure again even when a calibration is cached")
 
     rp = sub.add_parser("report", help="turn bench JSON files into BENCHMARKS.md with figures")
     rp.add_argument("bench_json", nargs="+")
@@ -103,7 +125,8 @@ def _generate(args: argparse.Namespace) -> None:
     decoder = _decoder(args)
     ids = decoder.encode(args.prompt, chat=not args.no_chat)
     stream = None if args.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
-    result = decoder.generate(ids, request, method=args.method, on_text=stream)
+    result = decoder.generate(ids, request, method=args.method, on_text=stream, budget=args.budget,
+                              fallback=args.fallback)
     if args.json:
         print(json.dumps(result.to_json()))
     else:
@@ -142,8 +165,13 @@ def _bench(args: argparse.Namespace) -> None:
         settings={"questions_file": str(args.questions or "spec_bench_question.jsonl"), "limit": args.limit,
                   "command": "lyanna " + shlex.join(sys.argv[1:]) if "bench" in sys.argv[1:] else None},
         progress=not args.no_progress,
+        budget=args.budget,
+        fallback=args.fallback,
     )
     print(format_table(report))
+    for row in report["results"]:
+        for note in row["health"]:
+            print(f"warning: {row['method']}: {note}", file=sys.stderr)
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(report, indent=2))
         print(f"wrote {args.json_out}", file=sys.stderr)
@@ -164,6 +192,18 @@ def _loadtest(args: argparse.Namespace) -> None:
     print(json.dumps(report, indent=2))
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(report, indent=2))
+
+
+def _calibrate(args: argparse.Namespace) -> None:
+    from .budget import calibration_path
+
+    decoder = _decoder(args)
+    curve = decoder.latency_curve(recalibrate=args.force)
+    print(f"model {curve.model} on {curve.machine}, {curve.context} tokens of context, measured {curve.date}")
+    print("| block tokens | ms | x one-token step |\n|---|---|---|")
+    for n, t in zip(curve.sizes, curve.seconds):
+        print(f"| {n} | {t * 1e3:.1f} | {t / curve.seconds[0]:.2f} |")
+    print(f"cached in {calibration_path(decoder.target.name, decoder.engine)}")
 
 
 def _report(args: argparse.Namespace) -> None:
@@ -193,7 +233,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return train_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
-        {"generate": _generate, "bench": _bench, "serve": _serve, "loadtest": _loadtest, "report": _report, "demo": _demo}[args.command](args)
+        {"generate": _generate, "bench": _bench, "serve": _serve, "loadtest": _loadtest, "report": _report, "demo": _demo,
+         "calibrate": _calibrate}[args.command](args)
     except LyannaError as e:
         print(f"lyanna: error: {e}", file=sys.stderr)
         return 1

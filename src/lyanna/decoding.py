@@ -133,6 +133,7 @@ class Decoder:
         self.tokenizer = target.tokenizer
         self.eos_token_ids = target.config.eos_token_ids
         self.drafters: dict[str, Any] = {}
+        self._curve = None
         from .drafters.suffix import SuffixDrafter
 
         self.add_drafter("suffix", SuffixDrafter())
@@ -169,6 +170,20 @@ class Decoder:
             return list(variants)
         raise LyannaError(f"{path}: not a known draft checkpoint (need config.json with arch 'eagle' or 'lyanna')")
 
+    def latency_curve(self, recalibrate: bool = False):
+        """This machine's target latency against block size (``lyanna calibrate``): read from the
+        per-model, per-machine cache, measured (a few seconds) and cached when missing."""
+        from .budget import calibrate, calibration_path, load_curve, save_curve
+
+        if self._curve is None or recalibrate:
+            path = calibration_path(self.target.name, self.engine)
+            curve = None if recalibrate else load_curve(path)
+            if curve is None:
+                curve = calibrate(self.engine, self.target.name)
+                save_curve(curve, path)
+            self._curve = curve
+        return self._curve
+
     @property
     def methods(self) -> list[str]:
         return [*METHODS, *self.drafters]
@@ -192,14 +207,24 @@ class Decoder:
         method: str = "ar",
         on_text: Callable[[str], None] | None = None,
         should_cancel: Callable[[], bool] | None = None,
+        budget: int | str | None = "auto",
+        fallback: bool = False,
     ) -> GenerationResult:
         """Generate with ``method``; ``on_text`` receives streamed text, and ``should_cancel`` is
-        polled at every commit (a true answer ends generation with finish reason ``cancelled``)."""
+        polled at every commit (a true answer ends generation with finish reason ``cancelled``).
+
+        Speculative methods only: ``budget`` is the number of draft nodes verified per round,
+        ``"auto"`` (this machine's latency curve decides each round) or None (the drafter's whole
+        tree); ``fallback`` stops drafting once speculation is slower than plain decoding."""
         if method.split("-")[0] in ("eagle", "lyanna") and method not in self.methods:
             raise LyannaError(f"method {method!r} needs a draft head: pass --draft DIR (a checkpoint made by the training pipeline)")
         if method not in self.methods:
             raise LyannaError(f"unknown method {method!r}; available: {', '.join(self.methods)}")
         drafter = self.drafters.get(method)
+        if budget is not None:
+            from .budget import parse_budget
+
+            budget = parse_budget(budget)
         taps = tuple(drafter.taps) if drafter is not None else ()
         prompt_ids = [int(t) for t in prompt_ids]
         limit = self.target.config.max_position_embeddings
@@ -221,9 +246,12 @@ class Decoder:
         if drafter is None:
             METHODS[method](state)
         else:
+            from .budget import Budget
             from .speculative import decode_speculative
 
-            decode_speculative(state, drafter)
+            curve = self.latency_curve() if budget == "auto" or fallback else None
+            decode_speculative(state, drafter, None if budget is None else Budget(budget, curve),
+                               curve(1) if fallback else None)
         t1 = time.perf_counter()
         return GenerationResult(
             method=method,

@@ -14,6 +14,7 @@ from typing import Protocol, Sequence
 
 import numpy as np
 
+from .budget import Budget
 from .decoding import DecodeState
 from .sampling import next_token
 from .tree import DraftTree
@@ -46,7 +47,14 @@ def _block(tree: DraftTree, root: int, start: int) -> tuple[np.ndarray, np.ndarr
     return tokens, positions, mask
 
 
-def decode_speculative(state: DecodeState, drafter: Drafter) -> None:
+FALLBACK_WARMUP_ROUNDS = 8
+
+
+def decode_speculative(state: DecodeState, drafter: Drafter, budget: Budget | None = None,
+                       fallback_step_seconds: float | None = None) -> None:
+    """``budget`` trims each proposed tree (None: verify it whole). ``fallback_step_seconds``
+    (the target's one-token latency): after a warm-up, stop drafting for the rest of this
+    generation once speculation commits tokens more slowly than plain decoding would."""
     engine, cache, tracker = state.engine, state.cache, state.tracker
     stats = state.stats
     drafter.start(state.prompt_ids, state.prefill_hidden)
@@ -56,15 +64,23 @@ def decode_speculative(state: DecodeState, drafter: Drafter) -> None:
     by_depth_tried: Counter[int] = Counter()
     by_depth_accepted: Counter[int] = Counter()
     accepted_lengths: list[int] = []
+    drafting = True
+    spec_seconds = 0.0
+    spec_tokens = 0
     while not tracker.finished:
         t0 = time.perf_counter()
         remaining = tracker.max_new_tokens - len(tracker.tokens)
-        tree = drafter.propose(state.prompt_ids + tracker.tokens, remaining - 1)
-        tree = tree.prune_depth(remaining - 1)
+        if drafting:
+            tree = drafter.propose(state.prompt_ids + tracker.tokens, remaining - 1)
+            tree = tree.prune_depth(remaining - 1)
+            if budget is not None:
+                tree = budget.choose(tree, time.perf_counter() - t0)
+        else:
+            tree = DraftTree.empty()
         t1 = time.perf_counter()
         start = cache.length
         tokens, positions, mask = _block(tree, root, start)
-        out = engine.forward(tokens, positions, cache, block_mask=mask, taps=drafter.taps)
+        out = engine.forward(tokens, positions, cache, block_mask=mask, taps=drafter.taps if drafting else ())
         state.target_passes += 1
         verdict = verify(tree, out.logits, state.params, state.rng)
         taken = tracker.extend(verdict.tokens)
@@ -72,6 +88,8 @@ def decode_speculative(state: DecodeState, drafter: Drafter) -> None:
         cache.compact(start, keep)
         t2 = time.perf_counter()
         committed_drafts = min(len(verdict.path), taken)
+        if budget is not None and drafting:
+            budget.observe(tree, len(verdict.path))
         stats["recovered_tokens"] = stats.get("recovered_tokens", 0) + int(tree.origin[verdict.path[:committed_drafts]].sum())
         state.draft_tokens += len(tree)
         state.accepted_draft_tokens += committed_drafts
@@ -83,9 +101,16 @@ def decode_speculative(state: DecodeState, drafter: Drafter) -> None:
                 by_depth_tried[d] += 1
                 by_depth_accepted[d] += d <= len(verdict.path)
         if not tracker.finished:
-            drafter.commit(tokens[keep].tolist(), {k: v[keep] for k, v in out.hidden.items()})
+            if drafting:
+                drafter.commit(tokens[keep].tolist(), {k: v[keep] for k, v in out.hidden.items()})
             root = verdict.tokens[-1]
         t3 = time.perf_counter()
+        if drafting and fallback_step_seconds is not None:
+            spec_seconds += t3 - t0
+            spec_tokens += taken
+            if len(accepted_lengths) >= FALLBACK_WARMUP_ROUNDS and spec_tokens / spec_seconds < 1.0 / fallback_step_seconds:
+                drafting = False
+                stats["fell_back_after_tokens"] = len(tracker.tokens)
         stats["draft_seconds"] = stats.get("draft_seconds", 0.0) + (t1 - t0)
         stats["verify_seconds"] = stats.get("verify_seconds", 0.0) + (t2 - t1)
         stats["other_seconds"] = stats.get("other_seconds", 0.0) + (t3 - t2)

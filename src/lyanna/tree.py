@@ -112,8 +112,27 @@ class DraftTree:
     def prune_depth(self, max_depth: int) -> "DraftTree":
         """Drop nodes deeper than ``max_depth`` (children are never kept without their parent)."""
         keep = np.flatnonzero(self.depths <= max_depth)
-        if keep.size == len(self):
+        return self if keep.size == len(self) else self._subset(keep)
+
+    def closed_scores(self) -> np.ndarray:
+        """Scores made non-increasing from parent to child (a node is no likelier than its
+        ancestors), so the best ``n`` by this score always form an ancestor-closed tree."""
+        s = self.scores.copy()
+        for i, p in enumerate(self.parents.tolist()):
+            if p >= 0:
+                s[i] = min(s[i], s[p])
+        return s
+
+    def best(self, n: int) -> "DraftTree":
+        """The ``n`` nodes with the highest (closed) scores, ties to the shallower and earlier node."""
+        if n >= len(self):
             return self
+        s, d = self.closed_scores(), self.depths
+        chosen = sorted(range(len(self)), key=lambda i: (-s[i], d[i], i))[:max(n, 0)]
+        return self._subset(np.array(sorted(chosen), np.int64))
+
+    def _subset(self, keep: np.ndarray) -> "DraftTree":
+        """The nodes ``keep`` (ancestor-closed, increasing), renumbered."""
         remap = {-1: -1, **{int(old): new for new, old in enumerate(keep)}}
         return DraftTree(
             self.tokens[keep], np.array([remap[int(p)] for p in self.parents[keep]], np.int64), self.scores[keep],

@@ -24,7 +24,7 @@ from .head import DraftHead, PairContext
 
 
 class EagleDrafter:
-    def __init__(self, head: DraftHead, tap: int, depth: int = 5, topk: int = 4, width: int = 4, max_nodes: int = 16):
+    def __init__(self, head: DraftHead, tap: int, depth: int = 5, topk: int = 4, width: int = 4, max_nodes: int = 64):
         self.head, self.tap = head, tap
         self.taps = (tap,)
         self.depth, self.topk, self.width, self.max_nodes = depth, topk, width, max_nodes

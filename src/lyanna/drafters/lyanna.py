@@ -105,7 +105,7 @@ def token_info_tree(raw: np.ndarray, root: int, ti: TokenInfo, d2t: np.ndarray, 
 
 class LyannaDrafter:
     def __init__(self, head: ChainHead, ti: TokenInfo, tap: int, depth: int = 6, topk: int = 4, width: int = 4,
-                 max_nodes: int = 16, policy: str = "fuse", reuse_min_expected: float = 1.5):
+                 max_nodes: int = 64, policy: str = "fuse", reuse_min_expected: float = 1.5):
         if policy not in POLICIES:
             raise LyannaError(f"resample policy must be one of {', '.join(POLICIES)}, got {policy!r}")
         self.head, self.ti, self.tap = head, ti, tap

@@ -1,0 +1,181 @@
+"""Hardware-aware tree budget: how many draft nodes to verify each round.
+
+On a CPU the target's forward time grows quickly with the number of tokens in a block, so the
+best tree size is a property of the machine. ``calibrate`` measures the target's latency against
+the block size once per model and machine (cached as JSON); ``Budget("auto")`` then keeps, each
+round, the ``n`` best nodes of the drafter's candidate tree that maximize expected committed
+tokens per second::
+
+    (1 + c * sum of the n best joint probabilities) / (draft seconds + latency(n + 1))
+
+where the scores are the drafter's own joint path probabilities and ``c`` an online correction
+(accepted over predicted, recent rounds weighted most), so a miscalibrated draft still gets a
+sensible size. ``Budget(n)`` is the fixed alternative.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+
+from .engine import Transformer
+from .errors import LyannaError
+from .loading import cache_dir
+from .tree import DraftTree
+
+DEFAULT_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80)
+
+
+def machine_id() -> str:
+    """A short description of what latency depends on: CPU model, core count, architecture."""
+    cpu = platform.processor() or ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu or 'unknown cpu'} x{os.cpu_count()} {platform.machine()}"
+
+
+@dataclass(frozen=True)
+class LatencyCurve:
+    """Seconds of one target forward pass over a block of ``sizes[i]`` tokens."""
+
+    sizes: tuple[int, ...]
+    seconds: tuple[float, ...]
+    model: str
+    machine: str
+    context: int
+    date: str = ""
+
+    def __post_init__(self) -> None:
+        if len(self.sizes) < 2 or len(self.sizes) != len(self.seconds) or list(self.sizes) != sorted(set(self.sizes)):
+            raise LyannaError("a latency curve needs at least two distinct increasing block sizes, one time each")
+
+    def __call__(self, n: int) -> float:
+        """Latency of an ``n``-token block: interpolated, extrapolated linearly past the last size."""
+        s, t = self.sizes, self.seconds
+        if n <= s[-1]:
+            return float(np.interp(n, s, t))
+        slope = (t[-1] - t[-2]) / (s[-1] - s[-2])
+        return t[-1] + slope * (n - s[-1])
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> "LatencyCurve":
+        return cls(tuple(int(x) for x in data["sizes"]), tuple(float(x) for x in data["seconds"]), data["model"],
+                   data["machine"], int(data["context"]), data.get("date", ""))
+
+
+def model_key(name: str, engine: Transformer) -> str:
+    c = engine.config
+    shape = f"{c.hidden_size}-{c.num_layers}-{c.intermediate_size}-{c.vocab_size}"
+    return f"{Path(name).name}-{shape}"
+
+
+def calibration_path(name: str, engine: Transformer) -> Path:
+    digest = hashlib.sha256(machine_id().encode()).hexdigest()[:10]
+    return cache_dir() / "calibration" / f"{model_key(name, engine)}-{digest}.json"
+
+
+def calibrate(engine: Transformer, name: str, sizes: Sequence[int] = DEFAULT_SIZES, context: int = 256,
+              repeats: int = 5, progress: Callable[[int], None] | None = None) -> LatencyCurve:
+    """Median latency of a causal block of each size after ``context`` cached tokens."""
+    sizes = sorted(set(int(s) for s in sizes))
+    if not sizes or sizes[0] < 1:
+        raise LyannaError("calibration sizes must be positive integers")
+    if len(sizes) < 2:
+        raise LyannaError("calibration needs at least two block sizes")
+    context = max(1, min(context, engine.config.max_position_embeddings - sizes[-1]))
+    rng = np.random.default_rng(0)
+    cache = engine.new_cache(context + sizes[-1])
+    engine.forward(rng.integers(engine.config.vocab_size, size=context), np.arange(context), cache, logit_rows=[-1])
+    seconds = []
+    for n in sizes:
+        tokens = rng.integers(engine.config.vocab_size, size=n)
+        mask = np.tril(np.ones((n, n), bool))
+        times = []
+        for _ in range(repeats + 1):  # the first is a warm-up
+            cache.length = context
+            t0 = time.perf_counter()
+            engine.forward(tokens, np.arange(context, context + n), cache, block_mask=mask)
+            times.append(time.perf_counter() - t0)
+        seconds.append(float(np.median(times[1:])))
+        if progress is not None:
+            progress(1)
+    return LatencyCurve(tuple(sizes), tuple(seconds), model_key(name, engine), machine_id(), context,
+                        time.strftime("%Y-%m-%d %H:%M"))
+
+
+def save_curve(curve: LatencyCurve, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(curve.to_json(), indent=1))
+    tmp.replace(path)
+
+
+def load_curve(path: Path) -> LatencyCurve | None:
+    """The cached curve, or None when there is none or it is unreadable (then calibrate again)."""
+    try:
+        return LatencyCurve.from_json(json.loads(path.read_text()))
+    except (OSError, ValueError, KeyError, TypeError, LyannaError):
+        return None
+
+
+def parse_budget(text: str | int) -> int | str:
+    """``auto`` or a node count >= 0."""
+    if isinstance(text, int) or str(text).strip().isdigit():
+        return int(text)
+    if str(text).strip() == "auto":
+        return "auto"
+    raise LyannaError(f"budget must be 'auto' or a number of draft nodes, got {text!r}")
+
+
+class Budget:
+    """Per-generation tree-size policy: a fixed node count, or ``auto`` from a latency curve."""
+
+    def __init__(self, spec: int | str, curve: LatencyCurve | None = None, decay: float = 0.8):
+        self.spec = parse_budget(spec)
+        if self.spec == "auto" and curve is None:
+            raise LyannaError("budget 'auto' needs a latency curve (lyanna calibrate)")
+        self.curve, self.decay = curve, decay
+        self._predicted = 0.0  # decayed sums of predicted and accepted draft tokens
+        self._accepted = 0.0
+        self._draft_seconds: float | None = None
+
+    @property
+    def correction(self) -> float:
+        """Accepted over predicted, with one pseudo-round at face value that never decays: after
+        rounds with nothing verified the evidence fades and drafting is tried again."""
+        return (self._accepted + 1.0) / (self._predicted + 1.0)
+
+    def choose(self, tree: DraftTree, draft_seconds: float) -> DraftTree:
+        """The nodes to verify this round (trees with sampled children are kept whole: dropping
+        some of their i.i.d. samples by score would bias the sampling rule)."""
+        self._draft_seconds = draft_seconds if self._draft_seconds is None else 0.5 * (self._draft_seconds + draft_seconds)
+        if tree.sampled_from or not len(tree):
+            return tree if self.spec == "auto" or len(tree) <= self.spec else tree.best(int(self.spec))
+        if self.spec != "auto":
+            return tree.best(int(self.spec))
+        p = np.sort(tree.closed_scores())[::-1]
+        gain = 1.0 + np.concatenate([[0.0], np.cumsum(np.minimum(p * self.correction, 1.0))])
+        cost = self._draft_seconds + np.array([self.curve(n + 1) for n in range(len(p) + 1)])
+        return tree.best(int(np.argmax(gain / cost)))
+
+    def observe(self, tree: DraftTree, accepted: int) -> None:
+        """Learn how the drafter's estimates compare with what verification accepted (every
+        round, empty trees included, so old evidence decays)."""
+        predicted = float(np.minimum(tree.closed_scores(), 1.0).sum()) if len(tree) else 0.0
+        self._predicted = self.decay * self._predicted + predicted
+        self._accepted = self.decay * self._accepted + accepted

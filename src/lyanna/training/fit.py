@@ -67,9 +67,9 @@ def label_probs(head: EagleHead, ex: Example) -> torch.Tensor:
 
 
 def example_loss(head: EagleHead, ex: Example, depth: int, decay: float = 0.8, raw_weight: float = 0.5,
-                 cls_weight: float = 0.1) -> torch.Tensor:
+                 cls_weight: float = 0.1, start: int = 0) -> torch.Tensor:
     """Multi-step unrolled loss; step k at root row j predicts the token at position j + 1 + k,
-    whose target distribution is the label row j + k.
+    whose target distribution is the label row j + k. Only roots from row ``start`` count.
 
     EAGLE: smooth-L1 to the true feature plus ``cls_weight`` soft cross-entropy (EAGLE-1's losses,
     unrolled on its own predictions). Lyanna: soft cross-entropy of ``l_k + TI(true parent)`` plus
@@ -81,18 +81,20 @@ def example_loss(head: EagleHead, ex: Example, depth: int, decay: float = 0.8, r
     lyanna = isinstance(head, LyannaHead)
     total = torch.zeros(())
     t = len(toks)
-    for k, f in enumerate(head.unroll(feats, toks, depth), start=1):
-        n = t - k
+    start = min(max(start, 0), max(t - 2, 0))
+    for k, f in enumerate(head.unroll(feats, toks, depth, start), start=1):
+        n = t - k - start  # rows of this step with a label
         if n <= 0:
             break
-        label = probs[k : k + n]
+        label = probs[k + start : k + start + n]
+        parents = toks[k + start : k + start + n]
         if lyanna:
             raw = head.raw_logits(f[:n])
-            injected = raw + head.token_info(toks[k : k + n])
+            injected = raw + head.token_info(parents)
             step = -(label * F.log_softmax(injected, -1)).sum(-1).mean()
             step = step + raw_weight * -(label * F.log_softmax(raw, -1)).sum(-1).mean()
         else:
-            step = F.smooth_l1_loss(f[:n], feats[k : k + n])
+            step = F.smooth_l1_loss(f[:n], feats[k + start : k + start + n])
             step = step + cls_weight * -(label * F.log_softmax(head.logits(f[:n]), -1)).sum(-1).mean()
         total = total + decay ** (k - 1) * step
     return total
@@ -103,18 +105,19 @@ def agreement(head: EagleHead, ex: Example, depth: int, start: int = 0) -> tuple
     over predicted positions >= ``start`` (the reply)."""
     toks = torch.from_numpy(ex.tokens)
     hits, counts = np.zeros(depth), np.zeros(depth)
+    first = min(max(start - 2, 0), max(len(toks) - 2, 0))  # no earlier root predicts into the reply
     with torch.no_grad():
         target_top = head.logits(torch.from_numpy(ex.features)).argmax(-1)
-        for k, f in enumerate(head.unroll(torch.from_numpy(ex.features), toks, depth), start=1):
-            n = len(toks) - k
+        for k, f in enumerate(head.unroll(torch.from_numpy(ex.features), toks, depth, first), start=1):
+            n = len(toks) - k - first
             if n <= 0:
                 break
             if isinstance(head, LyannaHead):
-                guess = head.d2t[(head.raw_logits(f[:n]) + head.token_info(toks[k : k + n])).argmax(-1)]
+                guess = head.d2t[(head.raw_logits(f[:n]) + head.token_info(toks[k + first : k + first + n])).argmax(-1)]
             else:
                 guess = head.logits(f[:n]).argmax(-1)
-            rows = torch.arange(n) + k + 1 >= start  # predicted position j + 1 + k in the reply
-            hits[k - 1] += float((guess == target_top[k : k + n])[rows].sum())
+            rows = torch.arange(n) + first + k + 1 >= start  # predicted position j + 1 + k in the reply
+            hits[k - 1] += float((guess == target_top[k + first : k + first + n])[rows].sum())
             counts[k - 1] += float(rows.sum())
     return hits, counts
 

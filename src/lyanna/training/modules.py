@@ -114,49 +114,54 @@ class EagleHead(nn.Module):
         return q, k, attn.v_proj(h).view(t, c.num_kv_heads, c.head_dim)
 
     def _step(self, x: torch.Tensor, q: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor,
-              own_k: list[torch.Tensor], own_v: list[torch.Tensor]) -> torch.Tensor:
+              own_k: list[torch.Tensor], own_v: list[torch.Tensor], offset: int = 0) -> torch.Tensor:
+        """Rows ``offset..`` of the pair context as queries; each sees the pairs up to its own."""
         c = self.c
         t, g = x.shape[0], c.num_heads // c.num_kv_heads
+        n = ctx_k.shape[0]
         qg = q.view(t, c.num_kv_heads, g, c.head_dim) / c.head_dim ** 0.5
         s = torch.einsum("tkgd,skd->tkgs", qg, ctx_k)
-        causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+        causal = torch.ones(t, n, dtype=torch.bool, device=x.device).tril(offset)
         s = s.masked_fill(~causal[:, None, None, :], float("-inf"))
         if own_k:
             s = torch.cat([s, torch.stack([(qg * k[:, :, None, :]).sum(-1) for k in own_k], -1)], -1)
         p = torch.softmax(s, dim=-1)
-        o = torch.einsum("tkgs,skd->tkgd", p[..., :t], ctx_v)
+        o = torch.einsum("tkgs,skd->tkgd", p[..., :n], ctx_v)
         if own_k:
-            o = o + torch.einsum("tkgj,jtkd->tkgd", p[..., t:], torch.stack(own_v))
+            o = o + torch.einsum("tkgj,jtkd->tkgd", p[..., n:], torch.stack(own_v))
         x = x + self.layer.self_attn.o_proj(o.reshape(t, -1))
         return x + self.layer.mlp(self.layer.post_attention_layernorm(x))
 
-    def _chain_input(self, f: torch.Tensor, tokens: torch.Tensor, k: int) -> torch.Tensor:
-        """Input of chain step k >= 2 for every root: [f_{k-1} ; embedding of the token at root + k - 1]."""
+    def _chain_input(self, f: torch.Tensor, tokens: torch.Tensor, k: int, start: int) -> torch.Tensor:
+        """Input of chain step k >= 2 for the roots from row ``start``: [f_{k-1} ; embedding of
+        the token at root + k - 1]."""
         shifted = torch.zeros_like(tokens[1:])
         n = len(tokens) - k
         if n > 0:
             shifted[:n] = tokens[k : k + n]  # rows past the end are padding: no label uses them
-        return self.fc(torch.cat([f, self.embed[shifted]], dim=-1))
+        return self.fc(torch.cat([f, self.embed[shifted[start:]]], dim=-1))
 
-    def unroll(self, features: torch.Tensor, tokens: torch.Tensor, depth: int) -> list[torch.Tensor]:
-        """Chain features ``f_1..f_depth`` for the roots at positions 1..T-1 (pair i = (feature
-        after token i-1, token i)); row j of step k predicts the token at position j + 1 + k.
+    def unroll(self, features: torch.Tensor, tokens: torch.Tensor, depth: int, start: int = 0) -> list[torch.Tensor]:
+        """Chain features ``f_1..f_depth`` for the roots at positions 1 + start..T-1 (pair i =
+        (feature after token i-1, token i)); row j of step k (root row ``start + j``) predicts the
+        token at position start + j + 1 + k.
 
         Every step attends to the pairs up to its root and to the earlier steps of its own chain,
-        exactly as the drafter does at decode time."""
+        exactly as the drafter does at decode time. ``start`` skips roots whose drafts nobody
+        needs (the prompt) while keeping all pairs as context."""
         positions = torch.arange(1, len(tokens), device=features.device)
         x = self.fc(torch.cat([features[:-1], self.embed[tokens[1:]]], dim=-1))
         q, ctx_k, ctx_v = self._qkv(x, positions)
-        f = self._step(x, q, ctx_k, ctx_v, [], [])
+        f = self._step(x[start:], q[start:], ctx_k, ctx_v, [], [], start)
         out = [f]
         own_k: list[torch.Tensor] = []
         own_v: list[torch.Tensor] = []
         for k in range(2, depth + 1):
-            x = self._chain_input(f, tokens, k)
-            q, kk, vv = self._qkv(x, positions + k - 1)
+            x = self._chain_input(f, tokens, k, start)
+            q, kk, vv = self._qkv(x, positions[start:] + k - 1)
             own_k.append(kk)
             own_v.append(vv)
-            f = self._step(x, q, ctx_k, ctx_v, own_k, own_v)
+            f = self._step(x, q, ctx_k, ctx_v, own_k, own_v, start)
             out.append(f)
         return out
 
@@ -184,6 +189,6 @@ class LyannaHead(EagleHead):
     def token_info(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.ti.a[tokens] @ self.ti.b
 
-    def _chain_input(self, f: torch.Tensor, tokens: torch.Tensor, k: int) -> torch.Tensor:
+    def _chain_input(self, f: torch.Tensor, tokens: torch.Tensor, k: int, start: int) -> torch.Tensor:
         return f  # the hidden-state chain: no token enters after the first step
 

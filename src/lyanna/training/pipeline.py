@@ -296,7 +296,8 @@ def stage_fit(run: Path, arch: str, steps: int, batch: int = 8, lr: float = 3e-4
             self.head = head
 
         def forward(self, exs: list) -> torch.Tensor:
-            return torch.stack([example_loss(self.head, ex, depth) for ex in exs]).mean()
+            # roots from two before the reply: the drafts a decode ever asks for
+            return torch.stack([example_loss(self.head, ex, depth, start=max(plen - 2, 0)) for ex, plen in exs]).mean()
 
     model: torch.nn.Module = _Loss()
     if world > 1:
@@ -331,7 +332,7 @@ def stage_fit(run: Path, arch: str, steps: int, batch: int = 8, lr: float = 3e-4
     while state["step"] < steps:
         step = state["step"]
         picks = np.random.default_rng([seed, step]).integers(len(train), size=batch)
-        local = [train[i][1] for i in picks[rank_id::world]]
+        local = [(train[i][1], train[i][2]) for i in picks[rank_id::world]]
         loss = model(local)
         opt.zero_grad()
         loss.backward()

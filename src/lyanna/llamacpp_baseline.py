@@ -1,0 +1,69 @@
+"""llama.cpp (through llama-cpp-python) on the model's own GGUF file: the native CPU peer for benchmarks.
+
+It runs the quantized GGUF as shipped, not our fp32 dequantization, so its tokens can differ from
+``ar`` on near ties; it is a speed reference, not a losslessness check. Greedy only, one token per
+eval call after the prompt. llama-cpp-python is optional: it is imported only when this method is
+asked for.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Sequence
+
+from .decoding import GenerationResult
+from .errors import LyannaError
+from .loading import Target, source_gguf
+
+
+class LlamaCppGenerate:
+    """Greedy token-by-token generation with ``llama_cpp.Llama`` over the same prompt ids."""
+
+    def __init__(self, target: Target, eos_token_ids: Sequence[int]):
+        try:
+            import llama_cpp
+        except ImportError:
+            raise LyannaError("method llamacpp needs llama-cpp-python (pip install llama-cpp-python); "
+                              "it is not installed") from None
+        gguf = source_gguf(target.name)
+        if gguf is None:
+            raise LyannaError(f"method llamacpp needs a GGUF model (the default alias or a .gguf file); "
+                              f"{target.name} is not one")
+        self.llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=target.config.max_position_embeddings,
+                                   n_threads=os.cpu_count(), verbose=False)
+        self.tokenizer = target.tokenizer
+        self.eos_token_ids = set(int(t) for t in eos_token_ids)
+        self.evals = 0
+        eval_tokens = self.llm.eval
+
+        def counted_eval(tokens):  # Llama.generate calls self.eval once per forward pass
+            self.evals += 1
+            return eval_tokens(tokens)
+
+        self.llm.eval = counted_eval
+
+    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int) -> GenerationResult:
+        llm = self.llm
+        llm.reset()  # no prefix reuse from the previous call: every run pays its own prefill
+        self.evals = 0
+        tokens: list[int] = []
+        first_token_time = None
+        t0 = time.perf_counter()
+        if max_new_tokens > 0:
+            for token in llm.generate([int(t) for t in prompt_ids], temp=0.0, top_k=1, top_p=1.0, repeat_penalty=1.0):
+                if first_token_time is None:
+                    first_token_time = time.perf_counter()
+                tokens.append(int(token))
+                if token in self.eos_token_ids or len(tokens) >= max_new_tokens:
+                    break  # before the generator evaluates this token: it is never needed
+        t1 = time.perf_counter()
+        return GenerationResult(
+            method="llamacpp",
+            prompt_tokens=len(prompt_ids),
+            tokens=tokens,
+            text=self.tokenizer.decode(tokens, skip_special_tokens=True),
+            finish_reason="stop" if tokens and tokens[-1] in self.eos_token_ids else "length",
+            prefill_seconds=(first_token_time or t1) - t0,
+            seconds=t1 - t0,
+            target_passes=self.evals,
+        )

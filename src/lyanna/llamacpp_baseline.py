@@ -32,7 +32,7 @@ class LlamaCppGenerate:
         self.llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=target.config.max_position_embeddings,
                                    n_threads=os.cpu_count(), verbose=False)
         self.tokenizer = target.tokenizer
-        self.eos_token_ids = set(int(t) for t in eos_token_ids)
+        self.eos_token_ids = {int(t) for t in eos_token_ids}
         self.evals = 0
         eval_tokens = self.llm.eval
 

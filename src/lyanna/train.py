@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--lr", type=float, default=3e-4)
     t.add_argument("--depth", type=int, default=4, help="unrolled chain steps")
     t.add_argument("--rank", type=int, default=32, help="token-info rank (lyanna)")
-    t.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary size (lyanna)")
+    t.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary size (lyanna); eagle: the vocabulary of its classification loss")
     t.add_argument("--selection", default=None, help="a file name under RUN/select/ (default: all examples)")
     t.add_argument("--name", default=None, help="name of this fit under RUN/fit/ (default: the arch)")
     t.add_argument("--eval-every", type=int, default=50)

@@ -30,7 +30,10 @@ def target_features(engine: Transformer, sequences: Sequence[Sequence[int]], tap
 
 
 def init_eagle_head(engine: Transformer, target_weights: dict[str, np.ndarray], seed: int = 0) -> EagleHead:
-    """A head whose layer starts from the target's last layer and whose fc starts as 'pass the feature'."""
+    """A head whose layer starts from the target's last layer and whose fc starts as 'feature +
+    s * embedding', with ``s`` matching the embedding's scale to the feature's (final-norm
+    outputs are ~17x larger than embedding rows in SmolLM2: a small random init would hide the
+    token from the head and stall training)."""
     torch.manual_seed(seed)
     c = engine.config
     head = EagleHead(c, engine.embed, engine.lm_head)
@@ -40,7 +43,9 @@ def init_eagle_head(engine: Transformer, target_weights: dict[str, np.ndarray], 
     with torch.no_grad():
         head.fc.weight.zero_()
         head.fc.weight[:, : c.hidden_size] = torch.eye(c.hidden_size)
-        head.fc.weight[:, c.hidden_size :].normal_(0, 0.02)
+        scale = float(np.sqrt(np.mean(np.square(engine.final_norm))) / np.sqrt(np.mean(np.square(engine.embed))))
+        head.fc.weight[:, c.hidden_size :] = scale * torch.eye(c.hidden_size)
+        head.fc.weight[:, c.hidden_size :].add_(torch.randn(c.hidden_size, c.hidden_size) * 0.02)
         head.fc.bias.zero_()
     return head
 
@@ -59,10 +64,11 @@ def init_lyanna_head(engine: Transformer, target_weights: dict[str, np.ndarray],
 def label_probs(head: EagleHead, ex: Example) -> torch.Tensor:
     """The target's next-token distribution after every position: its LM head on the final-norm
     features the heads are trained on (so no second target pass is needed). For a Lyanna head it
-    is restricted to the draft vocabulary and renormalized, which is the softmax of those rows."""
+    is restricted to the draft vocabulary and renormalized, which is the softmax of those rows
+    (likewise for an EAGLE head whose loss vocabulary is restricted)."""
     with torch.no_grad():
         feats = torch.from_numpy(ex.features)
-        logits = feats @ head.draft_lm.T if isinstance(head, LyannaHead) else head.logits(feats)
+        logits = feats @ head.draft_lm.T if isinstance(head, LyannaHead) else head.loss_logits(feats)
         return torch.softmax(logits, -1)
 
 
@@ -95,7 +101,7 @@ def example_loss(head: EagleHead, ex: Example, depth: int, decay: float = 0.8, r
             step = step + raw_weight * -(label * F.log_softmax(raw, -1)).sum(-1).mean()
         else:
             step = F.smooth_l1_loss(f[:n], feats[k + start : k + start + n])
-            step = step + cls_weight * -(label * F.log_softmax(head.logits(f[:n]), -1)).sum(-1).mean()
+            step = step + cls_weight * -(label * F.log_softmax(head.loss_logits(f[:n]), -1)).sum(-1).mean()
         total = total + decay ** (k - 1) * step
     return total
 

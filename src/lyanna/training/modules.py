@@ -102,6 +102,17 @@ class EagleHead(nn.Module):
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         return features @ self.lm_head.T
 
+    def restrict_loss_vocab(self, ids: np.ndarray) -> None:
+        """Compute the training classification term over these target tokens only (the
+        frequent ones): the full-vocabulary LM head in every unrolled step dominates the cost
+        of fitting on a CPU. Drafting still uses the whole LM head."""
+        self.register_buffer("loss_lm", self.lm_head[torch.as_tensor(np.asarray(ids), dtype=torch.long)].clone(),
+                             persistent=False)
+
+    def loss_logits(self, features: torch.Tensor) -> torch.Tensor:
+        """Logits the classification loss compares: the full vocabulary unless restricted."""
+        return features @ getattr(self, "loss_lm", self.lm_head).T
+
     def _qkv(self, x: torch.Tensor, positions: torch.Tensor):
         c, attn = self.c, self.layer.self_attn
         angles = positions.float()[:, None] * self.inv_freq[None, :]

@@ -273,12 +273,13 @@ def stage_fit(run: Path, arch: str, steps: int, batch: int = 8, lr: float = 3e-4
     }
     if state["arch"] != arch:
         raise LyannaError(f"{out} holds a {state['arch']} run; pass another --name")
+    counts = _token_frequencies(train, target.config.vocab_size)
+    d2t = np.argsort(-counts, kind="stable")[: min(draft_vocab, target.config.vocab_size)]
     if arch == "lyanna":
-        counts = _token_frequencies(train, target.config.vocab_size)
-        d2t = np.argsort(-counts, kind="stable")[: min(draft_vocab, target.config.vocab_size)]
         head = init_lyanna_head(engine, target.weights, d2t, rank=rank, seed=seed)
     else:
         head = init_eagle_head(engine, target.weights, seed=seed)
+        head.restrict_loss_vocab(d2t)  # same frequent tokens as lyanna's draft vocabulary
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr)
     if (out / "state.safetensors").is_file():

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Reproduces the draft heads shipped in src/lyanna/drafts/smollm2-135m-instruct/ (Lyanna and the
+# EAGLE-style baseline: same data, same steps). Every stage is resumable: rerun after an interruption.
+# Usage: scripts/train-default-drafts.sh [RUN_DIR]   (default runs/default)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+RUN=${1:-runs/default}
+STEPS=${STEPS:-600}
+OUT=src/lyanna/drafts/smollm2-135m-instruct
+L=".venv/bin/lyanna"
+$L train data --run-dir "$RUN" --limit 768 --max-new-tokens 64 --max-prompt-tokens 256 --seed 0
+$L train features --run-dir "$RUN"
+$L train fit --run-dir "$RUN" --arch lyanna --steps "$STEPS" --batch 8 --lr 2e-3 --depth 4 --rank 32 --draft-vocab 8192
+$L train fit --run-dir "$RUN" --arch eagle --steps "$STEPS" --batch 8 --lr 2e-3 --depth 4 --draft-vocab 8192
+$L train export --run-dir "$RUN" --arch lyanna --out "$OUT/lyanna" --hot 2048
+$L train export --run-dir "$RUN" --arch eagle --out "$OUT/eagle"

@@ -14,3 +14,6 @@ $L train fit --run-dir "$RUN" --arch lyanna --steps "$STEPS" --batch 8 --lr 2e-3
 $L train fit --run-dir "$RUN" --arch eagle --steps "$STEPS" --batch 8 --lr 2e-3 --depth 4 --draft-vocab 8192
 $L train export --run-dir "$RUN" --arch lyanna --out "$OUT/lyanna" --hot 2048
 $L train export --run-dir "$RUN" --arch eagle --out "$OUT/eagle"
+for arch in lyanna eagle; do
+  printf '\nThe whole pipeline (data, features, fit, export) for this head: `scripts/train-default-drafts.sh` (STEPS=%s).\n' "$STEPS" >> "$OUT/$arch/README.md"
+done

@@ -135,6 +135,17 @@ def make_runners(decoder: Decoder, methods: Sequence[str], sampling: SamplingPar
     return runners
 
 
+def default_methods(decoder: Decoder, sampling: SamplingParams) -> list[str]:
+    """Everything that can run here: the Hugging Face baselines (greedy only), ``ar``, every
+    drafter the decoder has, and llama.cpp when ``llama-cpp-python`` is installed."""
+    import importlib.util
+
+    external = list(EXTERNAL_METHODS) if sampling.greedy else []
+    if sampling.greedy and importlib.util.find_spec("llama_cpp") is not None:
+        external.append("llamacpp")
+    return [*external, *decoder.methods]
+
+
 HEALTHY_TAU = 1.3
 
 

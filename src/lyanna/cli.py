@@ -75,7 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     _sampling_args(g)
 
     b = sub.add_parser("bench", help="benchmark methods on the same prompts in one process")
-    b.add_argument("--methods", default="hf,ar", help="comma-separated (default hf,ar)")
+    b.add_argument("--methods", default=None,
+                   help="comma-separated; METHOD@N fixes a tree budget (default: every method available: "
+                        "hf, hf-pld, ar, suffix, the loaded draft heads, llamacpp when installed)")
     b.add_argument("--questions", default=None, help="MT-bench-format JSONL (default: Spec-Bench from ../shared/data)")
     b.add_argument("--limit", type=_positive_int, default=None, help="take N questions round-robin across categories")
     b.add_argument("--max-new-tokens", type=_positive_int, default=128)
@@ -156,10 +158,13 @@ def _stats_line(result) -> str:
 def _bench(args: argparse.Namespace) -> None:
     from .bench import format_table, load_questions, run_bench
 
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    from .bench import default_methods
+
     sampling = _sampling(args)
     questions = load_questions(args.questions, args.limit)
     decoder = _decoder(args)
+    methods = ([m.strip() for m in args.methods.split(",") if m.strip()] if args.methods
+               else default_methods(decoder, sampling))
     report = run_bench(
         decoder, methods, questions, args.max_new_tokens, sampling,
         settings={"questions_file": str(args.questions or "spec_bench_question.jsonl"), "limit": args.limit,

@@ -258,8 +258,11 @@ def stage_fit(run: Path, arch: str, steps: int, batch: int = 8, lr: float = 3e-4
         raise LyannaError(f"--batch {batch} must be a multiple of the {world} processes")
     info = _run_info(run)
     ids = set(json.loads((run / "select" / selection).read_text())["ids"]) if selection else None
-    examples = load_examples(run, ids)
-    train, held = _split(examples)
+    train, held = _split(load_examples(run))
+    if ids is not None:  # a selection picks training examples; every arm is judged on the same held-out split
+        train = [e for e in train if e[0] in ids]
+        if not train:
+            raise LyannaError(f"selection {selection} keeps no training examples")
     target = load_target(info["model"])
     engine = Transformer(target.config, target.weights)
     out = run / "fit" / (name or arch)

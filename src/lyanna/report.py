@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 from typing import Any, Sequence
 
-from .bench import format_table
+from .bench import format_table, health
 from .errors import LyannaError
 
 
@@ -113,7 +113,7 @@ def findings(report: dict[str, Any]) -> list[str]:
             out.append(f"`{base}` budget auto: {auto:.1f} tokens/s = {auto / fixed[best]:.1%} of the best fixed budget "
                        f"({best} nodes, {fixed[best]:.1f} tokens/s)")
     for r in report["results"]:
-        out += [f"warning: `{r['method']}`: {note}" for note in r.get("health") or []]
+        out += [f"warning: `{r['method']}`: {note}" for note in (health(r) if "draft_tokens" in r else r.get("health") or [])]
     return out
 
 

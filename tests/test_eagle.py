@@ -114,6 +114,7 @@ def test_eagle_greedy_equals_ar_on_default_model(tmp_path, default_decoder):
     head = init_eagle_head(engine, d.target.weights)
     fit(head, target_features(engine, seqs, tap), steps=4, depth=2, lr=1e-4)
     save_head(tmp_path / "eagle", "eagle", head.numpy_weights(), d.target, tap)
+    shipped = dict(d.drafters)  # the session decoder's own heads come back afterwards
     d.load_draft(str(tmp_path / "eagle"))
     try:
         for p in prompts + ["Explain photosynthesis in two sentences."]:
@@ -121,4 +122,5 @@ def test_eagle_greedy_equals_ar_on_default_model(tmp_path, default_decoder):
             req = GenerationRequest(max_new_tokens=48)
             assert d.generate(ids, req, method="eagle").tokens == d.generate(ids, req).tokens
     finally:
-        d.drafters.pop("eagle")
+        d.drafters.clear()
+        d.drafters.update(shipped)

@@ -1,6 +1,7 @@
 """Shared fixtures: tiny models built in the test (any architecture) and the real default model."""
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -10,6 +11,18 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+
+
+@contextlib.contextmanager
+def draft_loaded(decoder, path):
+    """Load a head into a shared (session) decoder for one test; its own heads come back afterwards."""
+    shipped = dict(decoder.drafters)
+    decoder.load_draft(str(path))
+    try:
+        yield
+    finally:
+        decoder.drafters.clear()
+        decoder.drafters.update(shipped)
 
 
 def make_tokenizer(out: Path) -> None:

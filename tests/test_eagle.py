@@ -16,7 +16,7 @@ from lyanna.errors import LyannaError
 from lyanna.loading import load_target
 from lyanna.training.fit import fit, init_eagle_head, target_features
 
-from .conftest import make_tiny_model
+from .conftest import draft_loaded, make_tiny_model
 
 
 def random_sequences(n, length, seed=0, low=3, high=259):
@@ -114,13 +114,8 @@ def test_eagle_greedy_equals_ar_on_default_model(tmp_path, default_decoder):
     head = init_eagle_head(engine, d.target.weights)
     fit(head, target_features(engine, seqs, tap), steps=4, depth=2, lr=1e-4)
     save_head(tmp_path / "eagle", "eagle", head.numpy_weights(), d.target, tap)
-    shipped = dict(d.drafters)  # the session decoder's own heads come back afterwards
-    d.load_draft(str(tmp_path / "eagle"))
-    try:
+    with draft_loaded(d, tmp_path / "eagle"):
         for p in prompts + ["Explain photosynthesis in two sentences."]:
             ids = d.encode(p)
             req = GenerationRequest(max_new_tokens=48)
             assert d.generate(ids, req, method="eagle").tokens == d.generate(ids, req).tokens
-    finally:
-        d.drafters.clear()
-        d.drafters.update(shipped)

@@ -11,6 +11,8 @@ from lyanna.drafters.checkpoint import save_head
 from lyanna.drafters.lyanna import ChainHead, LyannaDrafter, TokenInfo, token_info_tree
 from lyanna.training.fit import fit, init_lyanna_head, target_features
 
+from .conftest import draft_loaded
+
 D2T = np.arange(259)[::-1].copy()  # a permuted draft vocabulary: the index mapping is exercised
 
 
@@ -154,18 +156,13 @@ def test_lyanna_greedy_equals_ar_on_default_model(tmp_path, default_decoder):
     examples = target_features(engine, seqs, tap)
     fit(head, examples, steps=4, depth=3, lr=1e-4)
     save_head(tmp_path / "ly", "lyanna", export(head, d2t[:512]), d.target, tap)
-    shipped = dict(d.drafters)  # the session decoder's own heads come back afterwards
-    d.load_draft(str(tmp_path / "ly"))
-    try:
+    with draft_loaded(d, tmp_path / "ly"):
         for p in prompts + ["Explain photosynthesis in two sentences."]:
             ids = d.encode(p)
             req = GenerationRequest(max_new_tokens=40)
             ar = d.generate(ids, req).tokens
             for m in ("lyanna", "lyanna-nofusion"):
                 assert d.generate(ids, req, method=m).tokens == ar
-    finally:
-        d.drafters.clear()
-        d.drafters.update(shipped)
 
 
 @pytest.mark.parametrize("arch", ["lyanna", "eagle"])

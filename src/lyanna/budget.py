@@ -33,17 +33,20 @@ from .tree import DraftTree
 DEFAULT_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80)
 
 
-def machine_id() -> str:
-    """A short description of what latency depends on: CPU model, core count, architecture."""
-    cpu = platform.processor() or ""
+def cpu_name() -> str:
+    """The CPU model as /proc/cpuinfo names it (``platform.processor()`` elsewhere)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+                return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return f"{cpu or 'unknown cpu'} x{os.cpu_count()} {platform.machine()}"
+    return platform.processor() or "unknown cpu"
+
+
+def machine_id() -> str:
+    """A short description of what latency depends on: CPU model, core count, architecture."""
+    return f"{cpu_name()} x{os.cpu_count()} {platform.machine()}"
 
 
 @dataclass(frozen=True)
@@ -61,14 +64,15 @@ class LatencyCurve:
         if len(self.sizes) < 2 or len(self.sizes) != len(self.seconds) or list(self.sizes) != sorted(set(self.sizes)):
             raise LyannaError("a latency curve needs at least two distinct increasing block sizes, one time each")
 
-    def __call__(self, n: int) -> float:
-        """Latency of an ``n``-token block: interpolated, extrapolated linearly past the last size
-        (never downwards: a noisy last measurement must not make bigger blocks look cheaper)."""
+    def __call__(self, n: int | np.ndarray) -> float | np.ndarray:
+        """Latency of an ``n``-token block (or of each of an array of sizes): interpolated,
+        extrapolated linearly past the last size (never downwards: a noisy last measurement
+        must not make bigger blocks look cheaper)."""
         s, t = self.sizes, self.seconds
-        if n <= s[-1]:
-            return float(np.interp(n, s, t))
         slope = max(t[-1] - t[-2], 0.0) / (s[-1] - s[-2])
-        return t[-1] + slope * (n - s[-1])
+        n_arr = np.asarray(n, np.float64)
+        out = np.where(n_arr <= s[-1], np.interp(n_arr, s, t), t[-1] + slope * (n_arr - s[-1]))
+        return float(out) if out.ndim == 0 else out
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -169,12 +173,12 @@ class Budget:
         if tree.sampled_from or not len(tree):
             if self.spec == "auto" or len(tree) <= self.spec:
                 return tree
-            return tree._subset(np.sort(np.lexsort((np.arange(len(tree)), tree.depths))[:self.spec]))
+            return tree.shallowest(int(self.spec))
         if self.spec != "auto":
             return tree.best(int(self.spec))
         p = np.sort(tree.closed_scores())[::-1]
         gain = 1.0 + np.concatenate([[0.0], np.cumsum(np.minimum(p * self.correction, 1.0))])
-        cost = self._draft_seconds + np.array([self.curve(n + 1) for n in range(len(p) + 1)])
+        cost = self._draft_seconds + self.curve(np.arange(1, len(p) + 2))
         return tree.best(int(np.argmax(gain / cost)))
 
     def observe(self, tree: DraftTree, accepted: int) -> None:

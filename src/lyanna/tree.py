@@ -131,6 +131,13 @@ class DraftTree:
         chosen = sorted(range(len(self)), key=lambda i: (-s[i], d[i], i))[:max(n, 0)]
         return self._subset(np.array(sorted(chosen), np.int64))
 
+    def shallowest(self, n: int) -> "DraftTree":
+        """The first ``n`` nodes by depth, then tree order, scores unseen (for trees of i.i.d.
+        sampled children, where choosing by score would bias the sampling rule)."""
+        if n >= len(self):
+            return self
+        return self._subset(np.sort(np.lexsort((np.arange(len(self)), self.depths))[:max(n, 0)]))
+
     def _subset(self, keep: np.ndarray) -> "DraftTree":
         """The nodes ``keep`` (ancestor-closed, increasing), renumbered."""
         remap = {-1: -1, **{int(old): new for new, old in enumerate(keep)}}

@@ -25,7 +25,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .engine import Transformer
+from .engine import ENGINE_REVISION, Transformer
 from .errors import LyannaError
 from .loading import cache_dir
 from .tree import DraftTree
@@ -90,7 +90,7 @@ def model_key(name: str, engine: Transformer) -> str:
 
 
 def calibration_path(name: str, engine: Transformer) -> Path:
-    digest = hashlib.sha256(machine_id().encode()).hexdigest()[:10]
+    digest = hashlib.sha256(f"{machine_id()} engine {ENGINE_REVISION}".encode()).hexdigest()[:10]
     return cache_dir() / "calibration" / f"{model_key(name, engine)}-{digest}.json"
 
 

@@ -10,6 +10,7 @@ import numpy as np
 
 from ..engine import KVCache, LayerWeights, Transformer, attention_bias, layer_forward, rotation
 from ..errors import LyannaError
+from ..kernels import linear
 
 
 class DraftHead:
@@ -39,14 +40,14 @@ class DraftHead:
     def step(self, features: np.ndarray, tokens: np.ndarray, positions: np.ndarray, cache: KVCache,
              bias: np.ndarray | None) -> np.ndarray:
         """Predict the next features for n (feature, token) pairs appended to ``cache``."""
-        x = np.concatenate([features, self.embed[tokens]], axis=-1) @ self.fc_w.T + self.fc_b
+        x = linear(np.concatenate([features, self.embed[tokens]], axis=-1), self.fc_w) + self.fc_b
         out = layer_forward(self.layer, self.config, x, rotation(self.inv_freq, positions),
                             cache.k[0], cache.v[0], cache.length, bias)
         cache.length += len(tokens)
         return out
 
     def log_probs(self, features: np.ndarray) -> np.ndarray:
-        logits = features @ self.lm_head.T
+        logits = linear(features, self.lm_head)
         logits = logits - logits.max(axis=-1, keepdims=True)
         return logits - np.log(np.exp(logits).sum(axis=-1, keepdims=True))
 

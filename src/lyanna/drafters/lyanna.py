@@ -25,6 +25,7 @@ import numpy as np
 
 from ..engine import Transformer, layer_forward, rms_norm, rotation
 from ..errors import LyannaError
+from ..kernels import linear
 from ..loading import Target
 from ..tree import DraftTree
 from .checkpoint import load_head
@@ -73,7 +74,7 @@ class ChainHead(DraftHead):
         return out[0]
 
     def raw_logits(self, features: np.ndarray) -> np.ndarray:
-        return rms_norm(features, self.norm, self.config.rms_norm_eps) @ self.draft_lm_head.T
+        return linear(rms_norm(features, self.norm, self.config.rms_norm_eps), self.draft_lm_head)
 
 
 def _log_softmax(x: np.ndarray) -> np.ndarray:

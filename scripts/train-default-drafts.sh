@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUN=${1:-runs/default}
-STEPS=${STEPS:-600}
+STEPS=${STEPS:-1200}
 OUT=src/lyanna/drafts/smollm2-135m-instruct
 L=".venv/bin/lyanna"
 $L train data --run-dir "$RUN" --limit 768 --max-new-tokens 64 --max-prompt-tokens 256 --seed 0

@@ -176,10 +176,11 @@ class Budget:
             return tree.shallowest(int(self.spec))
         if self.spec != "auto":
             return tree.best(int(self.spec))
-        p = np.sort(tree.closed_scores())[::-1]
+        closed = tree.closed_scores()
+        p = np.sort(closed)[::-1]
         gain = 1.0 + np.concatenate([[0.0], np.cumsum(np.minimum(p * self.correction, 1.0))])
         cost = self._draft_seconds + self.curve(np.arange(1, len(p) + 2))
-        return tree.best(int(np.argmax(gain / cost)))
+        return tree.best(int(np.argmax(gain / cost)), closed)
 
     def observe(self, tree: DraftTree, accepted: int) -> None:
         """Learn how the drafter's estimates compare with what verification accepted (every

@@ -168,7 +168,7 @@ def _bench(args: argparse.Namespace) -> None:
     report = run_bench(
         decoder, methods, questions, args.max_new_tokens, sampling,
         settings={"questions_file": str(args.questions or "spec_bench_question.jsonl"), "limit": args.limit,
-                  "command": "lyanna " + shlex.join(sys.argv[1:]) if "bench" in sys.argv[1:] else None},
+                  "command": "lyanna " + shlex.join(args.argv)},
         progress=not args.no_progress,
         budget=args.budget,
         fallback=args.fallback,
@@ -237,6 +237,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return train_main(argv[1:])
     args = build_parser().parse_args(argv)
+    args.argv = argv
     try:
         {"generate": _generate, "bench": _bench, "serve": _serve, "loadtest": _loadtest, "report": _report, "demo": _demo,
          "calibrate": _calibrate}[args.command](args)

@@ -53,25 +53,16 @@ class DraftTree:
     @classmethod
     def best_of(cls, tokens: list[int], parents: list[int], scores: list[float], max_nodes: int,
                 origin: list[int] | None = None) -> "DraftTree":
-        """The ``max_nodes`` candidates with the highest joint probability ``scores`` (log space),
-        in topological order. Scores never increase from parent to child, and ties go to the
-        shallower node, so the chosen set is ancestor-closed."""
-        depth = [0] * len(tokens)
-        for i, p in enumerate(parents):
-            depth[i] = 1 if p < 0 else depth[p] + 1
-        chosen = sorted(range(len(tokens)), key=lambda i: (-scores[i], depth[i], i))[:max_nodes]
-        keep = sorted(chosen, key=lambda i: (depth[i], i))
-        remap = {-1: -1, **{old: new for new, old in enumerate(keep)}}
-        return cls(
-            np.array([tokens[i] for i in keep], np.int64),
-            np.array([remap[parents[i]] for i in keep], np.int64),
-            np.exp(np.array([scores[i] for i in keep], np.float64)),
-            origin=None if origin is None else np.array([origin[i] for i in keep], np.int8),
-        )
+        """The ``max_nodes`` candidates (parents listed before children) with the highest joint
+        probability; ``scores`` are log probabilities."""
+        candidates = cls(np.asarray(tokens, np.int64), np.asarray(parents, np.int64),
+                         np.exp(np.asarray(scores, np.float64)), origin=origin)
+        return candidates.best(max_nodes)
 
     def merged(self, other: "DraftTree", max_nodes: int) -> "DraftTree":
         """Union of two trees under the same root (equal paths become one node, keeping the
-        higher score and this tree's origin), cut to the best ``max_nodes``."""
+        higher score and this tree's origin), cut to the best ``max_nodes``. Taking the max only
+        raises parents, so children stay no likelier than their parents."""
         index: dict[tuple[int, ...], int] = {}
         tokens: list[int] = []
         parents: list[int] = []
@@ -91,10 +82,6 @@ class DraftTree:
                 parents.append(index[path[:-1]] if len(path) > 1 else -1)
                 scores.append(score)
                 origin.append(int(tree.origin[i]))
-        # a merged parent may have gained score: keep children at or below it
-        for i, p in enumerate(parents):
-            if p >= 0:
-                scores[i] = min(scores[i], scores[p])
         return DraftTree.best_of(tokens, parents, scores, max_nodes, origin)
 
     @classmethod
@@ -123,11 +110,12 @@ class DraftTree:
                 s[i] = min(s[i], s[p])
         return s
 
-    def best(self, n: int) -> "DraftTree":
-        """The ``n`` nodes with the highest (closed) scores, ties to the shallower and earlier node."""
+    def best(self, n: int, closed: np.ndarray | None = None) -> "DraftTree":
+        """The ``n`` nodes with the highest (closed) scores, ties to the shallower and earlier node;
+        ``closed`` is ``closed_scores()`` when the caller has it already."""
         if n >= len(self):
             return self
-        s, d = self.closed_scores(), self.depths
+        s, d = self.closed_scores() if closed is None else closed, self.depths
         chosen = sorted(range(len(self)), key=lambda i: (-s[i], d[i], i))[:max(n, 0)]
         return self._subset(np.array(sorted(chosen), np.int64))
 

@@ -53,7 +53,6 @@ def init_eagle_head(engine: Transformer, target_weights: dict[str, np.ndarray], 
 def init_lyanna_head(engine: Transformer, target_weights: dict[str, np.ndarray], d2t: np.ndarray, rank: int = 32,
                      seed: int = 0) -> LyannaHead:
     """Like ``init_eagle_head``, plus the raw-logit norm from the target's final norm and a zero TI."""
-    torch.manual_seed(seed)
     eagle = init_eagle_head(engine, target_weights, seed)
     head = LyannaHead(engine.config, engine.embed, engine.lm_head, d2t, rank)
     head.load_state_dict({**eagle.state_dict(), "norm.weight": torch.from_numpy(engine.final_norm.copy()),

@@ -121,6 +121,7 @@ def stage_features(run: Path) -> int:
 
     from ..engine import Transformer
     from ..loading import load_target
+    from .fit import target_features
 
     info = _run_info(run)
     rows = list(iter_data(run))
@@ -142,10 +143,9 @@ def stage_features(run: Path) -> int:
             continue
         tensors: dict[str, np.ndarray] = {}
         for r in shard:
-            ids = np.asarray(r["prompt_ids"] + r["output_ids"], np.int64)
-            fwd = engine.forward(ids, np.arange(len(ids)), engine.new_cache(len(ids)), logit_rows=[-1], taps=(tap,))
-            tensors[f"{r['id']}/tokens"] = ids.astype(np.int32)
-            tensors[f"{r['id']}/features"] = fwd.hidden[tap].astype(np.float16)
+            example = target_features(engine, [r["prompt_ids"] + r["output_ids"]], tap)[0]
+            tensors[f"{r['id']}/tokens"] = example.tokens.astype(np.int32)
+            tensors[f"{r['id']}/features"] = example.features.astype(np.float16)
             tensors[f"{r['id']}/prompt_len"] = np.array([len(r["prompt_ids"])], np.int32)
             bar.update(1)
         save_file(tensors, str(out / f".{path.name}.tmp"), metadata={"tap": str(tap)})

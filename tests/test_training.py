@@ -61,7 +61,9 @@ def test_features_are_fp16_and_match_the_engine(run_dir, tiny_model_dir):
     examples = pipeline.load_examples(run_dir)
     assert len(examples) == 22
     engine = Decoder(load_target(tiny_model_dir)).engine
-    _, ex, _ = examples[0]
+    eid, ex = examples[0]
+    row = next(r for r in pipeline.iter_data(run_dir) if r["id"] == eid)
+    assert ex.mask.tolist() == [False] * len(row["prompt_ids"]) + [True] * len(row["output_ids"])  # only replies are scored
     ref = engine.forward(ex.tokens, np.arange(len(ex.tokens)), engine.new_cache(len(ex.tokens)),
                          taps=(engine.config.num_layers,)).hidden[engine.config.num_layers]
     np.testing.assert_allclose(ex.features, ref, rtol=2e-3, atol=2e-3)  # fp16 storage
@@ -104,11 +106,11 @@ def test_fit_lowers_loss_resumes_and_exports_a_lossless_draft(run_dir, tiny_mode
 def test_distributed_fit_equals_single_process(run_dir):
     """torchrun with 2 gloo processes: the same weights as one process with the same global batch."""
     single = pipeline.stage_fit(run_dir, "lyanna", steps=3, batch=4, lr=1e-3, depth=2, rank=4, draft_vocab=100,
-                                eval_every=3, name="single")
+                                eval_every=3, name="single", row_len=64)
     env = {**os.environ, "LYANNA_NO_PROGRESS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29533", "-m", "lyanna.train",
            "fit", "--run-dir", str(run_dir), "--arch", "lyanna", "--steps", "3", "--batch", "4", "--lr", "1e-3", "--depth", "2",
-           "--rank", "4", "--draft-vocab", "100", "--eval-every", "3", "--name", "ddp"]
+           "--rank", "4", "--draft-vocab", "100", "--eval-every", "3", "--name", "ddp", "--row-len", "64"]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     a = load_file(str(run_dir / "fit" / "single" / "state.safetensors"))

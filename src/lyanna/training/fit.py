@@ -1,5 +1,13 @@
-"""Fitting an EAGLE-style head on target features (EAGLE-1 losses: feature regression + soft
-cross-entropy against the target's next-token distribution)."""
+"""Fitting draft heads on target features, in packed batches.
+
+Both heads are unrolled ``depth`` steps from every root of a packed batch (several sequences
+per row, none attending to another) and scored only where the predicted token is one the
+assistant wrote. EAGLE: smooth-L1 to the true next feature plus a soft cross-entropy (EAGLE-1's
+losses, unrolled on its own predictions). Lyanna: cross-entropy of ``raw + TI(true parent)``
+plus ``raw_weight`` times that of the raw logits (so re-sampled trees have something to stand
+on), over the draft vocabulary. Labels are the target's own next-token distribution (``soft``)
+or its argmax (``hard``), both read off the final-norm features with the target's LM head.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -10,13 +18,30 @@ import torch
 import torch.nn.functional as F
 
 from ..engine import Transformer
-from .modules import EagleHead, LyannaHead
+from .modules import EagleHead, LyannaHead, pair_segments
 
 
 @dataclass
 class Example:
     tokens: np.ndarray  # [T]
     features: np.ndarray  # [T, H] target feature after each token (the tapped layer)
+    mask: np.ndarray | None = None  # [T] bool: tokens the assistant wrote (scored); None = all
+
+    def scored(self) -> np.ndarray:
+        return np.ones(len(self.tokens), bool) if self.mask is None else self.mask
+
+
+@dataclass
+class Batch:
+    """Packed rows: ``tokens``/``segments``/``mask`` [B, L], ``features`` [B, L, H]."""
+    tokens: torch.Tensor
+    features: torch.Tensor
+    segments: torch.Tensor
+    mask: torch.Tensor
+
+    @property
+    def positions(self) -> int:
+        return int((self.segments >= 0).sum())
 
 
 def target_features(engine: Transformer, sequences: Sequence[Sequence[int]], tap: int) -> list[Example]:
@@ -27,6 +52,143 @@ def target_features(engine: Transformer, sequences: Sequence[Sequence[int]], tap
         fwd = engine.forward(ids, np.arange(len(ids)), engine.new_cache(len(ids)), logit_rows=[-1], taps=(tap,))
         out.append(Example(ids, fwd.hidden[tap]))
     return out
+
+
+PACK_WINDOW = 64  # open rows a sequence may join: first-fit quality at a bounded cost per sequence
+
+
+def pack(examples: Sequence[Example], row_len: int) -> list[list[int]]:
+    """First-fit packing of example indices into rows of at most ``row_len`` tokens, in the
+    given order, looking at the last ``PACK_WINDOW`` rows (longer examples are cut to
+    ``row_len`` by ``make_batch``)."""
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i, ex in enumerate(examples):
+        n = min(len(ex.tokens), row_len)
+        for r in range(max(0, len(rows) - PACK_WINDOW), len(rows)):
+            if room[r] >= n:
+                rows[r].append(i)
+                room[r] -= n
+                break
+        else:
+            rows.append([i])
+            room.append(row_len - n)
+    return rows
+
+
+def make_batch(examples: Sequence[Example], rows: Sequence[Sequence[int]], row_len: int,
+               device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, features: bool = True) -> Batch:
+    """Tensors of packed rows; positions past the last sequence of a row are padding (segment
+    -1). Without ``features`` the batch only tells which positions are scored."""
+    hidden = examples[rows[0][0]].features.shape[1] if features else 0
+    width = min(row_len, max(sum(min(len(examples[i].tokens), row_len) for i in row) for row in rows))
+    tokens = np.zeros((len(rows), width), np.int64)
+    feats = np.zeros((len(rows), width, hidden), np.float32)
+    segments = np.full((len(rows), width), -1, np.int64)
+    mask = np.zeros((len(rows), width), bool)
+    for r, row in enumerate(rows):
+        at = 0
+        for s, i in enumerate(row):
+            ex = examples[i]
+            n = min(len(ex.tokens), width - at)
+            tokens[r, at:at + n] = ex.tokens[:n]
+            if features:
+                feats[r, at:at + n] = ex.features[:n]
+            segments[r, at:at + n] = s
+            mask[r, at:at + n] = ex.scored()[:n]
+            at += n
+    return Batch(torch.from_numpy(tokens).to(device), torch.from_numpy(feats).to(device=device, dtype=dtype),
+                 torch.from_numpy(segments).to(device), torch.from_numpy(mask).to(device))
+
+
+def _label_logits(head: EagleHead, features: torch.Tensor) -> torch.Tensor:
+    """The target's logits over the head's loss vocabulary (draft vocabulary for Lyanna)."""
+    return features @ (head.draft_lm if isinstance(head, LyannaHead) else getattr(head, "loss_lm", head.lm_head)).T
+
+
+def _scored_rows(batch: Batch, k: int) -> torch.Tensor:
+    """[B, L-1] bool: root row j of step k predicts token j + 1 + k of its own sequence, which
+    the assistant wrote."""
+    pseg = pair_segments(batch.segments)
+    n = pseg.shape[1]
+    valid = torch.zeros_like(pseg, dtype=torch.bool)
+    m = n - k  # rows whose predicted position j + 1 + k is inside the row
+    if m > 0:
+        target_seg = batch.segments[:, 1 + k: 1 + k + m]
+        valid[:, :m] = (pseg[:, :m] >= 0) & (target_seg == pseg[:, :m]) & batch.mask[:, 1 + k: 1 + k + m]
+    return valid
+
+
+def scored_counts(batch: Batch, depth: int) -> list[int]:
+    """Scored rows of each unrolled step."""
+    return [int(_scored_rows(batch, k).sum()) for k in range(1, depth + 1)]
+
+
+def batch_loss(head: EagleHead, batch: Batch, depth: int, decay: float = 0.8, raw_weight: float = 0.5,
+               cls_weight: float = 0.1, labels: str = "soft", counts: Sequence[float] | None = None) -> torch.Tensor:
+    """Mean over scored rows of each unrolled step, weighted ``decay ** (k - 1)``. ``counts``
+    replaces this batch's own scored rows per step as the divisor (data-parallel ranks divide by
+    the whole batch's, so that averaging their gradients gives the single-process gradient)."""
+    if labels not in ("soft", "hard"):
+        raise ValueError(f"labels must be soft or hard, got {labels!r}")
+    lyanna = isinstance(head, LyannaHead)
+    feats = batch.features.float()
+    total = feats.new_zeros(())
+    for k, f in enumerate(head.unroll_batch(feats, batch.tokens, batch.segments, depth), start=1):
+        valid = _scored_rows(batch, k)
+        if not bool(valid.any()):
+            break
+        b_idx, j_idx = valid.nonzero(as_tuple=True)
+        fk = f[b_idx, j_idx]
+        label_feats = feats[b_idx, j_idx + k]  # feature after token j + k: distribution of token j + 1 + k
+        with torch.no_grad():
+            target_logits = _label_logits(head, label_feats)
+            probs = torch.softmax(target_logits, -1)
+            if labels == "hard":
+                probs = F.one_hot(target_logits.argmax(-1), probs.shape[-1]).to(probs.dtype)
+        if lyanna:
+            raw = head.raw_logits(fk)
+            injected = raw + head.token_info(batch.tokens[b_idx, j_idx + k])
+            per_row = -(probs * F.log_softmax(injected, -1)).sum(-1)
+            per_row = per_row + raw_weight * -(probs * F.log_softmax(raw, -1)).sum(-1)
+        else:
+            per_row = F.smooth_l1_loss(fk, label_feats, reduction="none").mean(-1)
+            per_row = per_row + cls_weight * -(probs * F.log_softmax(head.loss_logits(fk), -1)).sum(-1)
+        divisor = float(counts[k - 1]) if counts is not None else float(len(b_idx))
+        total = total + decay ** (k - 1) * per_row.sum() / max(divisor, 1.0)
+    return total
+
+
+@torch.no_grad()
+def batch_agreement(head: EagleHead, batch: Batch, depth: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per-depth (matches, counts) of the head's top-1 token against the target's (full
+    vocabulary), teacher-forced, over the scored positions."""
+    hits, counts = np.zeros(depth), np.zeros(depth)
+    feats = batch.features.float()
+    for k, f in enumerate(head.unroll_batch(feats, batch.tokens, batch.segments, depth), start=1):
+        valid = _scored_rows(batch, k)
+        b_idx, j_idx = valid.nonzero(as_tuple=True)
+        if len(b_idx) == 0:
+            break
+        fk = f[b_idx, j_idx]
+        target_top = head.logits(feats[b_idx, j_idx + k]).argmax(-1)
+        if isinstance(head, LyannaHead):
+            guess = head.d2t[(head.raw_logits(fk) + head.token_info(batch.tokens[b_idx, j_idx + k])).argmax(-1)]
+        else:
+            guess = head.logits(fk).argmax(-1)
+        hits[k - 1] = float((guess == target_top).sum())
+        counts[k - 1] = float(len(b_idx))
+    return hits, counts
+
+
+def example_loss(head: EagleHead, ex: Example, depth: int, **kw) -> torch.Tensor:
+    """``batch_loss`` of one example."""
+    return batch_loss(head, make_batch([ex], [[0]], len(ex.tokens)), depth, **kw)
+
+
+def agreement(head: EagleHead, ex: Example, depth: int) -> tuple[np.ndarray, np.ndarray]:
+    """``batch_agreement`` of one example."""
+    return batch_agreement(head, make_batch([ex], [[0]], len(ex.tokens)), depth)
 
 
 def init_eagle_head(engine: Transformer, target_weights: dict[str, np.ndarray], seed: int = 0) -> EagleHead:
@@ -58,73 +220,6 @@ def init_lyanna_head(engine: Transformer, target_weights: dict[str, np.ndarray],
     head.load_state_dict({**eagle.state_dict(), "norm.weight": torch.from_numpy(engine.final_norm.copy()),
                           "d2t": head.d2t, "ti.a": head.ti.a.detach(), "ti.b": head.ti.b.detach()})
     return head
-
-
-def label_probs(head: EagleHead, ex: Example) -> torch.Tensor:
-    """The target's next-token distribution after every position: its LM head on the final-norm
-    features the heads are trained on (so no second target pass is needed). For a Lyanna head it
-    is restricted to the draft vocabulary and renormalized, which is the softmax of those rows
-    (likewise for an EAGLE head whose loss vocabulary is restricted)."""
-    with torch.no_grad():
-        feats = torch.from_numpy(ex.features)
-        logits = feats @ head.draft_lm.T if isinstance(head, LyannaHead) else head.loss_logits(feats)
-        return torch.softmax(logits, -1)
-
-
-def example_loss(head: EagleHead, ex: Example, depth: int, decay: float = 0.8, raw_weight: float = 0.5,
-                 cls_weight: float = 0.1, start: int = 0) -> torch.Tensor:
-    """Multi-step unrolled loss; step k at root row j predicts the token at position j + 1 + k,
-    whose target distribution is the label row j + k. Only roots from row ``start`` count.
-
-    EAGLE: smooth-L1 to the true feature plus ``cls_weight`` soft cross-entropy (EAGLE-1's losses,
-    unrolled on its own predictions). Lyanna: soft cross-entropy of ``l_k + TI(true parent)`` plus
-    ``raw_weight`` times that of the raw ``l_k`` (so re-sampled trees have something to stand on),
-    over the draft vocabulary."""
-    toks = torch.from_numpy(ex.tokens)
-    feats = torch.from_numpy(ex.features)
-    probs = label_probs(head, ex)
-    lyanna = isinstance(head, LyannaHead)
-    total = torch.zeros(())
-    t = len(toks)
-    start = min(max(start, 0), max(t - 2, 0))
-    for k, f in enumerate(head.unroll(feats, toks, depth, start), start=1):
-        n = t - k - start  # rows of this step with a label
-        if n <= 0:
-            break
-        label = probs[k + start : k + start + n]
-        parents = toks[k + start : k + start + n]
-        if lyanna:
-            raw = head.raw_logits(f[:n])
-            injected = raw + head.token_info(parents)
-            step = -(label * F.log_softmax(injected, -1)).sum(-1).mean()
-            step = step + raw_weight * -(label * F.log_softmax(raw, -1)).sum(-1).mean()
-        else:
-            step = F.smooth_l1_loss(f[:n], feats[k + start : k + start + n])
-            step = step + cls_weight * -(label * F.log_softmax(head.loss_logits(f[:n]), -1)).sum(-1).mean()
-        total = total + decay ** (k - 1) * step
-    return total
-
-
-def agreement(head: EagleHead, ex: Example, depth: int, start: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """Per-depth (matches, counts) of the head's top-1 token against the target's, teacher-forced,
-    over predicted positions >= ``start`` (the reply)."""
-    toks = torch.from_numpy(ex.tokens)
-    hits, counts = np.zeros(depth), np.zeros(depth)
-    first = min(max(start - 2, 0), max(len(toks) - 2, 0))  # no earlier root predicts into the reply
-    with torch.no_grad():
-        target_top = head.logits(torch.from_numpy(ex.features)).argmax(-1)
-        for k, f in enumerate(head.unroll(torch.from_numpy(ex.features), toks, depth, first), start=1):
-            n = len(toks) - k - first
-            if n <= 0:
-                break
-            if isinstance(head, LyannaHead):
-                guess = head.d2t[(head.raw_logits(f[:n]) + head.token_info(toks[k + first : k + first + n])).argmax(-1)]
-            else:
-                guess = head.logits(f[:n]).argmax(-1)
-            rows = torch.arange(n) + first + k + 1 >= start  # predicted position j + 1 + k in the reply
-            hits[k - 1] += float((guess == target_top[k + first : k + first + n])[rows].sum())
-            counts[k - 1] += float(rows.sum())
-    return hits, counts
 
 
 def fit(head: EagleHead, examples: Sequence[Example], steps: int, depth: int = 3, lr: float = 3e-4,

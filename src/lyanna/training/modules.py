@@ -46,6 +46,22 @@ class Attention(nn.Module):
         return self.o_proj(o.transpose(1, 2).reshape(b, t, -1))
 
 
+def pair_segments(segments: torch.Tensor) -> torch.Tensor:
+    """Segment of each pair row j (tokens j and j + 1 of a packed row); -1 where the pair
+    straddles two sequences or padding."""
+    a, b = segments[:, :-1], segments[:, 1:]
+    return torch.where((a == b) & (b >= 0), b, torch.full_like(b, -1))
+
+
+def segment_positions(segments: torch.Tensor) -> torch.Tensor:
+    """Position of every token inside its own sequence (0 at each sequence's first token)."""
+    idx = torch.arange(segments.shape[1], device=segments.device).expand_as(segments)
+    starts = torch.ones_like(segments, dtype=torch.bool)
+    starts[:, 1:] = segments[:, 1:] != segments[:, :-1]
+    first = torch.where(starts, idx, torch.zeros_like(idx)).cummax(dim=1).values
+    return idx - first
+
+
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
@@ -114,67 +130,78 @@ class EagleHead(nn.Module):
         return features @ getattr(self, "loss_lm", self.lm_head).T
 
     def _qkv(self, x: torch.Tensor, positions: torch.Tensor):
+        """q, k, v of ``x`` [B, N, H] at ``positions`` [B, N]."""
         c, attn = self.c, self.layer.self_attn
-        angles = positions.float()[:, None] * self.inv_freq[None, :]
+        angles = positions.float()[..., None] * self.inv_freq
         angles = torch.cat([angles, angles], dim=-1)
-        cos, sin = angles.cos()[:, None], angles.sin()[:, None]
+        cos, sin = angles.cos()[:, :, None], angles.sin()[:, :, None]
         h = self.layer.input_layernorm(x)
-        t = x.shape[0]
-        q = _rope(attn.q_proj(h).view(t, c.num_heads, c.head_dim), cos, sin)
-        k = _rope(attn.k_proj(h).view(t, c.num_kv_heads, c.head_dim), cos, sin)
-        return q, k, attn.v_proj(h).view(t, c.num_kv_heads, c.head_dim)
+        b, t = x.shape[:2]
+        q = _rope(attn.q_proj(h).view(b, t, c.num_heads, c.head_dim), cos, sin)
+        k = _rope(attn.k_proj(h).view(b, t, c.num_kv_heads, c.head_dim), cos, sin)
+        return q, k, attn.v_proj(h).view(b, t, c.num_kv_heads, c.head_dim)
 
     def _step(self, x: torch.Tensor, q: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor,
-              own_k: list[torch.Tensor], own_v: list[torch.Tensor], offset: int = 0) -> torch.Tensor:
-        """Rows ``offset..`` of the pair context as queries; each sees the pairs up to its own."""
+              own_k: list[torch.Tensor], own_v: list[torch.Tensor], ctx_mask: torch.Tensor) -> torch.Tensor:
+        """One layer step for every row of ``x`` [B, N, H]: attention to the pair context where
+        ``ctx_mask`` [B, N, N] allows, and to the earlier steps of the row's own chain."""
         c = self.c
-        t, g = x.shape[0], c.num_heads // c.num_kv_heads
-        n = ctx_k.shape[0]
-        qg = q.view(t, c.num_kv_heads, g, c.head_dim) / c.head_dim ** 0.5
-        s = torch.einsum("tkgd,skd->tkgs", qg, ctx_k)
-        causal = torch.ones(t, n, dtype=torch.bool, device=x.device).tril(offset)
-        s = s.masked_fill(~causal[:, None, None, :], float("-inf"))
+        b, t, g = x.shape[0], x.shape[1], c.num_heads // c.num_kv_heads
+        qg = q.view(b, t, c.num_kv_heads, g, c.head_dim) / c.head_dim ** 0.5
+        s = torch.einsum("btkgd,bskd->btkgs", qg, ctx_k)
+        s = s.masked_fill(~ctx_mask[:, :, None, None, :], float("-inf"))
+        n = s.shape[-1]
         if own_k:
-            s = torch.cat([s, torch.stack([(qg * k[:, :, None, :]).sum(-1) for k in own_k], -1)], -1)
+            s = torch.cat([s, torch.stack([(qg * k[:, :, :, None, :]).sum(-1) for k in own_k], -1)], -1)
         p = torch.softmax(s, dim=-1)
-        o = torch.einsum("tkgs,skd->tkgd", p[..., :n], ctx_v)
+        o = torch.einsum("btkgs,bskd->btkgd", p[..., :n], ctx_v)
         if own_k:
-            o = o + torch.einsum("tkgj,jtkd->tkgd", p[..., n:], torch.stack(own_v))
-        x = x + self.layer.self_attn.o_proj(o.reshape(t, -1))
+            o = o + torch.einsum("btkgj,jbtkd->btkgd", p[..., n:], torch.stack(own_v))
+        x = x + self.layer.self_attn.o_proj(o.reshape(b, t, -1))
         return x + self.layer.mlp(self.layer.post_attention_layernorm(x))
 
-    def _chain_input(self, f: torch.Tensor, tokens: torch.Tensor, k: int, start: int) -> torch.Tensor:
-        """Input of chain step k >= 2 for the roots from row ``start``: [f_{k-1} ; embedding of
-        the token at root + k - 1]."""
-        shifted = torch.zeros_like(tokens[1:])
-        n = len(tokens) - k
+    def _chain_input(self, f: torch.Tensor, tokens: torch.Tensor, k: int) -> torch.Tensor:
+        """Input of chain step k >= 2 for every root row j: [f_{k-1} ; embedding of token
+        j + k] (the token the previous step predicted, teacher-forced)."""
+        shifted = torch.zeros_like(tokens[:, 1:])
+        n = tokens.shape[1] - k
         if n > 0:
-            shifted[:n] = tokens[k : k + n]  # rows past the end are padding: no label uses them
-        return self.fc(torch.cat([f, self.embed[shifted[start:]]], dim=-1))
+            shifted[:, :n] = tokens[:, k : k + n]  # rows past the end are padding: no label uses them
+        return self.fc(torch.cat([f, self.embed[shifted]], dim=-1))
 
-    def unroll(self, features: torch.Tensor, tokens: torch.Tensor, depth: int, start: int = 0) -> list[torch.Tensor]:
-        """Chain features ``f_1..f_depth`` for the roots at positions 1 + start..T-1 (pair i =
-        (feature after token i-1, token i)); row j of step k (root row ``start + j``) predicts the
-        token at position start + j + 1 + k.
-
-        Every step attends to the pairs up to its root and to the earlier steps of its own chain,
-        exactly as the drafter does at decode time. ``start`` skips roots whose drafts nobody
-        needs (the prompt) while keeping all pairs as context."""
-        positions = torch.arange(1, len(tokens), device=features.device)
-        x = self.fc(torch.cat([features[:-1], self.embed[tokens[1:]]], dim=-1))
+    def unroll_batch(self, features: torch.Tensor, tokens: torch.Tensor, segments: torch.Tensor,
+                     depth: int) -> list[torch.Tensor]:
+        """Chain features ``f_1..f_depth`` [B, L-1, H] of packed rows: ``features`` [B, L, H],
+        ``tokens`` [B, L], ``segments`` [B, L] (which sequence each position belongs to; -1 for
+        padding). Pair row j = (feature after token j, token j + 1); row j of step k predicts the
+        token at position j + 1 + k. Each step attends to the pairs of its own sequence up to its
+        root and to the earlier steps of its own chain, exactly as the drafter does at decode time."""
+        pseg = pair_segments(segments)
+        n = pseg.shape[1]
+        idx = torch.arange(n, device=features.device)
+        ctx_mask = (idx[None, :, None] >= idx[None, None, :]) & (pseg[:, :, None] == pseg[:, None, :]) & (pseg[:, None, :] >= 0)
+        ctx_mask = ctx_mask | torch.eye(n, dtype=torch.bool, device=features.device)  # a padding row sees itself: no NaN
+        positions = segment_positions(segments)[:, 1:]
+        x = self.fc(torch.cat([features[:, :-1], self.embed[tokens[:, 1:]]], dim=-1))
         q, ctx_k, ctx_v = self._qkv(x, positions)
-        f = self._step(x[start:], q[start:], ctx_k, ctx_v, [], [], start)
+        f = self._step(x, q, ctx_k, ctx_v, [], [], ctx_mask)
         out = [f]
         own_k: list[torch.Tensor] = []
         own_v: list[torch.Tensor] = []
         for k in range(2, depth + 1):
-            x = self._chain_input(f, tokens, k, start)
-            q, kk, vv = self._qkv(x, positions[start:] + k - 1)
+            x = self._chain_input(f, tokens, k)
+            q, kk, vv = self._qkv(x, positions + k - 1)
             own_k.append(kk)
             own_v.append(vv)
-            f = self._step(x, q, ctx_k, ctx_v, own_k, own_v, start)
+            f = self._step(x, q, ctx_k, ctx_v, own_k, own_v, ctx_mask)
             out.append(f)
         return out
+
+    def unroll(self, features: torch.Tensor, tokens: torch.Tensor, depth: int, start: int = 0) -> list[torch.Tensor]:
+        """``unroll_batch`` of one sequence (``features`` [T, H], ``tokens`` [T]): rows for the
+        roots at positions 1 + start..T-1."""
+        seg = torch.zeros(1, len(tokens), dtype=torch.long, device=features.device)
+        return [f[0, start:] for f in self.unroll_batch(features[None], tokens[None], seg, depth)]
 
     def numpy_weights(self) -> dict[str, np.ndarray]:
         return {k: v.detach().cpu().numpy().copy() for k, v in self.state_dict().items()}
@@ -200,6 +227,6 @@ class LyannaHead(EagleHead):
     def token_info(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.ti.a[tokens] @ self.ti.b
 
-    def _chain_input(self, f: torch.Tensor, tokens: torch.Tensor, k: int, start: int) -> torch.Tensor:
+    def _chain_input(self, f: torch.Tensor, tokens: torch.Tensor, k: int) -> torch.Tensor:
         return f  # the hidden-state chain: no token enters after the first step
 

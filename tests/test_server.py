@@ -142,6 +142,7 @@ class OracleDrafter:
     """Drafts the target's own greedy chain of 4 tokens, so greedy rounds accept whole blocks."""
 
     taps = ()
+    passes = 0  # no draft model
 
     def __init__(self, engine):
         self.engine = engine
@@ -470,13 +471,21 @@ def test_top_p_zero_is_greedy_end_to_end(client):
     assert client.chat.completions.create(temperature=1, top_p=0, **kwargs).choices[0].message.content == greedy
 
 
-def test_negative_seed_is_refused_by_the_cli_too(capsys):
-    """Server and CLI share one rule: a seed is an integer >= 0 (the server test is above)."""
+@pytest.mark.parametrize(
+    "args,flag",
+    [
+        (["generate", "hi", "--seed", "-1"], "--seed"),  # one rule with the server: a seed is an integer >= 0
+        (["serve", "--request-timeout", "0"], "--request-timeout"),
+        (["serve", "--request-timeout", "nan"], "--request-timeout"),
+        (["serve", "--max-body-bytes", "0"], "--max-body-bytes"),
+    ],
+)
+def test_cli_refuses_bad_values_in_one_line(capsys, args, flag):
     with pytest.raises(SystemExit) as e:
-        cli_main(["generate", "hi", "--seed", "-1"])
+        cli_main(args)
     err = capsys.readouterr().err
-    assert e.value.code == 2 and "integer >= 0" in err and "Traceback" not in err
-    assert err.strip().splitlines()[-1].startswith("lyanna generate: error: argument --seed")
+    assert e.value.code == 2 and "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith(f"lyanna {args[0]}: error: argument {flag}")
 
 
 json_values = st.recursive(
@@ -520,6 +529,7 @@ def test_sigterm_shuts_down_gracefully(tiny_model_dir):
         # uvicorn re-raises the signal after a clean shutdown, so -SIGTERM is a graceful exit too
         assert code in (0, -signal.SIGTERM), log
         assert "Application shutdown complete" in log
+        assert log.index("latency curve") < log.index("Application startup complete")  # calibrated before ready
     finally:
         proc.kill()
 

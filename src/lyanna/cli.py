@@ -33,6 +33,17 @@ _positive_int = _int_at_least(1, "a positive integer")
 _non_negative_int = _int_at_least(0, "an integer >= 0")
 
 
+def _positive_seconds(text: str) -> float:
+    """An argparse type for a finite number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
+    return value
+
+
 def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -91,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--port", type=_int_at_least(1, "a port number"), default=8000)
     sv.add_argument("--method", default="ar", help="default decoding method (requests may pick another with lyanna_method)")
     sv.add_argument("--queue-size", type=_positive_int, default=16, help="requests queued or running before 429")
-    sv.add_argument("--request-timeout", type=float, default=300.0, help="seconds before a request is cancelled (504)")
+    sv.add_argument("--request-timeout", type=_positive_seconds, default=300.0, help="seconds before a request is cancelled (504)")
     sv.add_argument("--max-body-bytes", type=_positive_int, default=None,
                     help="largest request body accepted, 413 beyond it (default 2 MiB)")
 

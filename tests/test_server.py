@@ -1,24 +1,34 @@
-"""The OpenAI-compatible server over real HTTP on loopback."""
+"""The OpenAI-compatible server over real HTTP on loopback.
+
+Tests of timing-dependent behaviour (deadlines, disconnects, shutdown, a slow tokenizer, the queue)
+run against ``StubDecoder``, which has the interface the server uses and makes tokens when the test
+says so; the rest run the tiny model end to end.
+"""
 from __future__ import annotations
 
 import json
 import os
+import queue
+import re
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+from types import SimpleNamespace
 
 import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lyanna.decoding import Decoder, GenerationRequest
-from lyanna.loading import load_target
-from lyanna.server import create_app
+from lyanna.cli import main as cli_main
+from lyanna.decoding import GenerationRequest, GenerationResult
+from lyanna.server import GracefulServer, create_app
 from lyanna.tree import DraftTree
+
+WAIT = 20  # seconds a test waits for an event before it fails (never reached when things work)
 
 
 def free_port() -> int:
@@ -28,50 +38,120 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, app):
-        import uvicorn
+    """The app on a loopback port, served by ``GracefulServer`` in a thread."""
 
+    def __init__(self, app, wait: bool = True):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.ready = threading.Event()
+        self.server = GracefulServer(app, host="127.0.0.1", port=self.port, log_level="warning",
+                                     timeout_graceful_shutdown=5)
+        startup = self.server.startup
+
+        async def startup_then_signal(sockets=None):
+            await startup(sockets)
+            self.ready.set()
+
+        self.server.startup = startup_then_signal
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
-        for _ in range(200):
-            if self.server.started:
-                return
-            time.sleep(0.05)
-        raise RuntimeError("server did not start")
+        if wait and not self.ready.wait(WAIT):
+            raise RuntimeError("server did not start")
 
     def stop(self):
-        self.server.should_exit = True
-        self.thread.join(10)
+        self.server.handle_exit(signal.SIGTERM, None)
+        self.thread.join(WAIT)
 
 
-class SlowDrafter:
-    """Proposes nothing, slowly: makes every round take a while so tests can overlap requests."""
+class StubDecoder:
+    """What the server uses of ``Decoder``, making one token per ``release()`` (or one every
+    ``pace`` seconds), and ending with finish reason ``cancelled`` when ``should_cancel`` says so,
+    as the real decoder does at its next commit. One token per prompt character."""
+
+    methods = ["ar"]
+
+    def __init__(self, pace: float | None = None, context: int = 10_000):
+        self.pace = pace
+        self.target = SimpleNamespace(name="stub", config=SimpleNamespace(max_position_embeddings=context))
+        self._tokens = threading.Semaphore(0)
+        self.started = threading.Event()  # a generation is running
+        self.results: queue.Queue[GenerationResult] = queue.Queue()
+        self.requests: list[GenerationRequest] = []
+        self.messages: list[list[dict]] = []
+        self.calibrations = 0
+        self.calibration_gate: threading.Event | None = None  # set: calibrating blocks on it
+        self.calibrating = threading.Event()
+        self.encode_gate: threading.Event | None = None  # set: tokenizing blocks on it
+        self.encoding = threading.Event()
+
+    def release(self, n: int = 1) -> None:
+        for _ in range(n):
+            self._tokens.release()
+
+    def latency_curve(self):
+        self.calibrating.set()
+        if self.calibration_gate is not None:
+            self.calibration_gate.wait(WAIT)
+        self.calibrations += 1
+
+    def encode(self, prompt: str, chat: bool = True) -> list[int]:
+        self.encoding.set()
+        if self.encode_gate is not None:
+            self.encode_gate.wait(WAIT)
+        return [7] * len(prompt)
+
+    def encode_messages(self, messages: list[dict]) -> list[int]:
+        self.messages.append(messages)
+        return self.encode("".join(m["content"] for m in messages))
+
+    def generate(self, ids, request, method="ar", on_text=None, should_cancel=None, **_) -> GenerationResult:
+        self.requests.append(request)
+        self.started.set()
+        tokens, finish = [], "length"
+        while len(tokens) < request.max_new_tokens:
+            if should_cancel():
+                finish = "cancelled"
+                break
+            if self.pace is not None:
+                time.sleep(self.pace)  # the stub's compute time for one token
+            elif not self._tokens.acquire(timeout=0.005):  # a forward pass ends: look at should_cancel
+                continue
+            tokens.append(7)
+            on_text("t")
+        result = GenerationResult(method=method, prompt_tokens=len(ids), tokens=tokens, text="t" * len(tokens),
+                                  finish_reason=finish, prefill_seconds=0.0, seconds=0.0, target_passes=len(tokens))
+        self.results.put(result)
+        return result
+
+
+@pytest.fixture
+def stub_server():
+    """``stub_server(stub, **create_app kwargs)``: a started server around a stub decoder."""
+    servers = []
+
+    def make(stub, wait=True, **kwargs):
+        servers.append(Server(create_app(stub, **{"request_timeout": 30, **kwargs}), wait=wait))
+        return servers[-1]
+
+    yield make
+    for srv in servers:
+        srv.stop()
+
+
+class OracleDrafter:
+    """Drafts the target's own greedy chain of 4 tokens, so greedy rounds accept whole blocks."""
 
     taps = ()
+    passes = 0  # no draft model
 
-    def __init__(self):
-        self.proposals = 0
+    def __init__(self, engine):
+        self.engine = engine
 
     def start(self, prompt_ids, hidden):
         pass
 
     def commit(self, tokens, hidden):
         pass
-
-    def propose(self, context, max_depth):
-        self.proposals += 1
-        time.sleep(0.01)
-        return DraftTree.empty()
-
-
-class OracleDrafter(SlowDrafter):
-    """Drafts the target's own greedy chain of 4 tokens, so greedy rounds accept whole blocks."""
-
-    def __init__(self, engine):
-        self.engine = engine
 
     def propose(self, context, max_depth):
         ctx = list(context)
@@ -87,16 +167,6 @@ def server(tiny_decoder):
         tiny_decoder.add_drafter("oracle", OracleDrafter(tiny_decoder.engine))
     srv = Server(create_app(tiny_decoder, method="suffix", max_pending=8, request_timeout=30))
     yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def slow(tiny_model_dir):
-    decoder = Decoder(load_target(tiny_model_dir))
-    drafter = SlowDrafter()
-    decoder.add_drafter("slow", drafter)
-    srv = Server(create_app(decoder, method="slow", max_pending=1, request_timeout=30))
-    yield srv, drafter
     srv.stop()
 
 
@@ -168,7 +238,7 @@ def test_stop_string_inside_accepted_block(client, tiny_decoder, server):
         ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400, "role"),
         ("/v1/chat/completions", {"messages": MESSAGES, "n": 2}, 400, "n=1"),
         ("/v1/chat/completions", {"messages": MESSAGES, "temperature": -1}, 400, "temperature"),
-        ("/v1/chat/completions", {"messages": MESSAGES, "top_p": 0}, 400, "top_p"),
+        ("/v1/chat/completions", {"messages": MESSAGES, "top_p": 1.5}, 400, "top_p"),
         ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 0}, 400, "max_tokens"),
         ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 100000}, 400, "context window"),
         ("/v1/chat/completions", {"messages": MESSAGES, "presence_penalty": 0.5}, 400, "penalties"),
@@ -198,33 +268,224 @@ def test_models_health_metrics(server, client):
         assert name in text
 
 
-def test_queue_full_gives_429_with_retry_after(slow):
-    srv, _ = slow
-    body = {"prompt": "abc", "max_tokens": 300, "temperature": 0}
-    with httpx.Client(timeout=30) as c:
-        holder = threading.Thread(target=lambda: c.post(srv.url + "/v1/completions", json=body))
-        holder.start()
-        time.sleep(0.3)
-        r = httpx.post(srv.url + "/v1/completions", json=body)
-        holder.join()
-    assert r.status_code == 429
-    assert r.headers["retry-after"] == "1"
-    assert "busy" in r.json()["error"]["message"]
+def error_of(r: httpx.Response) -> dict:
+    """The OpenAI error object of a response, checked for its exact shape."""
+    assert r.headers["content-type"].startswith("application/json"), r.text
+    body = r.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    return body["error"]
 
 
-def test_client_disconnect_cancels_generation(slow):
-    srv, drafter = slow
-    body = {"prompt": "abc", "max_tokens": 400, "temperature": 0, "stream": True}
-    before = drafter.proposals
-    with httpx.Client(timeout=30) as c:
-        with c.stream("POST", srv.url + "/v1/completions", json=body) as r:
-            next(r.iter_lines())  # the generation is running
-    time.sleep(1.0)
-    stopped_at = drafter.proposals
-    time.sleep(0.5)
-    assert drafter.proposals == stopped_at  # no more rounds after the disconnect
-    assert stopped_at - before < 300  # it did not run to max_tokens (each round sleeps 10 ms)
+def sse(lines) -> list:
+    """The data lines of a server-sent event stream, JSON-decoded except the final ``[DONE]``."""
+    out = []
+    for line in lines:
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def post_in_thread(url: str, body: dict) -> tuple[threading.Thread, dict]:
+    """POST on a thread; its response (or exception) lands in the returned dict."""
+    out: dict = {}
+
+    def go():
+        try:
+            out["response"] = httpx.post(url, json=body, timeout=WAIT)
+        except Exception as e:  # the test asserts on it
+            out["error"] = e
+
+    thread = threading.Thread(target=go)
+    thread.start()
+    return thread, out
+
+
+def send_and_leave_open(port: int, path: str, body: dict) -> socket.socket:
+    """A raw HTTP request whose client can vanish without reading the answer."""
+    data = json.dumps(body).encode()
+    sock = socket.create_connection(("127.0.0.1", port))
+    head = f"POST {path} HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+    sock.sendall(head.encode() + data)
+    return sock
+
+
+def generated_tokens_metric(url: str) -> float:
+    return float(re.search(r"^lyanna_generated_tokens_total (\S+)$", httpx.get(url + "/metrics").text, re.M).group(1))
+
+
+def test_calibration_happens_at_startup_before_the_server_is_ready(stub_server):
+    stub = StubDecoder(pace=0.0)
+    stub.calibration_gate = threading.Event()
+    srv = stub_server(stub, wait=False)
+    assert stub.calibrating.wait(WAIT), "the server did not calibrate at startup"
+    assert not srv.ready.is_set()  # not accepting requests while calibrating
+    stub.calibration_gate.set()
+    assert srv.ready.wait(WAIT)
+    r = httpx.post(srv.url + "/v1/completions", json={"prompt": "ab", "max_tokens": 3})
+    assert r.status_code == 200 and stub.calibrations == 1  # requests never calibrate again
+
+
+def test_queue_full_gives_429_with_retry_after(stub_server):
+    stub = StubDecoder()
+    srv = stub_server(stub, max_pending=1)
+    holder, held = post_in_thread(srv.url + "/v1/completions", {"prompt": "abc", "max_tokens": 2})
+    assert stub.started.wait(WAIT)
+    r = httpx.post(srv.url + "/v1/completions", json={"prompt": "abc", "max_tokens": 2})
+    stub.release(2)
+    holder.join(WAIT)
+    assert r.status_code == 429 and r.headers["retry-after"] == "1"
+    assert error_of(r)["type"] == "rate_limit_error" and "busy" in error_of(r)["message"]
+    assert held["response"].status_code == 200
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_deadline_acts_while_tokens_flow(stub_server, stream):
+    """Tokens keep coming (one per ms, for seconds): the deadline must still end the request."""
+    stub = StubDecoder(pace=0.001)
+    srv = stub_server(stub, request_timeout=1.0)
+    body = {"prompt": "abc", "max_tokens": 5000, "stream": stream}
+    r = httpx.post(srv.url + "/v1/completions", json=body, timeout=WAIT)
+    if stream:
+        events = sse(r.iter_lines())
+        assert events[-1] == "[DONE]" and any(e.get("choices") for e in events[:-2])  # tokens were streamed
+        error = events[-2]["error"]
+    else:
+        assert r.status_code == 504
+        error = error_of(r)
+    assert error["code"] == "timeout" and "timed out after 1 s" in error["message"]
+    assert stub.results.get(timeout=WAIT).finish_reason == "cancelled"  # the engine stopped too
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_client_disconnect_cancels_generation_while_tokens_flow(stub_server, stream):
+    stub = StubDecoder(pace=0.001)
+    srv = stub_server(stub)
+    sock = send_and_leave_open(srv.port, "/v1/completions", {"prompt": "abc", "max_tokens": 5000, "stream": stream})
+    assert stub.started.wait(WAIT)
+    sock.close()
+    cancelled = stub.results.get(timeout=WAIT)
+    assert cancelled.finish_reason == "cancelled" and cancelled.new_tokens < 5000
+    # the engine serves one job at a time, so once this returns the cancelled one is accounted for
+    assert httpx.post(srv.url + "/v1/completions", json={"prompt": "ab", "max_tokens": 3}).status_code == 200
+    assert generated_tokens_metric(srv.url) == cancelled.new_tokens + 3  # cancelled tokens are counted
     assert httpx.get(srv.url + "/health").json()["queue"] == 0
+
+
+def test_shutdown_answers_every_in_flight_request(stub_server):
+    stub = StubDecoder()  # holds its generation: no token comes unless released
+    srv = stub_server(stub, max_pending=4)
+    running, answer = post_in_thread(srv.url + "/v1/completions", {"prompt": "abc", "max_tokens": 50})
+    assert stub.started.wait(WAIT)
+    with httpx.stream("POST", srv.url + "/v1/chat/completions", timeout=WAIT,
+                      json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 50, "stream": True}) as r:
+        lines = r.iter_lines()
+        assert sse([next(lines)])[0]["choices"][0]["delta"]["role"] == "assistant"  # queued behind the first
+        srv.server.handle_exit(signal.SIGTERM, None)  # what uvicorn's signal handler calls
+        events = sse(lines)
+    running.join(WAIT)
+    assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "server_shutting_down"
+    assert "error" not in answer, answer.get("error")
+    assert answer["response"].status_code == 503
+    assert error_of(answer["response"])["code"] == "server_shutting_down"
+    srv.thread.join(WAIT)
+    assert not srv.thread.is_alive()
+
+
+def test_tokenizing_runs_off_the_event_loop(stub_server):
+    stub = StubDecoder(pace=0.0)
+    stub.encode_gate = threading.Event()
+    srv = stub_server(stub)
+    thread, out = post_in_thread(srv.url + "/v1/completions", {"prompt": "a huge prompt", "max_tokens": 2})
+    try:
+        assert stub.encoding.wait(WAIT)
+        assert httpx.get(srv.url + "/health", timeout=5).status_code == 200  # while the tokenizer is busy
+    finally:
+        stub.encode_gate.set()
+        thread.join(WAIT)
+    assert out["response"].status_code == 200
+
+
+def test_request_body_limit(stub_server):
+    srv = stub_server(StubDecoder(pace=0.0), max_body_bytes=1000)
+    big = {"prompt": "x" * 2000, "max_tokens": 1}
+    r = httpx.post(srv.url + "/v1/completions", json=big)
+    assert r.status_code == 413 and "1000 bytes" in error_of(r)["message"]
+    chunked = httpx.post(srv.url + "/v1/completions", content=iter([json.dumps(big).encode()]),
+                         headers={"content-type": "application/json"})  # no content-length to trust
+    assert chunked.status_code == 413
+    assert httpx.post(srv.url + "/v1/completions", json={"prompt": "x" * 500, "max_tokens": 1}).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "method,path,content,status,param,needle",
+    [
+        ("POST", "/v1/completions", b'{"prompt": "\xff\xfe"}', 400, None, "UTF-8"),
+        ("POST", "/v1/completions", b'{"prompt": "abc", "max_tokens": 4', 400, None, "not valid JSON"),
+        ("POST", "/v1/completions", b'["abc"]', 400, None, "JSON object"),
+        ("GET", "/v1/nothing", None, 404, None, "no such endpoint"),
+        ("GET", "/v1/completions", None, 405, None, "GET"),
+        ("GET", "/v1/models/gpt-4", None, 404, "model", "not served"),
+        ("POST", "/v1/completions", {"prompt": "x" * 80}, 400, "prompt", "prompt is 80 tokens"),
+        ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 80}]}, 400, "messages",
+         "prompt is 80 tokens"),
+        ("POST", "/v1/completions", {"prompt": "x" * 10, "max_tokens": 60}, 400, "max_tokens", "context window"),
+        ("POST", "/v1/completions", b'{"prompt": "abc", "temperature": NaN}', 400, "temperature", "finite number"),
+        ("POST", "/v1/completions", {"prompt": "abc", "seed": -1}, 400, "seed", "greater than or equal to 0"),
+        ("POST", "/v1/completions", {"prompt": "abc", "max_tokens": True}, 400, "max_tokens", "boolean"),
+        ("POST", "/v1/completions", {"prompt": "abc", "stream_options": {"include_usage": True}}, 400,
+         "stream_options", "stream is true"),
+        ("POST", "/v1/chat/completions",
+         {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                    {"type": "image_url", "image_url": {"url": "x"}}]}]},
+         400, "messages.0.content", "part 1 is 'image_url'"),
+        ("POST", "/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, 400, "messages.0.role", "role"),
+    ],
+)
+def test_errors_have_openai_shape_and_param(stub_server, method, path, content, status, param, needle):
+    srv = stub_server(StubDecoder(pace=0.0, context=64))
+    kwargs = {"json": content} if isinstance(content, dict) else {"content": content}
+    r = httpx.request(method, srv.url + path, headers={"content-type": "application/json"}, **kwargs)
+    assert r.status_code == status, r.text
+    error = error_of(r)
+    assert error["param"] == param and needle in error["message"], error
+    assert error["type"] == "invalid_request_error"
+
+
+def test_openai_request_forms_we_can_honour(stub_server):
+    stub = StubDecoder(pace=0.0)
+    srv = stub_server(stub)
+    parts = [{"type": "text", "text": "tell me "}, {"type": "text", "text": "about cats"}]
+    r = httpx.post(srv.url + "/v1/chat/completions", json={
+        "messages": [{"role": "developer", "content": "be brief"}, {"role": "user", "content": parts}],
+        "max_tokens": 2, "top_p": 0, "temperature": 1.5, "seed": 3})
+    assert r.status_code == 200, r.text
+    assert stub.messages[-1] == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "tell me about cats"}]
+    assert stub.requests[-1].sampling.greedy  # top_p 0: the nucleus is the most probable token alone
+    assert httpx.get(srv.url + "/v1/models/stub").json()["id"] == "stub"
+
+
+def test_top_p_zero_is_greedy_end_to_end(client):
+    kwargs = dict(model=client.model_id, messages=MESSAGES, max_tokens=20, seed=1)
+    greedy = client.chat.completions.create(temperature=0, **kwargs).choices[0].message.content
+    assert client.chat.completions.create(temperature=1, top_p=0, **kwargs).choices[0].message.content == greedy
+
+
+@pytest.mark.parametrize(
+    "args,flag",
+    [
+        (["generate", "hi", "--seed", "-1"], "--seed"),  # one rule with the server: a seed is an integer >= 0
+        (["serve", "--request-timeout", "0"], "--request-timeout"),
+        (["serve", "--request-timeout", "nan"], "--request-timeout"),
+        (["serve", "--max-body-bytes", "0"], "--max-body-bytes"),
+    ],
+)
+def test_cli_refuses_bad_values_in_one_line(capsys, args, flag):
+    with pytest.raises(SystemExit) as e:
+        cli_main(args)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith(f"lyanna {args[0]}: error: argument {flag}")
 
 
 json_values = st.recursive(
@@ -268,6 +529,7 @@ def test_sigterm_shuts_down_gracefully(tiny_model_dir):
         # uvicorn re-raises the signal after a clean shutdown, so -SIGTERM is a graceful exit too
         assert code in (0, -signal.SIGTERM), log
         assert "Application shutdown complete" in log
+        assert log.index("latency curve") < log.index("Application startup complete")  # calibrated before ready
     finally:
         proc.kill()
 

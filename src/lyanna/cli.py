@@ -33,11 +33,22 @@ _positive_int = _int_at_least(1, "a positive integer")
 _non_negative_int = _int_at_least(0, "an integer >= 0")
 
 
+def _positive_seconds(text: str) -> float:
+    """An argparse type for a finite number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
+    return value
+
+
 def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=_non_negative_int, default=0, help="0 = off")
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--seed", type=_non_negative_int, default=None, help="an integer >= 0 (as numpy needs)")
 
 
 def _budget(text: str):
@@ -91,7 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--port", type=_int_at_least(1, "a port number"), default=8000)
     sv.add_argument("--method", default="ar", help="default decoding method (requests may pick another with lyanna_method)")
     sv.add_argument("--queue-size", type=_positive_int, default=16, help="requests queued or running before 429")
-    sv.add_argument("--request-timeout", type=float, default=300.0, help="seconds before a request is cancelled (504)")
+    sv.add_argument("--request-timeout", type=_positive_seconds, default=300.0, help="seconds before a request is cancelled (504)")
+    sv.add_argument("--max-body-bytes", type=_positive_int, default=None,
+                    help="largest request body accepted, 413 beyond it (default 2 MiB)")
 
     lt = sub.add_parser("loadtest", help="bounded load test of a running server (loopback only)")
     lt.add_argument("--url", default="http://127.0.0.1:8000")
@@ -185,7 +198,10 @@ def _bench(args: argparse.Namespace) -> None:
 def _serve(args: argparse.Namespace) -> None:
     from .server import serve
 
-    serve(_decoder(args), args.host, args.port, args.method, args.queue_size, args.request_timeout)
+    from .server import DEFAULT_MAX_BODY_BYTES
+
+    serve(_decoder(args), args.host, args.port, args.method, args.queue_size, args.request_timeout,
+          args.max_body_bytes or DEFAULT_MAX_BODY_BYTES)
 
 
 def _loadtest(args: argparse.Namespace) -> None:

@@ -118,8 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
     cb.add_argument("--force", action="store_true", help="measure again even when a calibration is cached")
 
     rp = sub.add_parser("report", help="turn bench JSON files into BENCHMARKS.md with figures")
-    rp.add_argument("bench_json", nargs="+")
+    rp.add_argument("bench_json", nargs="+", help="bench JSON files (with --scaling: fit state.json files)")
     rp.add_argument("--out", default="BENCHMARKS.md")
+    rp.add_argument("--scaling", default=None, metavar="PNG",
+                    help="instead: a data-scaling figure of held-out agreement from `lyanna train fit` state files")
 
     sub.add_parser("train", help="draft training pipeline: lyanna train {data,features,select,fit,export} ...")
 
@@ -228,22 +230,37 @@ def _calibrate(args: argparse.Namespace) -> None:
 
 
 def _report(args: argparse.Namespace) -> None:
-    from .report import write_report
+    from .report import scaling_figure, write_report
 
+    if args.scaling:
+        print(f"wrote {scaling_figure(args.bench_json, args.scaling)}")
+        return
     print(f"wrote {write_report(args.bench_json, args.out)}")
 
 
 def _demo(args: argparse.Namespace) -> None:
+    """The product's point in one screen: the same reply by plain decoding (``ar``) and by
+    Lyanna, token-identical, and what Lyanna bought (speedup, tokens per target pass)."""
     from .decoding import Decoder, GenerationRequest
     from .loading import load_target
 
     decoder = Decoder(load_target(args.model))
     print(f"model: {args.model}\nprompt: {DEMO_PROMPT}\n")
     ids = decoder.encode(DEMO_PROMPT)
-    result = decoder.generate(ids, GenerationRequest(max_new_tokens=128), method="ar",
-                              on_text=lambda s: (sys.stdout.write(s), sys.stdout.flush()))
+    request = GenerationRequest(max_new_tokens=128)
+    method = "lyanna" if "lyanna" in decoder.methods else None
+    decoder.generate(ids, GenerationRequest(max_new_tokens=8), method=method or "ar")  # warm the kernels and caches
+    ar = decoder.generate(ids, request, method="ar", on_text=lambda s: (sys.stdout.write(s), sys.stdout.flush()))
     print("\n")
-    print(_stats_line(result))
+    print(_stats_line(ar))
+    if method is None:
+        print("(no Lyanna draft head for this model: train one with `lyanna train`)")
+        return
+    spec = decoder.generate(ids, request, method=method)
+    print(_stats_line(spec))
+    same = "token-identical to ar" if spec.tokens == ar.tokens else "DIFFERENT from ar (a bug: please report it)"
+    print(f"\n{method}: {spec.tokens_per_s / ar.tokens_per_s:.2f}x ar end to end, tau {spec.tau:.2f} tokens per "
+          f"target pass, {same}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

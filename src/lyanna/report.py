@@ -148,3 +148,40 @@ def write_report(bench_files: Sequence[str | Path], out: str | Path = "BENCHMARK
             lines += [f"![{caption}]({path.relative_to(out.parent).as_posix()})", ""]
     out.write_text("\n".join(lines))
     return out
+
+
+def scaling_figure(state_files: Sequence[str | Path], out: str | Path) -> Path:
+    """Held-out agreement by depth against assistant training tokens, one point per fit
+    (``RUN/fit/NAME/state.json`` files of equal step budgets), as a PNG; also prints a table."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = []
+    for f in state_files:
+        s = json.loads(Path(f).read_text())
+        if not s.get("history") or "train_reply_tokens" not in s:
+            raise LyannaError(f"{f} is not the state.json of a finished `lyanna train fit`")
+        points.append((s["train_reply_tokens"], s["history"][-1]["agreement"], s["step"], Path(f).stem))
+    points.sort()
+    fig, ax = plt.subplots(figsize=(5.5, 3.6))
+    for d in range(len(points[0][1])):
+        ax.plot([p[0] for p in points], [p[1][d] for p in points], marker="o", label=f"depth {d + 1}")
+    ax.set_xscale("log")
+    ax.minorticks_off()
+    ax.set_xticks([p[0] for p in points], [f"{p[0] / 1e6:.2g}M" for p in points])
+    ax.set_xlabel("assistant tokens trained on")
+    ax.set_ylabel("held-out top-1 agreement")
+    ax.set_title(f"Lyanna head, {points[0][2]} steps each")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    print("| fit | assistant tokens | steps | agreement by depth |\n| --- | --- | --- | --- |")
+    for tokens, acc, steps, name in points:
+        print(f"| {name} | {tokens} | {steps} | {', '.join(f'{a:.3f}' for a in acc)} |")
+    return out

@@ -73,3 +73,24 @@ def test_default_model_is_cached_and_fp32(default_target):
     assert (c.num_layers, c.hidden_size, c.vocab_size) == (30, 576, 49152)
     assert default_target.weights["model.embed_tokens.weight"].dtype.name == "float32"
     assert 2 in c.eos_token_ids
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch,dropped", [("lyanna", ["ti.hot", "norm.weight"]), ("eagle", ["layer.mlp.up_proj.weight"])])
+def test_partial_draft_checkpoint_names_what_is_missing(tmp_path, default_decoder, arch, dropped):
+    """A head file that lost tensors is refused with one line naming them, not a raw KeyError."""
+    from safetensors.numpy import load_file, save_file
+
+    from lyanna.decoding import DRAFTS_DIR
+
+    head = shutil.copytree(DRAFTS_DIR / default_decoder.target.name / arch, tmp_path / arch)
+    tensors = load_file(str(head / "model.safetensors"))
+    for name in dropped:
+        tensors.pop(name)
+    save_file(tensors, str(head / "model.safetensors"))
+    methods = dict(default_decoder.drafters)
+    with pytest.raises(LyannaError) as err:
+        default_decoder.load_draft(str(head))
+    msg = str(err.value)
+    assert "incomplete" in msg and all(name in msg for name in dropped) and "\n" not in msg
+    assert default_decoder.drafters == methods  # the shipped heads stay as they were

@@ -22,7 +22,8 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("data", help="self-distillation: the target answers training prompts")
     d.add_argument("--run-dir", required=True, type=Path)
     d.add_argument("--model", default=DEFAULT_MODEL)
-    d.add_argument("--prompts", type=Path, default=None, help="JSONL with 'prompt' (default ../shared/data/train/prompts.jsonl)")
+    d.add_argument("--prompts", type=Path, required=True,
+                   help="JSONL, one object with 'prompt' per line (training prompts do not ship with the package)")
     d.add_argument("--limit", type=int, default=None, help="number of prompts")
     d.add_argument("--max-new-tokens", type=int, default=64)
     d.add_argument("--max-prompt-tokens", type=int, default=256)
@@ -67,11 +68,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.stage == "data":
-            from .bench import data_dir
-
-            shared = data_dir()
-            pipeline.stage_data(args.run_dir, args.model, args.prompts or shared / "train" / "prompts.jsonl", shared,
-                                args.limit, args.max_new_tokens, args.max_prompt_tokens, args.seed)
+            pipeline.stage_data(args.run_dir, args.model, args.prompts, args.limit, args.max_new_tokens,
+                                args.max_prompt_tokens, args.seed)
         elif args.stage == "features":
             pipeline.stage_features(args.run_dir)
         elif args.stage == "select":

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shlex
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -37,16 +38,16 @@ def _run_info(run: Path) -> dict[str, Any]:
     return json.loads(f.read_text())
 
 
-def benchmark_prompts(data_dir: Path) -> set[str]:
-    """Normalized first turns of the benchmark sets, which must never be trained on."""
+def benchmark_prompts() -> set[str]:
+    """Normalized turns of the packaged benchmark sets, which must never be trained on."""
+    from ..data import BENCHMARK_FILES, packaged
+
     seen: set[str] = set()
-    for name in ("spec_bench_question.jsonl", "mt_bench_question.jsonl"):
-        f = data_dir / name
-        if f.is_file():
-            for line in f.read_text().split("\n"):
-                if line.strip():
-                    for turn in json.loads(line).get("turns", []):
-                        seen.add(" ".join(str(turn).split()).lower())
+    for name in BENCHMARK_FILES:
+        for line in packaged(name).read_text(encoding="utf-8").split("\n"):
+            if line.strip():
+                for turn in json.loads(line).get("turns", []):
+                    seen.add(" ".join(str(turn).split()).lower())
     return seen
 
 
@@ -77,12 +78,15 @@ def iter_data(run: Path) -> Iterator[dict[str, Any]]:
                 yield json.loads(line)
 
 
-def stage_data(run: Path, model: str, prompts_file: Path, data_dir: Path, limit: int | None, max_new_tokens: int,
+def stage_data(run: Path, model: str, prompts_file: Path, limit: int | None, max_new_tokens: int,
                max_prompt_tokens: int, seed: int) -> int:
     """Self-distillation: the target answers training prompts greedily with its chat template."""
     from ..decoding import Decoder, GenerationRequest
     from ..loading import load_target
 
+    prompts = read_prompts(prompts_file, limit, seed, benchmark_prompts())
+    if not prompts:  # checked before the run exists: an empty run would only fail later, less clearly
+        raise LyannaError(f"{prompts_file} has no training prompts (empty, or every prompt is a benchmark question)")
     run.mkdir(parents=True, exist_ok=True)
     info_file = run / "run.json"
     info = {"model": model, "seed": seed, "prompts": str(prompts_file), "max_new_tokens": max_new_tokens,
@@ -92,7 +96,6 @@ def stage_data(run: Path, model: str, prompts_file: Path, data_dir: Path, limit:
         if old.get("model") != model:
             raise LyannaError(f"{run} was made for model {old.get('model')!r}, not {model!r}: use another --run")
     info_file.write_text(json.dumps(info, indent=2))
-    prompts = read_prompts(prompts_file, limit, seed, benchmark_prompts(data_dir))
     done = {row["id"] for row in iter_data(run)}
     todo = [p for p in prompts if p["id"] not in done]
     decoder = Decoder(load_target(model))
@@ -366,6 +369,12 @@ def stage_export(run: Path, arch: str, out_dir: Path, name: str | None = None, h
     from ..loading import load_target
 
     info = _run_info(run)
+
+    def shown(arg: str) -> str:  # card and config travel with the draft: no absolute machine paths in them
+        p = Path(arg)
+        return {Path(run): "RUN", Path(out_dir): "OUT"}.get(p, p.name) if p.is_absolute() else arg
+
+    command, model = shlex.join(shown(a) for a in shlex.split(command)), shown(info["model"])
     fit_dir = run / "fit" / (name or arch)
     if not (fit_dir / "state.safetensors").is_file():
         raise LyannaError(f"{fit_dir} has no trained state: run `lyanna train fit --arch {arch}` first")
@@ -390,13 +399,13 @@ def stage_export(run: Path, arch: str, out_dir: Path, name: str | None = None, h
     save_head(out_dir, arch, weights, target, tap, settings)
     last = state["history"][-1] if state["history"] else {}
     lines = [
-        f"# {arch} draft head for {info['model']}",
+        f"# {arch} draft head for {model}",
         "",
         f"Trained with Lyanna's own pipeline (`lyanna train`), {time.strftime('%Y-%m-%d')}.",
         "",
-        f"- target: `{info['model']}`, tapped hidden state: final-norm output (index {tap})",
+        f"- target: `{model}`, tapped hidden state: final-norm output (index {tap})",
         f"- data: {state['train_examples']} training examples ({state['train_tokens']} tokens; prompts from "
-        f"`{info['prompts']}` answered greedily by the target, at most {info['max_new_tokens']} new tokens), "
+        f"`{Path(info['prompts']).name}` answered greedily by the target, at most {info['max_new_tokens']} new tokens), "
         f"{state['held_out_examples']} held out; selection: {state.get('selection') or 'all'}",
         f"- steps: {state['step']} (batch {state['settings']['batch']}, lr {state['settings']['lr']}, unrolled depth "
         f"{state['settings']['depth']}), wall time {state['seconds'] / 60:.1f} min",

@@ -26,6 +26,29 @@ def test_unsupported_architecture(tmp_path, tiny_model_dir):
         load_target(tmp_path / "m")
 
 
+@pytest.mark.parametrize(
+    "edit,needle",
+    [
+        ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}}, "change with the sequence length"),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                              "original_max_position_embeddings": 128}}, "scales cos/sin"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"mlp_bias": True}, "mlp_bias"),
+        ({"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True,
+          "sliding_window": 8, "max_window_layers": 1}, "only some layers"),
+    ],
+)
+def test_configs_the_engine_cannot_honour_are_refused(tmp_path, tiny_model_dir, edit, needle):
+    """transformers reads these configs; the engine would compute something else, so loading refuses them."""
+    shutil.copytree(tiny_model_dir, tmp_path / "m")
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    cfg.update(edit)
+    (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(LyannaError, match=needle) as err:
+        load_target(tmp_path / "m")
+    assert "\n" not in str(err.value)
+
+
 def test_truncated_weights_name_the_file(tmp_path, tiny_model_dir):
     shutil.copytree(tiny_model_dir, tmp_path / "m")
     weights = tmp_path / "m" / "model.safetensors"

@@ -103,3 +103,20 @@ def test_report_writes_markdown_and_figures(capsys, tmp_path, tiny_model_dir):
     assert any(f.name.endswith("-speedup.png") for f in figures)
     for f in figures:
         assert f.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f.name in text
+
+
+def test_bench_questions_ship_as_declared_package_data():
+    """The default questions live in the package, and a wheel carries only declared package data."""
+    tomllib = pytest.importorskip("tomllib")
+    from pathlib import Path
+
+    import lyanna
+    from lyanna.bench import load_questions
+    from lyanna.data import BENCHMARK_FILES
+
+    package = Path(lyanna.__file__).parent
+    pyproject = tomllib.loads((package.parents[1] / "pyproject.toml").read_text())
+    declared = {f for pattern in pyproject["tool"]["setuptools"]["package-data"]["lyanna"] for f in package.glob(pattern)}
+    assert {package / "data" / name for name in BENCHMARK_FILES} <= declared
+    questions = load_questions()
+    assert len(questions) == 480 and len({q.category for q in questions}) == 13  # Spec-Bench, see data/SOURCES.md

@@ -28,7 +28,9 @@ def hf_logits(model_dir, ids, hidden=False):
         ("llama", {"tie_word_embeddings": True}),
         ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}),
+        ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 4.0}, "rope_theta": 500.0}),
         ("mistral", {}),
+        ("mistral", {"sliding_window": 16}),  # the 150-token sequence is far longer than the window
         ("qwen2", {}),
     ],
 )
@@ -42,6 +44,36 @@ def test_logits_match_hf_for_each_layout(tmp_path, arch, overrides):
     assert np.abs(out.logits - ref.logits[0].numpy()).max() < 1e-4
     for tap in (0, 1, 2):
         assert np.abs(out.hidden[tap] - ref.hidden_states[tap][0].numpy()).max() < 1e-4
+
+
+def test_sliding_window_decode_and_tree_blocks_match_hf(tmp_path):
+    """With a window of 8, one token at a time and a tree block after a 20-token prefix: every row
+    equals Hugging Face's logits for the same sequence (keys 8 or more positions back are masked)."""
+    model_dir = make_tiny_model(tmp_path, "mistral", sliding_window=8)
+    target = load_target(model_dir)
+    assert target.config.sliding_window == 8
+    engine = Transformer(target.config, target.weights)
+    rng = np.random.default_rng(4)
+    ids = [int(t) for t in rng.integers(3, 259, size=30)]
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+
+    def last_logits(seq: list[int]) -> np.ndarray:
+        with torch.no_grad():
+            return hf(torch.tensor([seq])).logits[0].numpy()
+
+    ref = last_logits(ids)
+    cache = engine.new_cache(64)
+    steps = np.concatenate([engine.forward([t], [i], cache).logits for i, t in enumerate(ids)])
+    assert np.abs(steps - ref).max() < 1e-4
+    prefix, tree = ids[:20], random_tree(rng, 10)
+    cache = engine.new_cache(64)
+    engine.forward(prefix, np.arange(20), cache)
+    out = engine.forward(tree.tokens, tree.positions(20), cache, block_mask=tree.ancestor_mask()).logits
+    for node in range(len(tree)):
+        path = prefix + [int(tree.tokens[i]) for i in tree.path_to(node)]
+        assert np.abs(out[node] - last_logits(path)[-1]).max() < 1e-4
 
 
 def test_incremental_blocks_equal_one_prefill(tiny_decoder):

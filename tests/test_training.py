@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
+from lyanna.data import MT_BENCH, SPEC_BENCH, packaged
 from lyanna.decoding import Decoder, GenerationRequest
 from lyanna.errors import LyannaError
 from lyanna.loading import load_target
@@ -21,18 +22,16 @@ from lyanna.training import pipeline
 def run_dir(tmp_path_factory, tiny_model_dir):
     """Data and features for 24 prompts (two of them benchmark questions that must be dropped)."""
     root = tmp_path_factory.mktemp("train")
-    shared = root / "shared"
-    shared.mkdir()
-    bench_q = "What is the capital of France?"
-    (shared / "spec_bench_question.jsonl").write_text(json.dumps({"question_id": 1, "category": "qa", "turns": [bench_q]}) + "\n")
+    bench_q = json.loads(packaged(SPEC_BENCH).read_text(encoding="utf-8").split("\n")[0])["turns"][0]  # shipped benchmark questions
+    mt_turn = json.loads(packaged(MT_BENCH).read_text(encoding="utf-8").strip().split("\n")[-1])["turns"][1]
     prompts = [{"id": f"p{i}", "prompt": f"tell me about item {i} and cats"} for i in range(21)]
     prompts.append({"id": "p21", "prompt": "a line\u2028separator inside a JSON string"})  # not a record break
-    prompts += [{"id": "b1", "prompt": bench_q}, {"id": "b2", "prompt": "  what is the CAPITAL of france?  "}]
+    prompts += [{"id": "b1", "prompt": bench_q}, {"id": "b2", "prompt": "  " + " ".join(mt_turn.upper().split()) + " "}]
     pfile = root / "prompts.jsonl"
     pfile.write_text("\n".join(json.dumps(p, ensure_ascii=False) for p in prompts))
     run = root / "run"
     os.environ["LYANNA_NO_PROGRESS"] = "1"
-    n = pipeline.stage_data(run, str(tiny_model_dir), pfile, shared, None, 24, 64, seed=0)
+    n = pipeline.stage_data(run, str(tiny_model_dir), pfile, None, 24, 64, seed=0)
     assert n == 22  # benchmark questions never reach training
     pipeline.stage_features(run)
     return run
@@ -47,11 +46,11 @@ def test_data_is_resumable_and_deterministic(run_dir, tiny_model_dir, tmp_path):
     # a second call finds everything done: no new shard, same rows
     shards = sorted((run_dir / "data").glob("shard-*.jsonl"))
     root = run_dir.parent
-    assert pipeline.stage_data(run_dir, str(tiny_model_dir), root / "prompts.jsonl", root / "shared", None, 24, 64, 0) == 22
+    assert pipeline.stage_data(run_dir, str(tiny_model_dir), root / "prompts.jsonl", None, 24, 64, 0) == 22
     assert sorted((run_dir / "data").glob("shard-*.jsonl")) == shards
     assert list(pipeline.iter_data(run_dir)) == rows
     with pytest.raises(LyannaError, match="made for model"):
-        pipeline.stage_data(run_dir, "another-model", root / "prompts.jsonl", root / "shared", None, 24, 64, 0)
+        pipeline.stage_data(run_dir, "another-model", root / "prompts.jsonl", None, 24, 64, 0)
 
 
 def test_features_are_fp16_and_match_the_engine(run_dir, tiny_model_dir):
@@ -92,7 +91,11 @@ def test_fit_lowers_loss_resumes_and_exports_a_lossless_draft(run_dir, tiny_mode
     assert train_main(["export", "--run-dir", str(run_dir), "--arch", arch, "--name", f"{arch}-t", "--out", str(out),
                        "--hot", "64"]) == 0
     card = (out / "README.md").read_text()
-    assert "agreement" in card and "lyanna train export" in card
+    assert "agreement" in card and "lyanna train export --run-dir RUN" in card and "--out OUT" in card
+    shipped = card + (out / "config.json").read_text()  # both travel with the draft: no paths of this machine
+    for machine_path in (run_dir, run_dir.parent / "prompts.jsonl", out, tiny_model_dir):
+        assert str(machine_path) not in shipped
+    assert "`prompts.jsonl`" in card and f"`{tiny_model_dir.name}`" in card
     decoder = Decoder(load_target(tiny_model_dir))
     methods = decoder.load_draft(str(out))
     for prompt in ["tell me about item 3 and cats", "hello"]:
@@ -128,3 +131,16 @@ def test_bad_input_is_refused(run_dir, tmp_path):
         pipeline.stage_fit(run_dir, "medusa", steps=1)
     with pytest.raises(LyannaError, match="no trained state"):
         pipeline.stage_export(run_dir, "eagle", tmp_path / "x", name="never")
+
+
+@pytest.mark.parametrize("rows", [[], [{"id": "b", "prompt": "placeholder"}]], ids=["empty", "all-benchmark"])
+def test_data_without_prompts_fails_with_one_line(tmp_path, tiny_model_dir, capsys, rows):
+    """An empty prompts file, or one whose every prompt is a benchmark question, is an error, not an empty run."""
+    bench_q = json.loads(packaged(SPEC_BENCH).read_text(encoding="utf-8").split("\n")[0])["turns"][0]
+    pfile = tmp_path / "prompts.jsonl"
+    pfile.write_text("\n".join(json.dumps({**r, "prompt": bench_q}) for r in rows))
+    run = tmp_path / "run"
+    assert train_main(["data", "--run-dir", str(run), "--model", str(tiny_model_dir), "--prompts", str(pfile)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("lyanna train: error:") and "no training prompts" in err and err.count("\n") == 1
+    assert not run.exists()

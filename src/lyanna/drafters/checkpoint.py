@@ -18,6 +18,18 @@ from ..loading import Target
 
 FORMAT = "lyanna-draft-head"
 VERSION = 1
+# The one decoder layer every head has, in Hugging Face's names under "layer.".
+_LAYER = tuple(f"layer.{n}.weight" for n in (
+    "input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+    "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"))
+_ATTENTION_BIASES = tuple(f"layer.self_attn.{n}.bias" for n in ("q_proj", "k_proj", "v_proj"))
+# Lyanna adds the chain's norm, the draft-vocabulary map and the token-information factors.
+_ARCH_TENSORS = {"eagle": ("fc.weight", "fc.bias"), "lyanna": ("fc.weight", "fc.bias", "norm.weight", "d2t", "ti.a", "ti.b", "ti.hot")}
+
+
+def _required_tensors(arch: str, target: Target) -> tuple[str, ...]:
+    """The tensor names a complete ``arch`` head for ``target`` holds (biases where the target's layers have them)."""
+    return _ARCH_TENSORS[arch] + _LAYER + (_ATTENTION_BIASES if target.config.attention_bias else ())
 
 
 def target_fingerprint(target: Target, tap: int) -> dict[str, Any]:
@@ -66,6 +78,8 @@ def load_head(path: str | Path, target: Target, arch: str) -> tuple[dict[str, An
         raise LyannaError(f"{cfg_file} is not a Lyanna draft-head config (format {config.get('format')!r})")
     if config.get("arch") != arch:
         raise LyannaError(f"{path} holds a {config.get('arch')!r} head, not {arch!r}")
+    if not isinstance(config.get("target"), dict):
+        raise LyannaError(f"{cfg_file} has no target fingerprint: re-export the head with `lyanna train export`")
     expected = target_fingerprint(target, int(config["target"].get("tap", -1)))
     for key, want in expected.items():
         got = config["target"].get(key)
@@ -78,4 +92,8 @@ def load_head(path: str | Path, target: Target, arch: str) -> tuple[dict[str, An
         weights = load_file(str(weights_file))
     except (SafetensorError, OSError, ValueError) as e:
         raise LyannaError(f"cannot read {weights_file}: {str(e).splitlines()[0]}; the file is truncated or corrupt") from None
+    missing = [name for name in _required_tensors(arch, target) if name not in weights]
+    if missing:
+        raise LyannaError(f"{weights_file} is an incomplete {arch} head: missing {', '.join(missing)}; "
+                          "restore the file or re-export it with `lyanna train export`")
     return config, weights

@@ -10,8 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import ModelConfig
-from ..engine import rope_inv_freq
+from ..config import ModelConfig, rope_inv_freq
 
 
 class RMSNorm(nn.Module):

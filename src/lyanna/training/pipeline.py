@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shlex
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -39,16 +40,16 @@ def _run_info(run: Path) -> dict[str, Any]:
     return json.loads(f.read_text())
 
 
-def benchmark_prompts(data_dir: Path) -> set[str]:
-    """Normalized first turns of the benchmark sets, which must never be trained on."""
+def benchmark_prompts() -> set[str]:
+    """Normalized turns of the packaged benchmark sets, which must never be trained on."""
+    from ..data import BENCHMARK_FILES, packaged
+
     seen: set[str] = set()
-    for name in ("spec_bench_question.jsonl", "mt_bench_question.jsonl"):
-        f = data_dir / name
-        if f.is_file():
-            for line in f.read_text().split("\n"):
-                if line.strip():
-                    for turn in json.loads(line).get("turns", []):
-                        seen.add(" ".join(str(turn).split()).lower())
+    for name in BENCHMARK_FILES:
+        for line in packaged(name).read_text(encoding="utf-8").split("\n"):
+            if line.strip():
+                for turn in json.loads(line).get("turns", []):
+                    seen.add(" ".join(str(turn).split()).lower())
     return seen
 
 
@@ -101,17 +102,17 @@ def _write_shards(run: Path, rows: list[str], first: int) -> None:
         os.replace(tmp, run / "data" / f"shard-{idx:05d}.jsonl")  # a shard appears whole or not at all
 
 
-def stage_data(run: Path, model: str, prompts_file: Path, data_dir: Path, limit: int | None, max_new_tokens: int,
+def stage_data(run: Path, model: str, prompts_file: Path, limit: int | None, max_new_tokens: int,
                max_prompt_tokens: int, seed: int) -> int:
     """Self-distillation: the target answers training prompts greedily with its chat template."""
     from ..decoding import Decoder, GenerationRequest
     from ..loading import load_target
 
+    prompts = read_prompts(prompts_file, limit, seed, benchmark_prompts())
+    if not prompts:  # checked before the run exists: an empty run would only fail later, less clearly
+        raise LyannaError(f"{prompts_file} has no training prompts (empty, or every prompt is a benchmark question)")
     _start_run(run, {"model": model, "source": "self-distillation", "seed": seed, "prompts": Path(prompts_file).name,
                      "max_new_tokens": max_new_tokens, "max_prompt_tokens": max_prompt_tokens})
-    prompts = read_prompts(prompts_file, limit, seed, benchmark_prompts(data_dir))
-    if not prompts:
-        raise LyannaError(f"{prompts_file} holds no usable training prompt (empty, or all of them are benchmark questions)")
     done = {row["id"] for row in iter_data(run)}
     todo = [p for p in prompts if p["id"] not in done]
     decoder = Decoder(load_target(model))
@@ -131,7 +132,7 @@ def stage_data(run: Path, model: str, prompts_file: Path, data_dir: Path, limit:
     return len(prompts)
 
 
-def stage_corpus(run: Path, model: str, source: str, data_dir: Path, limit: int | None, reply_tokens: int | None,
+def stage_corpus(run: Path, model: str, source: str, limit: int | None, reply_tokens: int | None,
                  max_tokens: int, seed: int) -> int:
     """Teacher-forcing data: conversations of a corpus (``sharegpt`` or a file) in the target's
     chat template, in a seeded order, benchmark questions removed. Written once, whole."""
@@ -149,7 +150,7 @@ def stage_corpus(run: Path, model: str, source: str, data_dir: Path, limit: int 
         return n
     t0 = time.perf_counter()
     tokenizer = load_tokenizer(resolve_model(model))
-    rows, skipped = read_corpus(path, tokenizer, benchmark_prompts(data_dir), max_tokens, seed, limit, reply_tokens)
+    rows, skipped = read_corpus(path, tokenizer, benchmark_prompts(), max_tokens, seed, limit, reply_tokens)
     if not rows:
         raise LyannaError(f"{source}: no usable conversation ({dict(skipped)})")
     _write_shards(run, [json.dumps(r) for r in rows], 0)
@@ -602,6 +603,12 @@ def stage_export(run: Path, arch: str, out_dir: Path, name: str | None = None, h
     from ..loading import load_target
 
     info = _run_info(run)
+
+    def shown(arg: str) -> str:  # card and config travel with the draft: no absolute machine paths in them
+        p = Path(arg)
+        return {Path(run): "RUN", Path(out_dir): "OUT"}.get(p, p.name) if p.is_absolute() else arg
+
+    command, model = shlex.join(shown(a) for a in shlex.split(command)), shown(info["model"])
     fit_dir = run / "fit" / (name or arch)
     if not (fit_dir / "state.safetensors").is_file():
         raise LyannaError(f"{fit_dir} has no trained state: run `lyanna train fit --arch {arch}` first")
@@ -638,11 +645,11 @@ def stage_export(run: Path, arch: str, out_dir: Path, name: str | None = None, h
                  if state.get("eval_run") else f"{state['held_out_examples']} held out")
     st = state["settings"]
     lines = [
-        f"# {arch} draft head for {info['model']}",
+        f"# {arch} draft head for {model}",
         "",
         f"Trained with Lyanna's own pipeline (`lyanna train`), {time.strftime('%Y-%m-%d')}.",
         "",
-        f"- target: `{info['model']}`, tapped hidden state: final-norm output (index {tap})",
+        f"- target: `{model}`, tapped hidden state: final-norm output (index {tap})",
         f"- data: {state['train_examples']} training examples, {state['train_tokens']} tokens of which "
         f"{state.get('train_reply_tokens', '?')} written by the assistant ({data}); {held_desc}; "
         f"selection: {state.get('selection') or 'all'}",

@@ -51,6 +51,7 @@ class SlowDrafter:
     """Proposes nothing, slowly: makes every round take a while so tests can overlap requests."""
 
     taps = ()
+    passes = 0
 
     def __init__(self):
         self.proposals = 0

@@ -17,6 +17,7 @@ from ..tree import DraftTree
 
 class SuffixDrafter:
     taps: tuple[int, ...] = ()
+    passes = 0  # model-free: no draft passes
 
     def __init__(self, max_ngram: int = 6, min_ngram: int = 3, max_depth: int = 7, branches: int = 1, max_nodes: int = 16):
         if not 1 <= min_ngram <= max_ngram:

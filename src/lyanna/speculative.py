@@ -38,7 +38,8 @@ class Drafter(Protocol):
         """A new generation: the prompt and its target hidden states."""
 
     def propose(self, context: Sequence[int], max_depth: int) -> DraftTree:
-        """A tree continuing ``context`` (prompt + committed tokens; the last one is the root)."""
+        """A tree continuing ``context`` (prompt + committed tokens; the last one is the root; the
+        loop grows this list afterwards, so keep a copy of what must outlive the call)."""
 
     def commit(self, tokens: Sequence[int], hidden: dict[int, np.ndarray]) -> None:
         """Tokens just written to the target cache (root + accepted path) and their hidden rows."""
@@ -147,8 +148,11 @@ class Fallback:
         return self.rounds < self.warmup_rounds or self.tokens * self._step_seconds() >= self.seconds
 
 
-def _block(tree: DraftTree, root: int, start: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Tokens, positions and mask of root + tree as one verification block."""
+def _block(tree: DraftTree, root: int, start: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """Tokens, positions and mask of root + tree as one verification block (no mask for the root
+    alone: the plain decoding step, kept as cheap as a hand-written one)."""
+    if not len(tree):
+        return np.array([root]), np.array([start]), None
     n = len(tree) + 1
     mask = np.zeros((n, n), bool)
     mask[:, 0] = True
@@ -168,6 +172,7 @@ def decode(state: DecodeState, drafter: Drafter, budget: Budget | None = None,
     passes_before = drafter.passes
     root = next_token(state.last_logits, state.params, state.rng)
     tracker.extend([root])
+    context = [*state.prompt_ids, root]  # prompt + committed tokens, grown in place
     empty = DraftTree.empty()
     drafting = True
     while not tracker.finished:
@@ -175,7 +180,7 @@ def decode(state: DecodeState, drafter: Drafter, budget: Budget | None = None,
         tree = empty
         if drafting:
             depth = tracker.max_new_tokens - len(tracker.tokens) - 1  # room left after the bonus token
-            tree = drafter.propose(state.prompt_ids + tracker.tokens, depth).prune_depth(depth)
+            tree = drafter.propose(context, depth).prune_depth(depth)
         proposed = len(tree) > 0  # judged by the fallback even when the budget keeps nothing
         if proposed and budget is not None:
             tree = budget.choose(tree, time.perf_counter() - t0)
@@ -186,8 +191,10 @@ def decode(state: DecodeState, drafter: Drafter, budget: Budget | None = None,
         state.target_passes += 1
         verdict = verify(tree, out.logits, state.params, state.rng)
         taken = tracker.extend(verdict.tokens)
+        context += verdict.tokens[:taken]
         keep = [0] + [1 + i for i in verdict.path]
-        cache.compact(start, keep)
+        if len(tree):  # drop the rejected nodes (a lone root has nothing to drop)
+            cache.compact(start, keep)
         t2 = time.perf_counter()
         if budget is not None and drafting:
             budget.observe(tree, len(verdict.path))

@@ -98,6 +98,8 @@ class DraftTree:
 
     def prune_depth(self, max_depth: int) -> "DraftTree":
         """Drop nodes deeper than ``max_depth`` (children are never kept without their parent)."""
+        if len(self) <= max_depth:  # n nodes are never deeper than n
+            return self
         keep = np.flatnonzero(self.depths <= max_depth)
         return self if keep.size == len(self) else self._subset(keep)
 

@@ -10,11 +10,17 @@ import numpy as np
 import pytest
 
 import lyanna
+from lyanna.decoding import Decoder, GenerationRequest
+from lyanna.drafters.checkpoint import save_head
+from lyanna.drafters.eagle import DECODE_DEFAULTS as EAGLE_DEFAULTS
+from lyanna.drafters.registry import arch_providing
 from lyanna.drafters.suffix import SUFFIX_ACCEPTANCE, SuffixDrafter
 from lyanna.engine import KVCache
+from lyanna.errors import LyannaError
 from lyanna.sampling import SamplingParams, target_probs
 from lyanna.speculative import DecodeState, decode
 from lyanna.stopping import OutputTracker
+from lyanna.training.fit import init_eagle_head
 from lyanna.tree import DraftTree
 from lyanna.verify import verify
 
@@ -82,6 +88,61 @@ def test_the_import_graph_sees_relative_and_lazy_imports():
 
 def test_no_import_cycle_in_the_package():
     assert find_cycle(import_graph()) is None
+
+
+# ---------------------------------------------------------------- the decoder knows no drafter internals
+
+
+class Counting:
+    """A stand-in latency curve source that counts how often the decoder asked for it."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, recalibrate: bool = False):
+        self.calls += 1
+        raise AssertionError("ar asked for the latency curve")
+
+
+def test_ar_goes_through_the_loop_and_never_asks_for_the_latency_curve(tiny_decoder, monkeypatch):
+    d = Decoder(tiny_decoder.target, default_drafts=False)
+    monkeypatch.setattr(d, "latency_curve", Counting())
+    r = d.generate(d.encode("abc"), GenerationRequest(max_new_tokens=12), budget="auto", fallback=True)
+    assert r.new_tokens == 12 and r.target_passes == 12  # prefill, then one pass per further token
+    assert r.extra["rounds"] == 11 and r.draft_tokens == 0 and r.extra["draft_passes"] == 0
+
+
+def test_a_drafter_must_follow_the_protocol(tiny_decoder):
+    class NoPasses:
+        taps = ()
+
+        def start(self, prompt_ids, hidden): ...
+        def propose(self, context, max_depth): ...
+        def commit(self, tokens, hidden): ...
+
+    d = Decoder(tiny_decoder.target, default_drafts=False)
+    with pytest.raises(LyannaError, match="needs taps, passes"):
+        d.add_drafter("np", NoPasses())
+    with pytest.raises(LyannaError, match="taken"):
+        d.add_drafter("ar", SuffixDrafter())
+
+
+def test_decode_settings_and_variants_come_from_the_drafter_and_checkpoint(tiny_decoder, tmp_path):
+    d = Decoder(tiny_decoder.target, default_drafts=False)
+    with pytest.raises(LyannaError, match="needs a draft head.*'lyanna'"):
+        d.generate([1, 2], method="lyanna-nofusion")
+    tap = d.engine.config.num_layers
+    head = init_eagle_head(d.engine, d.target.weights).numpy_weights()
+    save_head(tmp_path / "default", "eagle", head, d.target, tap, settings={"depth": 9})  # a training depth
+    save_head(tmp_path / "tuned", "eagle", head, d.target, tap, settings={"decode": {"depth": 2, "topk": 3}})
+    assert d.load_draft(str(tmp_path / "default")) == ["eagle"]
+    assert (d.drafters["eagle"].depth, d.drafters["eagle"].topk) == (EAGLE_DEFAULTS["depth"], EAGLE_DEFAULTS["topk"])
+    d.load_draft(str(tmp_path / "tuned"))
+    assert (d.drafters["eagle"].depth, d.drafters["eagle"].topk, d.drafters["eagle"].width) == (2, 3, EAGLE_DEFAULTS["width"])
+    save_head(tmp_path / "bad", "eagle", head, d.target, tap, settings={"decode": {"dpeth": 2}})
+    with pytest.raises(LyannaError, match="unknown decode settings dpeth"):
+        d.load_draft(str(tmp_path / "bad"))
+    assert arch_providing("lyanna-noresample") == "lyanna" and arch_providing("nope") is None
 
 
 # ---------------------------------------------------------------- scores are probabilities

@@ -264,6 +264,7 @@ class WrongDrafter:
     the reference output to make sure)."""
 
     taps = ()
+    passes = 0
 
     def __init__(self, vocab: int):
         self.vocab, self.reference, self.prompt_len = vocab, [], 0

@@ -55,6 +55,7 @@ class RandomSampledDrafter:
     """A test double whose children are sampled i.i.d. from a fixed q (the p/q rule applies)."""
 
     taps = ()
+    passes = 0
 
     def __init__(self, seed: int = 0):
         self.rng = np.random.default_rng(seed)

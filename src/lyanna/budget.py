@@ -6,11 +6,13 @@ the block size once per model and machine (cached as JSON); ``Budget("auto")`` t
 round, the ``n`` best nodes of the drafter's candidate tree that maximize expected committed
 tokens per second::
 
-    (1 + c * sum of the n best joint probabilities) / (draft seconds + latency(n + 1))
+    (1 + c * sum of the n best acceptance probabilities) / (draft seconds + latency(n + 1))
 
-where the scores are the drafter's own joint path probabilities and ``c`` an online correction
-(accepted over predicted, recent rounds weighted most; each term ``c * p`` is capped at 1), so a
-miscalibrated draft still gets a sensible size. ``Budget(n)`` is the fixed alternative.
+where the probabilities are the drafter's ``DraftTree.scores`` (each node's estimated probability
+of being accepted, in [0, 1], so their sum is the expected number of accepted draft tokens) and
+``c`` an online correction (accepted over predicted, recent rounds weighted most; each term
+``c * p`` is capped at 1), so a miscalibrated draft still gets a sensible size. ``Budget(n)`` is
+the fixed alternative.
 """
 from __future__ import annotations
 
@@ -150,11 +152,14 @@ def parse_budget(text: str | int) -> int | str:
 class Budget:
     """Per-generation tree-size policy: a fixed node count, or ``auto`` from a latency curve."""
 
-    def __init__(self, spec: int | str, curve: LatencyCurve | None = None, decay: float = 0.8):
+    def __init__(self, spec: int | str, curve: LatencyCurve | Callable[[], LatencyCurve] | None = None,
+                 decay: float = 0.8):
+        """``curve``: the latency curve, or a function giving it, called the first time a tree needs
+        sizing (so a generation that never drafts never measures the machine)."""
         self.spec = parse_budget(spec)
         if self.spec == "auto" and curve is None:
             raise LyannaError("budget 'auto' needs a latency curve (lyanna calibrate)")
-        self.curve, self.decay = curve, decay
+        self._curve, self.decay = curve, decay
         self._predicted = 0.0  # decayed sums of predicted and accepted draft tokens
         self._accepted = 0.0
         self._draft_seconds: float | None = None
@@ -164,6 +169,12 @@ class Budget:
         """Accepted over predicted, with one pseudo-round at face value that never decays: after
         rounds with nothing verified the evidence fades and drafting is tried again."""
         return (self._accepted + 1.0) / (self._predicted + 1.0)
+
+    @property
+    def curve(self) -> LatencyCurve:
+        if not isinstance(self._curve, LatencyCurve):
+            self._curve = self._curve()
+        return self._curve
 
     def choose(self, tree: DraftTree, draft_seconds: float) -> DraftTree:
         """The nodes to verify this round. Trees with sampled children are kept whole under

@@ -1,8 +1,8 @@
-"""Decoding on the engine: requests, results, and the autoregressive baseline ``ar``.
+"""Decoding on the engine: requests, results, and the ``Decoder`` that maps method names to drafters.
 
-Every method (``ar`` here, speculative ones elsewhere) runs through ``Decoder.generate``, which
-owns prefill, the KV cache, timing and the output tracker, so methods differ only in how they
-extend the output.
+Every method runs through ``Decoder.generate``, which owns prefill, the KV cache, timing and the
+output tracker, then hands over to the one decode loop (``speculative.decode``) with the method's
+drafter; ``ar`` is the drafter that proposes nothing.
 """
 from __future__ import annotations
 
@@ -13,10 +13,14 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from .engine import KVCache, Transformer
+from .budget import Budget, LatencyCurve, parse_budget
+from .drafters.registry import arch_providing, load_methods
+from .drafters.suffix import SuffixDrafter
+from .engine import Transformer
 from .errors import LyannaError
 from .loading import Target
-from .sampling import SamplingParams, next_token
+from .sampling import SamplingParams
+from .speculative import DecodeState, Drafter, Fallback, NoDrafter, decode
 from .stopping import OutputTracker
 
 
@@ -83,41 +87,7 @@ class GenerationResult:
         }
 
 
-@dataclass
-class DecodeState:
-    """What a method works on: the cache holds the prompt and every committed token but the one
-    to be chosen next from ``last_logits`` (the target's logits after the cached context)."""
-
-    engine: Transformer
-    cache: KVCache
-    tracker: OutputTracker
-    params: SamplingParams
-    rng: np.random.Generator
-    prompt_ids: list[int]
-    last_logits: np.ndarray  # target logits after the cached context
-    prefill_hidden: dict[int, np.ndarray] = field(default_factory=dict)  # taps over the prompt
-    target_passes: int = 0
-    draft_tokens: int = 0
-    accepted_draft_tokens: int = 0
-    stats: dict[str, Any] = field(default_factory=dict)
-
-
-Method = Callable[[DecodeState], None]
-
-
-def decode_ar(state: DecodeState) -> None:
-    """Plain autoregressive decoding: one target pass per token."""
-    engine, cache, tracker = state.engine, state.cache, state.tracker
-    while True:
-        token = next_token(state.last_logits, state.params, state.rng)
-        tracker.extend([token])
-        if tracker.finished:
-            return
-        state.last_logits = engine.forward([token], [cache.length], cache).logits[-1]
-        state.target_passes += 1
-
-
-METHODS: dict[str, Method] = {"ar": decode_ar}
+PLAIN_METHOD = "ar"  # plain autoregressive decoding: the loop with a drafter that proposes nothing
 DRAFTS_DIR = Path(__file__).parent / "drafts"  # trained heads shipped with the package, by model alias
 # Tree positions past the committed context that a cache must hold: the largest verification block.
 MAX_TREE_TOKENS = 256
@@ -132,48 +102,34 @@ class Decoder:
         self.engine = Transformer(target.config, target.weights)
         self.tokenizer = target.tokenizer
         self.eos_token_ids = target.config.eos_token_ids
-        self.drafters: dict[str, Any] = {}
-        self._curve = None
-        from .drafters.suffix import SuffixDrafter
-
+        self.drafters: dict[str, Drafter] = {}  # the speculative methods
+        self._plain = NoDrafter()
+        self._curve: LatencyCurve | None = None
         self.add_drafter("suffix", SuffixDrafter())
         shipped = DRAFTS_DIR / target.name
         if default_drafts and shipped.is_dir():
             for sub in sorted(p for p in shipped.iterdir() if (p / "config.json").is_file()):
                 self.load_draft(str(sub))
 
-    def add_drafter(self, name: str, drafter: Any) -> None:
-        """Make ``name`` a method: the shared speculative loop driven by ``drafter``."""
-        if name in METHODS:
+    def add_drafter(self, name: str, drafter: Drafter) -> None:
+        """Make ``name`` a method: the decode loop driven by ``drafter``."""
+        if name == PLAIN_METHOD:
             raise LyannaError(f"method name {name!r} is taken")
+        if not isinstance(drafter, Drafter):
+            raise LyannaError(f"{type(drafter).__name__} is not a drafter: it needs taps, passes, start, propose and commit")
         self.drafters[name] = drafter
 
     def load_draft(self, path: str) -> list[str]:
-        """Load a draft-head checkpoint and register the methods it provides (``eagle``; or
-        ``lyanna`` with its ablations ``lyanna-noresample`` and ``lyanna-nofusion``)."""
-        import json
+        """Load a draft-head checkpoint and register the methods its drafter provides (``eagle``;
+        or ``lyanna`` with its ablations), replacing methods of the same name."""
+        methods = load_methods(path, self.target, self.engine)
+        self.drafters.update(methods)
+        return list(methods)
 
-        cfg_file = Path(path) / "config.json"
-        arch = json.loads(cfg_file.read_text()).get("arch") if cfg_file.is_file() else None
-        if arch == "eagle":
-            from .drafters.eagle import EagleDrafter
-
-            self.drafters["eagle"] = EagleDrafter.from_checkpoint(path, self.target, self.engine)
-            return ["eagle"]
-        if arch == "lyanna":
-            from .drafters.lyanna import LyannaDrafter
-
-            variants = {"lyanna": {"policy": "fuse"}, "lyanna-noresample": {"policy": "off"},
-                        "lyanna-nofusion": {"policy": "reuse", "reuse_min_expected": 0.0}}
-            for name, knobs in variants.items():
-                self.drafters[name] = LyannaDrafter.from_checkpoint(path, self.target, self.engine, **knobs)
-            return list(variants)
-        raise LyannaError(f"{path}: not a known draft checkpoint (need config.json with arch 'eagle' or 'lyanna')")
-
-    def latency_curve(self, recalibrate: bool = False):
+    def latency_curve(self, recalibrate: bool = False) -> LatencyCurve:
         """This machine's target latency against block size (``lyanna calibrate``): read from the
         per-model, per-machine cache, measured (a few seconds) and cached when missing."""
-        from .budget import calibrate, calibration_path, load_curve, save_curve
+        from .budget import calibrate, calibration_path, load_curve, save_curve  # looked up per call: tests stub them
 
         if self._curve is None or recalibrate:
             path = calibration_path(self.target.name, self.engine)
@@ -186,7 +142,7 @@ class Decoder:
 
     @property
     def methods(self) -> list[str]:
-        return [*METHODS, *self.drafters]
+        return [PLAIN_METHOD, *self.drafters]
 
     def encode(self, prompt: str, chat: bool = True, system: str | None = None) -> list[int]:
         """Token ids of a prompt, wrapped in the model's chat template when it has one."""
@@ -204,7 +160,7 @@ class Decoder:
         self,
         prompt_ids: Sequence[int],
         request: GenerationRequest = GenerationRequest(),
-        method: str = "ar",
+        method: str = PLAIN_METHOD,
         on_text: Callable[[str], None] | None = None,
         should_cancel: Callable[[], bool] | None = None,
         budget: int | str | None = "auto",
@@ -216,16 +172,15 @@ class Decoder:
         Speculative methods only: ``budget`` is the number of draft nodes verified per round,
         ``"auto"`` (this machine's latency curve decides each round) or None (the drafter's whole
         tree); ``fallback`` stops drafting once speculation is slower than plain decoding."""
-        if method.split("-")[0] in ("eagle", "lyanna") and method not in self.methods:
-            raise LyannaError(f"method {method!r} needs a draft head: pass --draft DIR (a checkpoint made by the training pipeline)")
-        if method not in self.methods:
+        drafter = self._plain if method == PLAIN_METHOD else self.drafters.get(method)
+        if drafter is None:
+            arch = arch_providing(method)
+            if arch is not None:
+                raise LyannaError(f"method {method!r} needs a draft head: pass --draft DIR (a checkpoint of arch "
+                                  f"{arch!r} made by the training pipeline)")
             raise LyannaError(f"unknown method {method!r}; available: {', '.join(self.methods)}")
-        drafter = self.drafters.get(method)
         if budget is not None:
-            from .budget import parse_budget
-
             budget = parse_budget(budget)
-        taps = tuple(drafter.taps) if drafter is not None else ()
         prompt_ids = [int(t) for t in prompt_ids]
         limit = self.target.config.max_position_embeddings
         if not prompt_ids:
@@ -238,20 +193,14 @@ class Decoder:
         t0 = time.perf_counter()
         cache = self.engine.new_cache(len(prompt_ids) + request.max_new_tokens + MAX_TREE_TOKENS)
         tracker = OutputTracker(self.tokenizer, self.eos_token_ids, request.max_new_tokens, request.stop, on_text, should_cancel)
-        out = self.engine.forward(prompt_ids, np.arange(len(prompt_ids)), cache, logit_rows=[-1], taps=taps)
+        out = self.engine.forward(prompt_ids, np.arange(len(prompt_ids)), cache, logit_rows=[-1], taps=tuple(drafter.taps))
         state = DecodeState(
             self.engine, cache, tracker, request.sampling, request.sampling.rng(), prompt_ids,
             out.logits[-1], out.hidden, target_passes=1,
         )
-        if drafter is None:
-            METHODS[method](state)
-        else:
-            from .budget import Budget
-            from .speculative import decode_speculative
-
-            curve = self.latency_curve() if budget == "auto" or fallback else None
-            decode_speculative(state, drafter, None if budget is None else Budget(budget, curve),
-                               curve(1) if fallback else None)
+        # The latency curve is asked for only when a round needs it: ``ar`` never measures anything.
+        stats = decode(state, drafter, None if budget is None else Budget(budget, self.latency_curve),
+                       Fallback(lambda: float(self.latency_curve()(1))) if fallback else None)
         t1 = time.perf_counter()
         return GenerationResult(
             method=method,
@@ -262,7 +211,7 @@ class Decoder:
             prefill_seconds=(tracker.first_token_time or t1) - t0,
             seconds=t1 - t0,
             target_passes=state.target_passes,
-            draft_tokens=state.draft_tokens,
-            accepted_draft_tokens=state.accepted_draft_tokens,
-            extra=state.stats,
+            draft_tokens=stats.draft_tokens,
+            accepted_draft_tokens=stats.accepted_draft_tokens,
+            extra=stats.to_extra(),
         )

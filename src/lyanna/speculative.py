@@ -1,43 +1,158 @@
-"""The one speculative decode loop every drafter runs through.
+"""The one decode loop every method runs through, ``ar`` included (its drafter proposes nothing).
 
 A round: the drafter proposes a tree that continues the committed context (whose last token,
 the root, is not in the target's cache yet); the target runs root + tree in one pass; the
 verifier picks the accepted path and the bonus token; the output tracker commits them (cutting
 at EOS, stop strings, ``max_new_tokens``); the target cache keeps only root + accepted path; and
-the drafter is told what was committed, with the target hidden states it asked for.
+the drafter is told what was committed, with the target hidden states it asked for. With an empty
+tree a round is exactly one autoregressive step.
 """
 from __future__ import annotations
 
 import time
 from collections import Counter
-from typing import Protocol, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
 from .budget import Budget
-from .decoding import DecodeState
-from .sampling import next_token
+from .engine import KVCache, Transformer
+from .sampling import SamplingParams, next_token
+from .stopping import OutputTracker
 from .tree import DraftTree
-from .verify import verify
+from .verify import Verdict, verify
 
 
+@runtime_checkable
 class Drafter(Protocol):
     """Proposes draft trees; learns what was committed."""
 
     taps: tuple[int, ...]  # target hidden-state taps (HF hidden_states indices) it consumes
 
+    @property
+    def passes(self) -> int:
+        """Draft-model forward passes so far (0 for a model-free drafter), for statistics."""
+
     def start(self, prompt_ids: Sequence[int], hidden: dict[int, np.ndarray]) -> None:
         """A new generation: the prompt and its target hidden states."""
 
     def propose(self, context: Sequence[int], max_depth: int) -> DraftTree:
-        """A tree continuing ``context`` (prompt + committed tokens; the last one is the root)."""
+        """A tree continuing ``context`` (prompt + committed tokens; the last one is the root; the
+        loop grows this list afterwards, so keep a copy of what must outlive the call)."""
 
     def commit(self, tokens: Sequence[int], hidden: dict[int, np.ndarray]) -> None:
         """Tokens just written to the target cache (root + accepted path) and their hidden rows."""
 
 
-def _block(tree: DraftTree, root: int, start: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Tokens, positions and mask of root + tree as one verification block."""
+class NoDrafter:
+    """The drafter of ``ar``: it proposes nothing, so every round is one plain decoding step."""
+
+    taps: tuple[int, ...] = ()
+    passes = 0
+    _EMPTY = DraftTree.empty()
+
+    def start(self, prompt_ids: Sequence[int], hidden: dict[int, np.ndarray]) -> None:
+        pass
+
+    def propose(self, context: Sequence[int], max_depth: int) -> DraftTree:
+        return self._EMPTY
+
+    def commit(self, tokens: Sequence[int], hidden: dict[int, np.ndarray]) -> None:
+        pass
+
+
+@dataclass
+class DecodeState:
+    """What the loop works on: the cache holds the prompt and every committed token but the one
+    to be chosen next from ``last_logits`` (the target's logits after the cached context)."""
+
+    engine: Transformer
+    cache: KVCache
+    tracker: OutputTracker
+    params: SamplingParams
+    rng: np.random.Generator
+    prompt_ids: list[int]
+    last_logits: np.ndarray  # target logits after the cached context
+    prefill_hidden: dict[int, np.ndarray] = field(default_factory=dict)  # taps over the prompt
+    target_passes: int = 0
+
+
+@dataclass
+class RoundStats:
+    """What the rounds of one generation did: draft tokens verified and committed, acceptance
+    by depth, and where the time went."""
+
+    rounds: int = 0
+    draft_tokens: int = 0  # draft nodes sent to verification
+    accepted_draft_tokens: int = 0  # of those, committed
+    recovered_tokens: int = 0  # committed nodes that came from re-sampling an earlier chain
+    draft_passes: int = 0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    other_seconds: float = 0.0
+    tried_by_depth: Counter[int] = field(default_factory=Counter)
+    accepted_by_depth: Counter[int] = field(default_factory=Counter)
+    fell_back_after_tokens: int | None = None  # when the fallback stopped drafting
+
+    def record(self, tree: DraftTree, verdict: Verdict, committed_drafts: int) -> None:
+        self.rounds += 1
+        if not len(tree):  # nothing was drafted (always, for ar): nothing else to count
+            return
+        self.draft_tokens += len(tree)
+        self.accepted_draft_tokens += committed_drafts
+        self.recovered_tokens += int(tree.origin[verdict.path[:committed_drafts]].sum())
+        depths = tree.depths
+        kids = tree.children()
+        for d, node in enumerate([-1] + verdict.path, start=1):
+            if any(depths[c] == d for c in kids.get(node, [])):
+                self.tried_by_depth[d] += 1
+                self.accepted_by_depth[d] += d <= len(verdict.path)
+
+    def to_extra(self) -> dict[str, Any]:
+        """The ``GenerationResult.extra`` entries."""
+        fell_back = {} if self.fell_back_after_tokens is None else {"fell_back_after_tokens": self.fell_back_after_tokens}
+        return {
+            **fell_back,
+            "rounds": self.rounds,
+            "draft_passes": self.draft_passes,
+            "recovered_tokens": self.recovered_tokens,
+            "draft_seconds": self.draft_seconds,
+            "verify_seconds": self.verify_seconds,
+            "other_seconds": self.other_seconds,
+            "accepted_by_depth": {d: [self.accepted_by_depth[d], self.tried_by_depth[d]] for d in sorted(self.tried_by_depth)},
+        }
+
+
+FALLBACK_WARMUP_ROUNDS = 8  # drafting rounds judged before the fallback may stop drafting
+
+
+class Fallback:
+    """Stops drafting for the rest of a generation once, after a warm-up, the rounds that drafted
+    commit tokens more slowly than plain decoding would. Rounds where the drafter proposed nothing
+    are plain decoding already and are not judged (so ``ar`` never needs the latency curve)."""
+
+    def __init__(self, step_seconds: Callable[[], float], warmup_rounds: int = FALLBACK_WARMUP_ROUNDS):
+        """``step_seconds``: the target's one-token latency, asked for only when first needed."""
+        self._step_seconds = step_seconds
+        self.warmup_rounds = warmup_rounds
+        self.rounds = 0
+        self.seconds = 0.0
+        self.tokens = 0
+
+    def keep_drafting(self, seconds: float, tokens: int) -> bool:
+        """Account one drafting round; False once drafting has proved slower than plain decoding."""
+        self.rounds += 1
+        self.seconds += seconds
+        self.tokens += tokens
+        return self.rounds < self.warmup_rounds or self.tokens * self._step_seconds() >= self.seconds
+
+
+def _block(tree: DraftTree, root: int, start: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """Tokens, positions and mask of root + tree as one verification block (no mask for the root
+    alone: the plain decoding step, kept as cheap as a hand-written one)."""
+    if not len(tree):
+        return np.array([root]), np.array([start]), None
     n = len(tree) + 1
     mask = np.zeros((n, n), bool)
     mask[:, 0] = True
@@ -47,36 +162,28 @@ def _block(tree: DraftTree, root: int, start: int) -> tuple[np.ndarray, np.ndarr
     return tokens, positions, mask
 
 
-FALLBACK_WARMUP_ROUNDS = 8
-
-
-def decode_speculative(state: DecodeState, drafter: Drafter, budget: Budget | None = None,
-                       fallback_step_seconds: float | None = None) -> None:
-    """``budget`` trims each proposed tree (None: verify it whole). ``fallback_step_seconds``
-    (the target's one-token latency): after a warm-up, stop drafting for the rest of this
-    generation once speculation commits tokens more slowly than plain decoding would."""
+def decode(state: DecodeState, drafter: Drafter, budget: Budget | None = None,
+           fallback: Fallback | None = None) -> RoundStats:
+    """Generate until the tracker finishes. ``budget`` trims each proposed tree (None: verify it
+    whole); ``fallback`` may stop drafting for the rest of this generation."""
     engine, cache, tracker = state.engine, state.cache, state.tracker
-    stats = state.stats
+    stats = RoundStats()
     drafter.start(state.prompt_ids, state.prefill_hidden)
-    passes_before = getattr(drafter, "passes", 0)
+    passes_before = drafter.passes
     root = next_token(state.last_logits, state.params, state.rng)
     tracker.extend([root])
-    by_depth_tried: Counter[int] = Counter()
-    by_depth_accepted: Counter[int] = Counter()
-    accepted_lengths: list[int] = []
+    context = [*state.prompt_ids, root]  # prompt + committed tokens, grown in place
+    empty = DraftTree.empty()
     drafting = True
-    spec_seconds = 0.0
-    spec_tokens = 0
     while not tracker.finished:
         t0 = time.perf_counter()
-        remaining = tracker.max_new_tokens - len(tracker.tokens)
+        tree = empty
         if drafting:
-            tree = drafter.propose(state.prompt_ids + tracker.tokens, remaining - 1)
-            tree = tree.prune_depth(remaining - 1)
-            if budget is not None:
-                tree = budget.choose(tree, time.perf_counter() - t0)
-        else:
-            tree = DraftTree.empty()
+            depth = tracker.max_new_tokens - len(tracker.tokens) - 1  # room left after the bonus token
+            tree = drafter.propose(context, depth).prune_depth(depth)
+        proposed = len(tree) > 0  # judged by the fallback even when the budget keeps nothing
+        if proposed and budget is not None:
+            tree = budget.choose(tree, time.perf_counter() - t0)
         t1 = time.perf_counter()
         start = cache.length
         tokens, positions, mask = _block(tree, root, start)
@@ -84,37 +191,24 @@ def decode_speculative(state: DecodeState, drafter: Drafter, budget: Budget | No
         state.target_passes += 1
         verdict = verify(tree, out.logits, state.params, state.rng)
         taken = tracker.extend(verdict.tokens)
+        context += verdict.tokens[:taken]
         keep = [0] + [1 + i for i in verdict.path]
-        cache.compact(start, keep)
+        if len(tree):  # drop the rejected nodes (a lone root has nothing to drop)
+            cache.compact(start, keep)
         t2 = time.perf_counter()
-        committed_drafts = min(len(verdict.path), taken)
         if budget is not None and drafting:
             budget.observe(tree, len(verdict.path))
-        stats["recovered_tokens"] = stats.get("recovered_tokens", 0) + int(tree.origin[verdict.path[:committed_drafts]].sum())
-        state.draft_tokens += len(tree)
-        state.accepted_draft_tokens += committed_drafts
-        accepted_lengths.append(committed_drafts)
-        depths = tree.depths
-        kids = tree.children()
-        for d, node in enumerate([-1] + verdict.path, start=1):
-            if any(depths[c] == d for c in kids.get(node, [])):
-                by_depth_tried[d] += 1
-                by_depth_accepted[d] += d <= len(verdict.path)
+        stats.record(tree, verdict, min(len(verdict.path), taken))
         if not tracker.finished:
             if drafting:
                 drafter.commit(tokens[keep].tolist(), {k: v[keep] for k, v in out.hidden.items()})
             root = verdict.tokens[-1]
         t3 = time.perf_counter()
-        if drafting and fallback_step_seconds is not None:
-            spec_seconds += t3 - t0
-            spec_tokens += taken
-            if len(accepted_lengths) >= FALLBACK_WARMUP_ROUNDS and spec_tokens * fallback_step_seconds < spec_seconds:
-                drafting = False
-                stats["fell_back_after_tokens"] = len(tracker.tokens)
-        stats["draft_seconds"] = stats.get("draft_seconds", 0.0) + (t1 - t0)
-        stats["verify_seconds"] = stats.get("verify_seconds", 0.0) + (t2 - t1)
-        stats["other_seconds"] = stats.get("other_seconds", 0.0) + (t3 - t2)
-    stats["rounds"] = len(accepted_lengths)
-    if hasattr(drafter, "passes"):
-        stats["draft_passes"] = drafter.passes - passes_before
-    stats["accepted_by_depth"] = {d: [by_depth_accepted[d], by_depth_tried[d]] for d in sorted(by_depth_tried)}
+        if proposed and fallback is not None and not fallback.keep_drafting(t3 - t0, taken):
+            drafting = False
+            stats.fell_back_after_tokens = len(tracker.tokens)
+        stats.draft_seconds += t1 - t0
+        stats.verify_seconds += t2 - t1
+        stats.other_seconds += t3 - t2
+    stats.draft_passes = drafter.passes - passes_before
+    return stats

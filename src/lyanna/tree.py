@@ -3,6 +3,11 @@
 Nodes are stored in topological order (a parent comes before its children). ``parents[i] == -1``
 means node i continues the committed context directly. Everything the target needs to verify
 the tree in one pass (positions and the ancestor-only attention mask) is derived here.
+
+Two contracts hold for every tree, checked on construction or by the operations that could
+break them: ``scores`` are probabilities in [0, 1] (the tree budget adds them up as expected
+accepted tokens), and children drawn at random (``sampled_from``) are never chosen, dropped or
+merged by value, which would bias the verifier's sampling rule.
 """
 from __future__ import annotations
 
@@ -15,7 +20,10 @@ import numpy as np
 class DraftTree:
     tokens: np.ndarray  # [n] int64 draft token ids
     parents: np.ndarray  # [n] int64, -1 for children of the committed context
-    scores: np.ndarray = field(default=None)  # [n] drafter's joint path probability estimate (ranking only)
+    # [n] the drafter's estimate of the probability that verification accepts node i (its whole
+    # path: a joint probability, in [0, 1]). The tree budget sums them as expected accepted
+    # tokens and ranks nodes by them. Default 1 (no estimate: the budget's online correction learns).
+    scores: np.ndarray = field(default=None)
     # Parents (-1 for the root) whose children were *sampled* i.i.d. from a draft distribution q,
     # mapped to that q (a [vocab] array). Children of other parents were chosen deterministically.
     # The verifier needs the whole q to form the residual max(p - q, 0) losslessly.
@@ -33,9 +41,14 @@ class DraftTree:
         idx = np.arange(tokens.size)
         if np.any(parents < -1) or np.any(parents >= idx):
             raise ValueError("each parent must be -1 or an earlier node (topological order)")
+        if scores.size and not np.all((scores >= 0.0) & (scores <= 1.0)):  # NaN fails too
+            raise ValueError("DraftTree scores are acceptance-probability estimates and must lie in [0, 1]; got "
+                             f"values from {np.min(scores)} to {np.max(scores)}")
         for parent, q in self.sampled_from.items():
             if not -1 <= parent < tokens.size:
                 raise ValueError(f"sampled_from names parent {parent}, which is not in the tree")
+            if np.ndim(q) != 1 or not np.all(np.isfinite(q)) or np.any(np.asarray(q) < 0):
+                raise ValueError(f"sampled_from[{parent}] must be a draft distribution: one finite, non-negative row")
             if np.any(q[tokens[parents == parent]] <= 0):
                 raise ValueError(f"a sampled child of parent {parent} has zero draft probability")
         origin = np.zeros(tokens.shape, np.int8) if self.origin is None else np.asarray(self.origin, np.int8).reshape(-1)
@@ -53,36 +66,59 @@ class DraftTree:
     @classmethod
     def best_of(cls, tokens: list[int], parents: list[int], scores: list[float], max_nodes: int,
                 origin: list[int] | None = None) -> "DraftTree":
-        """The ``max_nodes`` candidates (parents listed before children) with the highest joint
-        probability; ``scores`` are log probabilities."""
+        """The ``max_nodes`` candidates (parents listed before children, all chosen deterministically)
+        with the highest acceptance probability; ``scores`` are their logs (<= 0)."""
         candidates = cls(np.asarray(tokens, np.int64), np.asarray(parents, np.int64),
                          np.exp(np.asarray(scores, np.float64)), origin=origin)
         return candidates.best(max_nodes)
 
     def merged(self, other: "DraftTree", max_nodes: int) -> "DraftTree":
-        """Union of two trees under the same root (equal paths become one node, keeping the
-        higher score and this tree's origin), cut to the best ``max_nodes``. Taking the max only
-        raises parents, so children stay no likelier than their parents."""
-        index: dict[tuple[int, ...], int] = {}
+        """Union of two trees under the same root, cut to ``max_nodes``.
+
+        Deterministic children with equal paths become one node (the higher score, this tree's
+        origin; the max only raises parents, so children stay no likelier than their parents).
+        Sampled children stay distinct nodes with their ``sampled_from``: where both trees sampled
+        children of one node from the same q, this tree's come first and the union is still i.i.d.
+        from q. Any other mix under one node (samples from different q's, or samples beside
+        deterministic children) has no lossless verification rule here and is refused. A result
+        with sampled children is cut by depth (``shallowest``), never by score."""
         tokens: list[int] = []
         parents: list[int] = []
         scores: list[float] = []
         origin: list[int] = []
-        for tree in (self, other):
-            paths: list[tuple[int, ...]] = []
+        sampled_from: dict[int, np.ndarray] = {}
+        source: dict[int, int] = {}  # merged parent -> the tree that first gave it children
+        by_token: dict[tuple[int, int], int] = {}  # (merged parent, token) -> deterministic child
+        for which, tree in enumerate((self, other)):
+            remap: list[int] = []
             for i, (t, p) in enumerate(zip(tree.tokens.tolist(), tree.parents.tolist())):
-                path = (paths[p] if p >= 0 else ()) + (t,)
-                paths.append(path)
-                score = float(np.log(tree.scores[i]))
-                if path in index:
-                    scores[index[path]] = max(scores[index[path]], score)
+                parent = remap[p] if p >= 0 else -1
+                q = tree.sampled_from.get(p)
+                if source.setdefault(parent, which) != which:
+                    mine = sampled_from.get(parent)
+                    if (q is None) != (mine is None) or (q is not None and not np.array_equal(q, mine)):
+                        raise ValueError(
+                            f"cannot merge children of node {parent}: one tree sampled them and the other "
+                            "chose them otherwise (or sampled from another distribution), and no verification "
+                            "rule keeps that mix lossless")
+                if q is None and (parent, t) in by_token:
+                    node = by_token[(parent, t)]
+                    scores[node] = max(scores[node], float(tree.scores[i]))
+                    remap.append(node)
                     continue
-                index[path] = len(tokens)
+                node = len(tokens)
+                if q is None:
+                    by_token[(parent, t)] = node
+                else:
+                    sampled_from[parent] = q
+                remap.append(node)
                 tokens.append(t)
-                parents.append(index[path[:-1]] if len(path) > 1 else -1)
-                scores.append(score)
+                parents.append(parent)
+                scores.append(float(tree.scores[i]))
                 origin.append(int(tree.origin[i]))
-        return DraftTree.best_of(tokens, parents, scores, max_nodes, origin)
+        union = DraftTree(np.asarray(tokens, np.int64), np.asarray(parents, np.int64), np.asarray(scores),
+                          sampled_from, np.asarray(origin, np.int8))
+        return union.shallowest(max_nodes) if sampled_from else union.best(max_nodes)
 
     @classmethod
     def chain(cls, tokens: list[int] | np.ndarray, scores: np.ndarray | None = None) -> "DraftTree":
@@ -98,6 +134,8 @@ class DraftTree:
 
     def prune_depth(self, max_depth: int) -> "DraftTree":
         """Drop nodes deeper than ``max_depth`` (children are never kept without their parent)."""
+        if len(self) <= max_depth:  # n nodes are never deeper than n
+            return self
         keep = np.flatnonzero(self.depths <= max_depth)
         return self if keep.size == len(self) else self._subset(keep)
 
@@ -112,9 +150,12 @@ class DraftTree:
 
     def best(self, n: int, closed: np.ndarray | None = None) -> "DraftTree":
         """The ``n`` nodes with the highest (closed) scores, ties to the shallower and earlier node;
-        ``closed`` is ``closed_scores()`` when the caller has it already."""
+        ``closed`` is ``closed_scores()`` when the caller has it already. Refused for a tree with
+        sampled children, where dropping samples by value would bias verification (``shallowest``)."""
         if n >= len(self):
             return self
+        if self.sampled_from:
+            raise ValueError("choosing among sampled children by score is not lossless; cut the tree with shallowest()")
         s, d = self.closed_scores() if closed is None else closed, self.depths
         chosen = sorted(range(len(self)), key=lambda i: (-s[i], d[i], i))[:max(n, 0)]
         return self._subset(np.array(sorted(chosen), np.int64))

@@ -10,6 +10,10 @@ committed at that position is distributed exactly as the target's filtered distr
 - children sampled i.i.d. from a draft distribution q: accept x with probability
   min(1, p(x) / q(x)), otherwise p = normalize(max(p - q, 0)) and try the next one.
 
+The first rule is exact for any candidates fixed before verification, however they were drawn;
+the second accepts more (sum(min(p, q)) against sum(p * q) for one candidate) but is exact only
+when the children really are i.i.d. draws from q, which ``DraftTree`` operations preserve.
+
 After the accepted path ends, the next token (bonus) always comes from the target.
 """
 from __future__ import annotations

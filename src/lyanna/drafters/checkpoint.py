@@ -97,3 +97,19 @@ def load_head(path: str | Path, target: Target, arch: str) -> tuple[dict[str, An
         raise LyannaError(f"{weights_file} is an incomplete {arch} head: missing {', '.join(missing)}; "
                           "restore the file or re-export it with `lyanna train export`")
     return config, weights
+
+
+def decode_settings(config: dict[str, Any], defaults: dict[str, Any], path: str | Path) -> dict[str, Any]:
+    """The drafter's decode settings (tree depth, width, top-k, ...): its own ``defaults``, overridden
+    by the checkpoint's ``settings.decode`` where a head was tuned for other values. The other
+    ``settings`` describe training (its ``depth`` is the training unroll, not the decode depth)."""
+    given = (config.get("settings") or {}).get("decode") or {}
+    if not isinstance(given, dict):
+        raise LyannaError(f"{path}: settings.decode must be an object, got {given!r}")
+    unknown = sorted(set(given) - set(defaults))
+    if unknown:
+        raise LyannaError(f"{path}: unknown decode settings {', '.join(unknown)} (known: {', '.join(sorted(defaults))})")
+    for key, value in given.items():
+        if type(value) is not type(defaults[key]):
+            raise LyannaError(f"{path}: decode setting {key} must be a {type(defaults[key]).__name__}, got {value!r}")
+    return {**defaults, **given}

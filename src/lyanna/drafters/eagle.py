@@ -19,21 +19,33 @@ import numpy as np
 from ..engine import Transformer
 from ..loading import Target
 from ..tree import DraftTree
-from .checkpoint import load_head
+from .checkpoint import decode_settings, load_head
 from .head import DraftHead, PairContext
+
+ARCH = "eagle"
+# Tree shape when the checkpoint's settings.decode does not say otherwise.
+DECODE_DEFAULTS = {"depth": 5, "topk": 4, "width": 4, "max_nodes": 64}
 
 
 class EagleDrafter:
-    def __init__(self, head: DraftHead, tap: int, depth: int = 5, topk: int = 4, width: int = 4, max_nodes: int = 64):
+    ARCH = ARCH  # the checkpoint arch it loads
+    # The methods one checkpoint provides, with their settings on top of the decode settings.
+    VARIANTS: dict[str, dict] = {ARCH: {}}
+
+    def __init__(self, head: DraftHead, tap: int, depth: int = DECODE_DEFAULTS["depth"], topk: int = DECODE_DEFAULTS["topk"],
+                 width: int = DECODE_DEFAULTS["width"], max_nodes: int = DECODE_DEFAULTS["max_nodes"]):
         self.head, self.tap = head, tap
         self.taps = (tap,)
         self.depth, self.topk, self.width, self.max_nodes = depth, topk, width, max_nodes
         self.context = PairContext(head, tap)
 
     @classmethod
-    def from_checkpoint(cls, path: str | Path, target: Target, engine: Transformer, **tree: int) -> "EagleDrafter":
-        config, weights = load_head(path, target, "eagle")
-        return cls(DraftHead(engine, weights), int(config["target"]["tap"]), **tree)
+    def methods_from_checkpoint(cls, path: str | Path, target: Target, engine: Transformer) -> dict[str, "EagleDrafter"]:
+        """Every method of ``VARIANTS``, built from the checkpoint at ``path``."""
+        config, weights = load_head(path, target, ARCH)
+        knobs = decode_settings(config, DECODE_DEFAULTS, path)
+        head, tap = DraftHead(engine, weights), int(config["target"]["tap"])
+        return {name: cls(head, tap, **{**knobs, **variant}) for name, variant in cls.VARIANTS.items()}
 
     @property
     def passes(self) -> int:

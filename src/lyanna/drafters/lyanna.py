@@ -28,10 +28,13 @@ from ..errors import LyannaError
 from ..kernels import linear
 from ..loading import Target
 from ..tree import DraftTree
-from .checkpoint import load_head
+from .checkpoint import decode_settings, load_head
 from .head import DraftHead, PairContext
 
+ARCH = "lyanna"
 POLICIES = ("fuse", "reuse", "off")
+# Tree shape and token-info fallback when the checkpoint's settings.decode does not say otherwise.
+DECODE_DEFAULTS = {"depth": 6, "topk": 4, "width": 4, "max_nodes": 64, "ti_fallback": "lowrank"}
 
 
 class TokenInfo:
@@ -105,8 +108,20 @@ def token_info_tree(raw: np.ndarray, root: int, ti: TokenInfo, d2t: np.ndarray, 
 
 
 class LyannaDrafter:
-    def __init__(self, head: ChainHead, ti: TokenInfo, tap: int, depth: int = 6, topk: int = 4, width: int = 4,
-                 max_nodes: int = 64, policy: str = "fuse", reuse_min_expected: float = 1.5):
+    ARCH = ARCH  # the checkpoint arch it loads
+    # The methods one checkpoint provides: Lyanna and its ablations (no re-sampling; re-sampling
+    # without fusion, its tree verified alone whenever it has one).
+    VARIANTS: dict[str, dict] = {
+        ARCH: {"policy": "fuse"},
+        f"{ARCH}-noresample": {"policy": "off"},
+        f"{ARCH}-nofusion": {"policy": "reuse", "reuse_min_expected": 0.0},
+    }
+
+    def __init__(self, head: ChainHead, ti: TokenInfo, tap: int, depth: int = DECODE_DEFAULTS["depth"],
+                 topk: int = DECODE_DEFAULTS["topk"], width: int = DECODE_DEFAULTS["width"],
+                 max_nodes: int = DECODE_DEFAULTS["max_nodes"], policy: str = "fuse", reuse_min_expected: float = 1.5):
+        """``reuse_min_expected``: policy ``reuse`` verifies the re-sampled tree alone when the sum of
+        its acceptance probabilities (its expected accepted length) reaches this."""
         if policy not in POLICIES:
             raise LyannaError(f"resample policy must be one of {', '.join(POLICIES)}, got {policy!r}")
         self.head, self.ti, self.tap = head, ti, tap
@@ -118,12 +133,15 @@ class LyannaDrafter:
         self._leftover: np.ndarray | None = None  # rows still valid after the next root
 
     @classmethod
-    def from_checkpoint(cls, path: str | Path, target: Target, engine: Transformer, fallback: str = "lowrank",
-                        **knobs) -> "LyannaDrafter":
-        config, weights = load_head(path, target, "lyanna")
+    def methods_from_checkpoint(cls, path: str | Path, target: Target, engine: Transformer) -> dict[str, "LyannaDrafter"]:
+        """Every method of ``VARIANTS``, built from the checkpoint at ``path`` (they share the
+        stateless head and token-info table; each keeps its own context)."""
+        config, weights = load_head(path, target, ARCH)
+        knobs = decode_settings(config, DECODE_DEFAULTS, path)
         head = ChainHead(engine, weights)
-        ti = TokenInfo(weights["ti.a"], weights["ti.b"], weights["ti.hot"], fallback)
-        return cls(head, ti, int(config["target"]["tap"]), **knobs)
+        ti = TokenInfo(weights["ti.a"], weights["ti.b"], weights["ti.hot"], knobs.pop("ti_fallback"))
+        tap = int(config["target"]["tap"])
+        return {name: cls(head, ti, tap, **{**knobs, **variant}) for name, variant in cls.VARIANTS.items()}
 
     @property
     def passes(self) -> int:

@@ -1,6 +1,8 @@
 """Autoregressive decoding: greedy equality with Hugging Face generate(), sampling, limits."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -10,6 +12,8 @@ from lyanna.decoding import GenerationRequest
 from lyanna.errors import LyannaError
 from lyanna.hf_baseline import HFGenerate
 from lyanna.sampling import SamplingParams, target_probs
+
+from .conftest import ALPHA, chi2_pvalue
 
 
 def assert_equal_or_near_tie(ours, theirs, hf_model, prompt_ids):
@@ -65,22 +69,31 @@ def test_sampling_is_seeded_and_respects_max_new_tokens(tiny_decoder):
         assert r.finish_reason == ("stop" if r.tokens[-1] in tiny_decoder.eos_token_ids else "length")
 
 
-def test_sampled_tokens_follow_target_distribution(tiny_decoder):
-    """First sampled token frequencies match the filtered target distribution (chi-square)."""
+AR_GRID = [SamplingParams(temperature=0.7, top_k=5), SamplingParams(temperature=1.3, top_p=0.3)]
+AR_SAMPLES = 1500
+
+
+@pytest.mark.parametrize("params", AR_GRID, ids=["t0.7-topk5", "t1.3-topp0.3"])
+def test_sampled_tokens_follow_target_distribution(tiny_decoder, single_threaded_kernels, params):
+    """The first two tokens ``generate`` samples (seeds 0..n-1) follow the filtered target
+    distribution jointly (chi-square over every pair of tokens)."""
     ids = tiny_decoder.encode("abc")
     engine = tiny_decoder.engine
-    logits = engine.forward(ids, np.arange(len(ids)), engine.new_cache(len(ids))).logits[-1]
-    params = SamplingParams(temperature=0.7, top_k=12)
-    p = target_probs(logits, params)
-    rng = np.random.default_rng(0)
-    from lyanna.sampling import sample
+    vocab = engine.config.vocab_size
 
-    draws = np.bincount([sample(p, rng) for _ in range(4000)], minlength=p.size)
-    assert draws[p == 0].sum() == 0
-    support = p > 0
-    expected = p[support] * 4000
-    chi2 = float(((draws[support] - expected) ** 2 / expected).sum())
-    assert chi2 < 40  # 11 degrees of freedom: p < 1e-4 for a correct sampler
+    def probs_after(ctx):
+        return target_probs(engine.forward(ctx, np.arange(len(ctx)), engine.new_cache(len(ctx)), logit_rows=[-1]).logits[-1], params)
+
+    first = probs_after(ids)
+    exact = np.zeros((vocab, vocab))
+    for t in np.flatnonzero(first):
+        exact[t] = first[t] * probs_after(ids + [int(t)])
+    counts = np.zeros_like(exact)
+    for seed in range(AR_SAMPLES):
+        r = tiny_decoder.generate(ids, GenerationRequest(max_new_tokens=2, sampling=replace(params, seed=seed)))
+        counts[tuple(r.tokens)] += 1
+    assert 1 < np.count_nonzero(exact) < vocab  # the filter is active, and there is something to test
+    assert chi2_pvalue(counts, exact) > ALPHA
 
 
 def test_target_probs_filters():

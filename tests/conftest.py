@@ -3,8 +3,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
+import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 CHAT_TEMPLATE = (
@@ -100,10 +103,42 @@ def tiny_examples(tiny_decoder):
     return target_features(tiny_decoder.engine, seqs, tiny_decoder.engine.config.num_layers)
 
 
-@pytest.fixture(scope="session")
-def default_target():
-    from lyanna.loading import load_target
+# The real cache, read before the session points ``LYANNA_CACHE`` elsewhere.
+_REAL_CACHE = Path(os.environ.get("LYANNA_CACHE") or Path.home() / ".cache" / "lyanna")
 
+
+@pytest.fixture(scope="session", autouse=True)
+def isolated_cache(tmp_path_factory):
+    """Every cache write of the session (calibrations, converted GGUF files) lands in a session
+    tmp dir, never in the user's cache. The default model's conversion is the one exception: it
+    takes ~15 s to rebuild and is the same for every session, so it is shared, read-only, through
+    a link (see ``default_target``). Subprocesses (CLI, server) inherit the variable."""
+    tmp = tmp_path_factory.mktemp("lyanna-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LYANNA_CACHE", str(tmp))
+        _link_default_model(tmp)
+        yield tmp
+
+
+def _link_default_model(cache: Path) -> None:
+    """Link the user's converted default model into ``cache`` when it exists."""
+    from lyanna.loading import DEFAULT_MODEL
+
+    name = f"{DEFAULT_MODEL}-fp32"
+    if (_REAL_CACHE / name / ".complete").is_file() and not (cache / name).exists():
+        (cache / name).symlink_to(_REAL_CACHE / name, target_is_directory=True)
+
+
+@pytest.fixture(scope="session")
+def default_target(isolated_cache):
+    """The default model, converted once into the user's cache (what ``lyanna`` itself would do)
+    and reached through the session cache's link."""
+    from lyanna.loading import DEFAULT_MODEL, load_target, resolve_model
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LYANNA_CACHE", str(_REAL_CACHE))
+        resolve_model(DEFAULT_MODEL)
+    _link_default_model(isolated_cache)
     return load_target()
 
 
@@ -124,3 +159,51 @@ def hf_default(default_target):
 
 def read_json(path: Path) -> dict:
     return json.loads(Path(path).read_text())
+
+
+# Statistical tests run on fixed seeds, so each one's outcome is fixed; this level keeps the chance
+# that some correct test in the suite fails for a fixed seed small (about 40 such tests: < 0.5%).
+ALPHA = 1e-4
+MIN_EXPECTED = 5.0  # Pearson's chi-square needs about 5 expected counts per cell
+
+
+def chi2_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
+    """P-value of Pearson's chi-square test of ``counts`` against the exact ``probs`` (same shape,
+    every cell of a joint distribution). Cells expected below ``MIN_EXPECTED`` are pooled into one;
+    an observed outcome the target gives probability 0 yields 0. The chi-square tail is the
+    Wilson-Hilferty normal approximation (scipy is not a dependency), good to a few percent of
+    the p-value at the levels used here."""
+    counts = np.asarray(counts, np.float64).ravel()
+    probs = np.asarray(probs, np.float64).ravel()
+    if counts[probs <= 0].sum() > 0:
+        return 0.0
+    expected = probs * counts.sum()
+    big = expected >= MIN_EXPECTED
+    obs, exp = list(counts[big]), list(expected[big])
+    if (~big).any():
+        obs.append(counts[~big].sum())
+        exp.append(expected[~big].sum())
+    obs, exp = np.array(obs), np.array(exp)
+    if exp[-1] < MIN_EXPECTED and len(exp) > 2:  # a small pool joins the smallest cell
+        k = int(np.argmin(exp[:-1]))
+        obs[k] += obs[-1]
+        exp[k] += exp[-1]
+        obs, exp = obs[:-1], exp[:-1]
+    dof = len(exp) - 1
+    if dof < 1:
+        return 1.0
+    stat = float(((obs - exp) ** 2 / exp).sum())
+    z = ((stat / dof) ** (1 / 3) - (1 - 2 / (9 * dof))) / math.sqrt(2 / (9 * dof))
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+@pytest.fixture
+def single_threaded_kernels():
+    """Statistical tests run thousands of tiny forward passes, where waking numba's worker
+    threads costs far more than the work; one thread gives the same numbers several times faster."""
+    import numba
+
+    before = numba.get_num_threads()
+    numba.set_num_threads(1)
+    yield
+    numba.set_num_threads(before)

@@ -1,6 +1,8 @@
 """Autoregressive decoding: greedy equality with Hugging Face generate(), sampling, limits."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -11,76 +13,103 @@ from lyanna.errors import LyannaError
 from lyanna.hf_baseline import HFGenerate
 from lyanna.sampling import SamplingParams, target_probs
 
+from .conftest import ALPHA, chi2_pvalue
 
-def assert_equal_or_near_tie(ours, theirs, hf_model, prompt_ids):
-    """Token-identical, or diverging only where the target's top-2 logit gap is below 1e-4."""
+
+# Two logits closer than this are a tie that float32 summation order decides: our kernels and
+# PyTorch's add the same products in different orders, and on the default model their logits
+# differ by at most 8.7e-5 (measured over six benchmark prompts, every position; logits reach
+# ~40). Two tokens can swap places only if their gap is below the sum of their two errors.
+TIE = 2e-4
+
+
+def divergence(ours: list[int], theirs: list[int]) -> int | None:
+    """The first position where two greedy outputs differ, None when they are identical."""
     if ours == theirs:
-        return
-    j = next(i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b) if any(
-        a != b for a, b in zip(ours, theirs)) else min(len(ours), len(theirs))
+        return None
+    return next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+
+
+def assert_same_or_tie(ours, theirs, hf_model, engine, prompt_ids) -> bool:
+    """Token-identical (False), or the outputs part at a tie (True): at the first differing
+    position both models rank the two tokens as their top two, less than ``TIE`` apart. After that
+    the contexts differ, so nothing later is compared."""
+    j = divergence(ours, theirs)
+    if j is None:
+        return False
+    assert j < min(len(ours), len(theirs)), f"one output stops at {j} and the other goes on: {ours} vs {theirs}"
+    ctx = list(prompt_ids) + ours[:j]
     with torch.no_grad():
-        logits = hf_model(torch.tensor([list(prompt_ids) + ours[:j]])).logits[0, -1]
-    top2 = torch.topk(logits, 2).values
-    gap = float(top2[0] - top2[1])
-    assert gap < 1e-4, f"diverged at token {j} with top-2 gap {gap}"
+        hf_logits = hf_model(torch.tensor([ctx])).logits[0, -1].numpy()
+    our_logits = engine.forward(ctx, np.arange(len(ctx)), engine.new_cache(len(ctx)), logit_rows=[-1]).logits[-1]
+    pair = {ours[j], theirs[j]}
+    for name, logits in (("hf", hf_logits), ("ours", our_logits)):
+        top2 = np.argsort(-logits, kind="stable")[:2]
+        gap = abs(float(logits[ours[j]] - logits[theirs[j]]))
+        assert set(top2.tolist()) == pair and gap < TIE, f"{name}: diverged at token {j} ({pair}), top-2 {top2}, gap {gap}"
+    return True
 
 
 def test_tiny_greedy_equals_hf_generate(tiny_decoder):
+    """Exact: the tiny model's logits have no near-ties on these prompts."""
     hf = HFGenerate(tiny_decoder.target.path, tiny_decoder.tokenizer, tiny_decoder.eos_token_ids)
     for prompt in ["hello", "speculative decoding", "zzz"]:
         ids = tiny_decoder.encode(prompt)
         ours = tiny_decoder.generate(ids, GenerationRequest(max_new_tokens=40)).tokens
-        theirs = hf.generate(ids, 40).tokens
-        assert_equal_or_near_tie(ours, theirs, hf.model, ids)
+        assert ours == hf.generate(ids, 40).tokens
 
 
 @pytest.mark.slow
 def test_default_greedy_equals_hf_generate(default_decoder, hf_default):
+    """Each output equals Hugging Face's, or parts from it only at a measured tie."""
     hf = HFGenerate(default_decoder.target.path, default_decoder.tokenizer, default_decoder.eos_token_ids)
     hf.model = hf_default
     questions = load_questions(limit=20)
     assert len(questions) == 20
-    exact = 0
     for q in questions:
         ids = default_decoder.encode(q.prompt)
         ours = default_decoder.generate(ids, GenerationRequest(max_new_tokens=64)).tokens
-        theirs = hf.generate(ids, 64).tokens
-        assert_equal_or_near_tie(ours, theirs, hf_default, ids)
-        exact += ours == theirs
-    assert exact >= 18  # near-ties are rare; many divergences would mean a real bug
+        assert_same_or_tie(ours, hf.generate(ids, 64).tokens, hf_default, default_decoder.engine, ids)
 
 
-def test_sampling_is_seeded_and_respects_max_new_tokens(tiny_decoder):
-    ids = tiny_decoder.encode("hi")
-    req = GenerationRequest(max_new_tokens=25, sampling=SamplingParams(temperature=1.0, top_p=0.9, seed=7))
-    a = tiny_decoder.generate(ids, req)
-    b = tiny_decoder.generate(ids, req)
-    c = tiny_decoder.generate(ids, GenerationRequest(max_new_tokens=25, sampling=SamplingParams(temperature=1.0, seed=8)))
-    assert a.tokens == b.tokens
-    assert a.tokens != c.tokens
-    assert a.new_tokens <= 25
-    for n in (1, 2, 7):
-        r = tiny_decoder.generate(ids, GenerationRequest(max_new_tokens=n))
-        assert r.new_tokens <= n
-        assert r.finish_reason == ("stop" if r.tokens[-1] in tiny_decoder.eos_token_ids else "length")
+def test_a_divergence_without_a_tie_is_refused(tiny_decoder):
+    """The tie rule itself: a real difference (a token the target does not rank first or second)
+    fails, and identical outputs need no explanation."""
+    hf = HFGenerate(tiny_decoder.target.path, tiny_decoder.tokenizer, tiny_decoder.eos_token_ids)
+    ids = tiny_decoder.encode("hello")
+    ours = tiny_decoder.generate(ids, GenerationRequest(max_new_tokens=8)).tokens
+    assert assert_same_or_tie(ours, list(ours), hf.model, tiny_decoder.engine, ids) is False
+    logits = tiny_decoder.engine.forward(ids + ours[:3], np.arange(len(ids) + 3), tiny_decoder.engine.new_cache(len(ids) + 3)).logits[-1]
+    wrong = ours[:3] + [int(np.argsort(-logits)[5])] + ours[4:]
+    with pytest.raises(AssertionError, match="diverged at token 3"):
+        assert_same_or_tie(wrong, ours, hf.model, tiny_decoder.engine, ids)
 
 
-def test_sampled_tokens_follow_target_distribution(tiny_decoder):
-    """First sampled token frequencies match the filtered target distribution (chi-square)."""
+AR_GRID = [SamplingParams(temperature=0.7, top_k=5), SamplingParams(temperature=1.3, top_p=0.3)]
+AR_SAMPLES = 1500
+
+
+@pytest.mark.parametrize("params", AR_GRID, ids=["t0.7-topk5", "t1.3-topp0.3"])
+def test_sampled_tokens_follow_target_distribution(tiny_decoder, single_threaded_kernels, params):
+    """The first two tokens ``generate`` samples (seeds 0..n-1) follow the filtered target
+    distribution jointly (chi-square over every pair of tokens)."""
     ids = tiny_decoder.encode("abc")
     engine = tiny_decoder.engine
-    logits = engine.forward(ids, np.arange(len(ids)), engine.new_cache(len(ids))).logits[-1]
-    params = SamplingParams(temperature=0.7, top_k=12)
-    p = target_probs(logits, params)
-    rng = np.random.default_rng(0)
-    from lyanna.sampling import sample
+    vocab = engine.config.vocab_size
 
-    draws = np.bincount([sample(p, rng) for _ in range(4000)], minlength=p.size)
-    assert draws[p == 0].sum() == 0
-    support = p > 0
-    expected = p[support] * 4000
-    chi2 = float(((draws[support] - expected) ** 2 / expected).sum())
-    assert chi2 < 40  # 11 degrees of freedom: p < 1e-4 for a correct sampler
+    def probs_after(ctx):
+        return target_probs(engine.forward(ctx, np.arange(len(ctx)), engine.new_cache(len(ctx)), logit_rows=[-1]).logits[-1], params)
+
+    first = probs_after(ids)
+    exact = np.zeros((vocab, vocab))
+    for t in np.flatnonzero(first):
+        exact[t] = first[t] * probs_after(ids + [int(t)])
+    counts = np.zeros_like(exact)
+    for seed in range(AR_SAMPLES):
+        r = tiny_decoder.generate(ids, GenerationRequest(max_new_tokens=2, sampling=replace(params, seed=seed)))
+        counts[tuple(r.tokens)] += 1
+    assert 1 < np.count_nonzero(exact) < vocab  # the filter is active, and there is something to test
+    assert chi2_pvalue(counts, exact) > ALPHA
 
 
 def test_target_probs_filters():

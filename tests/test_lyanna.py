@@ -2,6 +2,8 @@
 fusion, and losslessness."""
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 import pytest
 import torch
@@ -106,37 +108,70 @@ def test_resampled_tree_needs_zero_draft_passes(tiny_decoder, fitted):
     assert np.array_equal(tree.tokens, expected.tokens) and np.array_equal(tree.parents, expected.parents)
 
 
-def test_fusion_merges_resampled_into_fresh_tree(tiny_decoder, fitted):
-    head, _, _ = fitted
-    drafter = drafter_for(tiny_decoder, head, policy="fuse", depth=5, max_nodes=24)
-    ctx = started(tiny_decoder, drafter)
+def after_one_round(decoder, drafter):
+    """Start ``drafter``, propose once, and commit as if verification accepted one draft token (5)
+    and the target then chose 9; return the next proposal and the first round's raw-logit chain."""
+    ctx = started(decoder, drafter)
+    first_chain = drafter.chain(ctx, 5)  # the rows the first proposal is built from (a pure function of ctx)
     drafter.propose(ctx, 5)
-    passes = drafter.passes
-    hidden = {drafter.tap: np.zeros((2, tiny_decoder.engine.config.hidden_size), np.float32)}
+    hidden = {drafter.tap: np.zeros((2, decoder.engine.config.hidden_size), np.float32)}
     drafter.commit([ctx[-1], 5], hidden)
+    before = drafter.passes
     tree = drafter.propose(ctx + [5, 9], 5)
-    assert drafter.passes > passes  # a fresh chain was drafted too
-    assert len(tree) <= 24
-    paths = {tuple(int(tree.tokens[j]) for j in tree.path_to(i)) for i in range(len(tree))}
-    assert len(paths) == len(tree)  # equal paths were merged into one node
+    return tree, drafter.passes - before, first_chain
 
 
-@pytest.mark.parametrize("method", ["lyanna", "lyanna-noresample", "lyanna-nofusion"])
-def test_greedy_equals_ar_with_every_policy(tmp_path, tiny_decoder, fitted, method):
+def node_paths(tree):
+    """The token path of each node, in tree order."""
+    return [tuple(int(tree.tokens[j]) for j in tree.path_to(i)) for i in range(len(tree))]
+
+
+def paths_of(tree):
+    return set(node_paths(tree))
+
+
+def test_fusion_merges_resampled_into_fresh_tree(tiny_decoder, fitted):
+    """Policy ``fuse`` verifies the fresh tree and the re-sampled one together: its tree is their
+    union (cut to the budget), with re-sampled nodes in it; ``off`` would give the fresh tree alone."""
+    head, _, _ = fitted
+    knobs = dict(depth=5, max_nodes=24)
+    fused, fused_passes, chain = after_one_round(tiny_decoder, drafter_for(tiny_decoder, head, policy="fuse", **knobs))
+    alone = drafter_for(tiny_decoder, head, policy="off", **knobs)
+    fresh, fresh_passes, _ = after_one_round(tiny_decoder, alone)
+    resampled = token_info_tree(chain[2:], 9, alone.ti, alone.head.d2t, alone.topk, alone.width, alone.max_nodes, origin=1)
+    assert fused_passes == fresh_passes == 5  # a fresh chain was drafted too: catch-up + 4 chain steps
+    assert len(fused) == 24 and len(paths_of(fused)) == 24  # equal paths were merged into one node
+    assert paths_of(fused) == paths_of(fresh.merged(resampled, 24))
+    only_resampled = paths_of(resampled) - paths_of(fresh)
+    recovered = {path for path, origin in zip(node_paths(fused), fused.origin) if origin}
+    assert recovered and recovered <= only_resampled  # re-sampled nodes made the cut, marked as such
+
+
+def test_greedy_equals_ar_with_every_policy(tmp_path, tiny_decoder, fitted, single_threaded_kernels):
+    """Every policy is lossless; re-sampling commits re-sampled tokens, and ``reuse`` (nofusion)
+    saves draft passes against drafting afresh every round (noresample)."""
     head, _, _ = fitted
     save_head(tmp_path / "ly", "lyanna", export(head, range(0, 259, 3)), tiny_decoder.target, tiny_decoder.engine.config.num_layers)
-    assert "lyanna" in tiny_decoder.load_draft(str(tmp_path / "ly"))
-    recovered = 0
-    for prompt, stop in [("abc", ()), ("hello there", ("e",)), ("the cat", ()), ("xyz xyz", ())]:
-        ids = tiny_decoder.encode(prompt)
-        req = GenerationRequest(max_new_tokens=40, stop=stop)
-        ar = tiny_decoder.generate(ids, req)
-        ly = tiny_decoder.generate(ids, req, method=method)
-        assert (ly.tokens, ly.text, ly.finish_reason) == (ar.tokens, ar.text, ar.finish_reason)
-        recovered += ly.extra.get("recovered_tokens", 0)
-        assert ly.extra["draft_passes"] >= 0
-    if method == "lyanna-noresample":
-        assert recovered == 0
+    stats = {m: Counter() for m in ("lyanna", "lyanna-noresample", "lyanna-nofusion")}
+    with draft_loaded(tiny_decoder, tmp_path / "ly"):
+        depth = tiny_decoder.drafters["lyanna"].depth
+        for prompt, stop in [("abc", ()), ("hello there", ("e",)), ("the cat", ()), ("xyz xyz", ())]:
+            ids = tiny_decoder.encode(prompt)
+            req = GenerationRequest(max_new_tokens=40, stop=stop)
+            ar = tiny_decoder.generate(ids, req)
+            for method, st in stats.items():
+                ly = tiny_decoder.generate(ids, req, method=method, budget=None)
+                assert (ly.tokens, ly.text, ly.finish_reason) == (ar.tokens, ar.text, ar.finish_reason)
+                st.update(rounds=ly.extra["rounds"], passes=ly.extra["draft_passes"], accepted=ly.accepted_draft_tokens,
+                          recovered=ly.extra["recovered_tokens"])
+    for method, st in stats.items():
+        assert st["accepted"] > 0, method
+    for method in ("lyanna", "lyanna-noresample"):  # a fresh chain every round: catch-up, then one pass per extra depth
+        assert stats[method]["rounds"] <= stats[method]["passes"] <= depth * stats[method]["rounds"]
+    assert stats["lyanna-noresample"]["recovered"] == 0
+    assert stats["lyanna"]["recovered"] > 0 and stats["lyanna-nofusion"]["recovered"] > 0
+    per_round = {m: st["passes"] / st["rounds"] for m, st in stats.items()}
+    assert per_round["lyanna-nofusion"] < per_round["lyanna-noresample"]  # rounds that re-sample draft nothing
 
 
 @pytest.mark.slow

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import itertools
+from collections import Counter
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pytest
@@ -21,6 +23,8 @@ from lyanna.sampling import SamplingParams, target_probs
 from lyanna.training.fit import init_eagle_head, init_lyanna_head
 from lyanna.tree import DraftTree
 
+from .conftest import ALPHA, chi2_pvalue
+
 SMALL_VOCAB = 8
 
 
@@ -33,10 +37,10 @@ class LetterTokenizer:
         return "".join(chr(97 + i) for i in ids)
 
 
-def small_vocab_target(seed=0) -> Target:
-    """A random Llama with a vocabulary of 8 tokens, built in the test; no EOS."""
+def small_vocab_target(seed=0, eos: tuple[int, ...] = ()) -> Target:
+    """A random Llama with a vocabulary of 8 tokens, built in the test."""
     rng = np.random.default_rng(seed)
-    cfg = ModelConfig("LlamaForCausalLM", SMALL_VOCAB, 32, 64, 2, 4, 2, 8, 1e-6, 10000.0, None, 256, False, False, ())
+    cfg = ModelConfig("LlamaForCausalLM", SMALL_VOCAB, 32, 64, 2, 4, 2, 8, 1e-6, 10000.0, None, 256, False, False, eos)
     w = {"model.embed_tokens.weight": rng.normal(0, 1, (8, 32)), "model.norm.weight": np.ones(32),
          "lm_head.weight": rng.normal(0, 0.3, (8, 32))}
     for i in range(2):
@@ -88,39 +92,63 @@ class PeekingDrafter(RandomSampledDrafter):
         return DraftTree([a, b, int(np.argmax(after_a))], [-1, -1, 0])
 
 
-PROMPT = [1, 2, 3, 1, 2, 3, 1, 2]  # repetitive, so the suffix drafter proposes every round
+# The start of the small target's own greedy cycle ("7 4 1 5 2 3 ..."), so suffix drafts are often accepted.
+PROMPT = [0, 1, 5, 7, 4, 1, 5, 2, 3, 7, 4, 1, 5]
+
+# Sampling settings of the end-to-end test and the number of output tokens whose joint
+# distribution it checks: the first comes from prefill, the others from verification rounds; with
+# 4 tokens, trees of depth 2 are verified. Horizons and sample counts keep cells at ~5+ expected.
+SAMPLING_GRID = {
+    "t1": (SamplingParams(temperature=1.0), 3),
+    "t0.6-topk3": (SamplingParams(temperature=0.6, top_k=3), 4),
+    "t1.5-topp0.6": (SamplingParams(temperature=1.5, top_p=0.6), 4),
+}
+N_SAMPLES = 600
+METHODS = ["ar", "suffix", "eagle", "lyanna", "lyanna-noresample", "lyanna-nofusion", "peek", "random-sampled"]
 
 
-N_NEW = 4  # root from prefill, drafts at depths 1-2, bonus tokens
+def exact_joint(engine: Transformer, params: SamplingParams, horizon: int) -> np.ndarray:
+    """The target's exact probability of every ``horizon``-token output after ``PROMPT``, as an
+    array with one axis per output position (the chain rule over every prefix it can produce)."""
+    probs = np.zeros((SMALL_VOCAB,) * horizon)
 
-
-def exact_distribution(engine: Transformer, params: SamplingParams) -> np.ndarray:
-    """Exact target probability of every 4-token output, as an [8, 8, 8, 8] array."""
-    probs = np.zeros((SMALL_VOCAB,) * N_NEW)
-    for seq in itertools.product(range(SMALL_VOCAB), repeat=N_NEW - 1):
-        ids = PROMPT + list(seq)
-        logits = engine.forward(ids, np.arange(len(ids)), engine.new_cache(len(ids))).logits[len(PROMPT) - 1:]
+    def walk(prefix: list[int], mass: float) -> None:
+        ids = PROMPT + prefix
+        logits = engine.forward(ids, np.arange(len(ids)), engine.new_cache(len(ids)), logit_rows=[-1]).logits[-1]
         p = target_probs(logits, params)
-        probs[seq] = p[0, seq[0]] * p[1, seq[1]] * p[2, seq[2]] * p[3]
+        for t in np.flatnonzero(p):
+            if len(prefix) + 1 == horizon:
+                probs[tuple(prefix + [int(t)])] = mass * p[t]
+            else:
+                walk(prefix + [int(t)], mass * p[t])
+
+    walk([], 1.0)
     return probs
 
 
-def chi2(counts: np.ndarray, probs: np.ndarray) -> float:
-    expected = probs * counts.sum()
-    keep = expected > 0
-    return float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+@dataclass
+class Sampled:
+    counts: np.ndarray  # joint counts of the outputs, one axis per position
+    draft_tokens: int
+    accepted: int
+    accepted_deeper: int  # accepted draft tokens below depth 1: multi-level verification happened
 
 
-def sampled_chi2(decoder: Decoder, method: str, params: SamplingParams, n: int, exact: np.ndarray) -> float:
-    """Chi-square of the drafted positions: the marginals of tokens 2, 3 and 4 (8 cells each)."""
-    counts = np.zeros_like(exact)
+def sample_outputs(decoder: Decoder, method: str, params: SamplingParams, horizon: int, n: int) -> Sampled:
+    """``n`` generations with seeds 0..n-1; the whole tree is verified (no budget), so the outcome
+    depends on the seeds only."""
+    out = Sampled(np.zeros((SMALL_VOCAB,) * horizon), 0, 0, 0)
     for seed in range(n):
-        p = SamplingParams(params.temperature, params.top_p, params.top_k, seed)
-        toks = decoder.generate(PROMPT, GenerationRequest(max_new_tokens=N_NEW, sampling=p), method=method).tokens
-        counts[tuple(toks)] += 1
-    return sum(
-        chi2(counts.sum(axis=other), exact.sum(axis=other)) for other in [(0, 2, 3), (0, 1, 3), (0, 1, 2)]
-    )
+        drafter = decoder.drafters.get(method)
+        if isinstance(drafter, RandomSampledDrafter):  # its draws: seeded too, independent of the verifier's
+            drafter.rng = np.random.default_rng([seed, 1])
+        req = GenerationRequest(max_new_tokens=horizon, sampling=replace(params, seed=seed))
+        r = decoder.generate(PROMPT, req, method=method, budget=None)
+        out.counts[tuple(r.tokens)] += 1
+        out.draft_tokens += r.draft_tokens
+        out.accepted += r.accepted_draft_tokens
+        out.accepted_deeper += sum(a for d, (a, _) in r.extra.get("accepted_by_depth", {}).items() if d > 1)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -134,61 +162,102 @@ def small_decoder():
     with torch.no_grad():
         ly.ti.b.normal_(0, 1.0)
     w = {**ly.numpy_weights(), "ti.hot": np.array([0, 1, 2, 3])}
-    for name, knobs in {"lyanna": {"policy": "fuse"}, "lyanna-nofusion": {"policy": "reuse", "reuse_min_expected": 0.0}}.items():
+    variants = {"lyanna": {"policy": "fuse"}, "lyanna-noresample": {"policy": "off"},
+                "lyanna-nofusion": {"policy": "reuse", "reuse_min_expected": 0.0}}
+    for name, knobs in variants.items():
         d.add_drafter(name, LyannaDrafter(ChainHead(d.engine, w), TokenInfo(w["ti.a"], w["ti.b"], w["ti.hot"]), tap=2,
                                           depth=3, topk=2, width=2, **knobs))
     return d
 
 
-PARAMS = SamplingParams(temperature=1.0)
-N_SAMPLES = 5000
-CHI2_LIMIT = 60.0  # 21 degrees of freedom: p < 2e-5 for a correct sampler
+@pytest.fixture(scope="module")
+def exact_joints(small_decoder):
+    return {name: exact_joint(small_decoder.engine, params, horizon) for name, (params, horizon) in SAMPLING_GRID.items()}
+
+
+@pytest.mark.parametrize("grid", SAMPLING_GRID)
+@pytest.mark.parametrize("method", METHODS)
+def test_sampled_output_has_the_target_joint_distribution(small_decoder, exact_joints, single_threaded_kernels, method, grid):
+    """Chi-square of the joint distribution of whole outputs (not per-position marginals, which a
+    rule that correlates positions wrongly would pass) against the target's exact one."""
+    params, horizon = SAMPLING_GRID[grid]
+    s = sample_outputs(small_decoder, method, params, horizon, N_SAMPLES)
+    if method != "ar":  # verification was exercised: drafts were accepted and rejected
+        assert 0 < s.accepted < s.draft_tokens
+        if horizon > 3:
+            assert s.accepted_deeper > 0
+    assert chi2_pvalue(s.counts, exact_joints[grid]) > ALPHA
+
+
+def no_residual(p, candidates, rng):
+    """The classic bug: a rejected deterministic draft keeps its mass in p."""
+    for i, x in enumerate(candidates):
+        if rng.random() < p[x]:
+            return i, p
+    return None, p
+
+
+def p_not_p_over_q(p, q, candidates, rng):
+    """Another bug: a sampled draft accepted with probability p(x) instead of min(1, p(x)/q(x))."""
+    for i, x in enumerate(candidates):
+        if rng.random() < p[x]:
+            return i, p
+        residual = np.maximum(p - q, 0.0)
+        p = residual / residual.sum()
+    return None, p
+
+
+@pytest.mark.parametrize("grid", SAMPLING_GRID)
+@pytest.mark.parametrize("step, broken, method", [("_deterministic_step", no_residual, "peek"),
+                                                  ("_sampled_step", p_not_p_over_q, "random-sampled")])
+def test_a_wrong_acceptance_rule_fails_the_joint_test(small_decoder, exact_joints, single_threaded_kernels,
+                                                      monkeypatch, grid, step, broken, method):
+    """The control: the same statistic, through the whole loop, rejects a broken rule at every
+    sampling setting (so a pass above means something)."""
+    params, horizon = SAMPLING_GRID[grid]
+    monkeypatch.setattr(verify_module, step, broken)
+    s = sample_outputs(small_decoder, method, params, horizon, N_SAMPLES)
+    assert chi2_pvalue(s.counts, exact_joints[grid]) < ALPHA
 
 
 @pytest.fixture(scope="module")
-def joint2(small_decoder):
-    return exact_distribution(small_decoder.engine, PARAMS)
+def eos_decoder():
+    """The small target with token 6 ('g') as EOS: its greedy outputs loop ("hebfcd..."), so
+    suffix drafts are proposed and accepted, and most of them end at EOS within 40 tokens."""
+    return Decoder(small_vocab_target(eos=(6,)))
 
 
-@pytest.mark.parametrize("method", ["ar", "suffix", "eagle", "lyanna", "lyanna-nofusion", "peek", "random-sampled"])
-def test_sampled_output_has_target_distribution(small_decoder, joint2, method):
-    assert sampled_chi2(small_decoder, method, PARAMS, N_SAMPLES, joint2) < CHI2_LIMIT
-
-
-def test_wrong_acceptance_rule_fails_end_to_end(small_decoder, joint2, monkeypatch):
-    """The same statistic, through the whole loop, rejects a broken rule (a drafter that
-    proposes likely tokens every round makes the bias large; suffix matches are too rare here)."""
-    def no_residual(p, candidates, rng):  # the classic bug: a rejected draft keeps its mass
-        for i, x in enumerate(candidates):
-            if rng.random() < p[x]:
-                return i, p
-        return None, p
-
-    monkeypatch.setattr(verify_module, "_deterministic_step", no_residual)
-    assert sampled_chi2(small_decoder, "peek", PARAMS, N_SAMPLES, joint2) > CHI2_LIMIT
-
-
-def test_speculative_greedy_equals_ar_with_limits(tiny_decoder):
-    """Greedy output, finish reason and text are identical to ar under EOS, stops and limits."""
-    prompts = ["abcabcabcabc", "the cat sat on the mat, the cat sat on the", "zzzzzzzz"]
-    for prompt, max_new, stop in itertools.product(prompts, (1, 5, 40), ((), ("a",), ("cat s",))):
-        ids = tiny_decoder.encode(prompt)
+def test_speculative_greedy_equals_ar_with_limits(eos_decoder):
+    """Greedy output, finish reason and text are identical to ar under EOS, stops and limits,
+    with rounds that commit several tokens at once (the whole tree is verified: no budget, so
+    what is drafted does not depend on this machine's timing)."""
+    prompts = [[0], [4, 5], [6, 7, 1], [3, 3, 7]]
+    accepted, reasons = Counter(), Counter()
+    for prompt, max_new, stop in itertools.product(prompts, (1, 5, 40), ((), ("h",), ("dcd",))):
         req = GenerationRequest(max_new_tokens=max_new, stop=stop)
-        ar = tiny_decoder.generate(ids, req)
-        sp = tiny_decoder.generate(ids, req, method="suffix")
+        ar = eos_decoder.generate(prompt, req)
+        sp = eos_decoder.generate(prompt, req, method="suffix", budget=None)
         assert (sp.tokens, sp.text, sp.finish_reason) == (ar.tokens, ar.text, ar.finish_reason)
-        assert sp.new_tokens <= max_new
+        assert sp.new_tokens <= max_new and sp.accepted_draft_tokens <= sp.draft_tokens
+        if max_new == 1:  # the one token comes from prefill: nothing to draft
+            assert sp.draft_tokens == 0
+        accepted[tuple(prompt)] += sp.accepted_draft_tokens
+        reasons[sp.finish_reason] += 1
+    assert all(accepted[tuple(p)] > 0 for p in prompts), accepted  # drafts were proposed and committed
+    assert set(reasons) == {"stop", "length"}  # EOS or a stop string, and the limit, both happened
 
 
-def test_streamed_text_never_passes_a_stop(tiny_decoder):
-    ids = tiny_decoder.encode("abcabcabcabcabc")
-    ar = tiny_decoder.generate(ids, GenerationRequest(max_new_tokens=40))
-    stop = ar.text[5:8]  # a stop string the output really contains
+def test_streamed_text_never_passes_a_stop(eos_decoder):
+    prompt = [0]
+    ar = eos_decoder.generate(prompt, GenerationRequest(max_new_tokens=40))
+    stop = "cdcdh"
+    assert ar.text.find(stop) > 8  # the output contains it, after the loop repeats (drafts accepted)
     streamed = []
-    sp = tiny_decoder.generate(ids, GenerationRequest(max_new_tokens=40, stop=(stop,)), method="suffix",
-                               on_text=streamed.append)
+    sp = eos_decoder.generate(prompt, GenerationRequest(max_new_tokens=40, stop=(stop,)), method="suffix",
+                              on_text=streamed.append, budget=None)
     assert sp.finish_reason == "stop" and stop not in sp.text
     assert "".join(streamed) == sp.text == ar.text[: ar.text.find(stop)]
+    assert sp.accepted_draft_tokens > 0  # the text came partly from accepted drafts
 
 
 def test_suffix_drafter_builds_trie_from_latest_matches():
@@ -210,4 +279,6 @@ def test_suffix_greedy_equals_ar_on_default_model(default_decoder):
     for q in questions[:5]:
         ids = default_decoder.encode(q.prompt)
         req = GenerationRequest(max_new_tokens=64)
-        assert default_decoder.generate(ids, req, method="suffix").tokens == default_decoder.generate(ids, req).tokens
+        sp = default_decoder.generate(ids, req, method="suffix", budget=None)
+        assert sp.tokens == default_decoder.generate(ids, req).tokens
+        assert sp.accepted_draft_tokens > 0, q.category  # these categories copy from the prompt

@@ -2,15 +2,20 @@
 (statistical tests that a deliberately wrong rule fails)."""
 from __future__ import annotations
 
+import functools
+import itertools
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lyanna import verify as verify_module
-from lyanna.sampling import SamplingParams, target_probs
+from lyanna.sampling import SamplingParams, sample, target_probs
 from lyanna.tree import DraftTree
 from lyanna.verify import verify
+
+from .conftest import ALPHA, chi2_pvalue
 
 VOCAB = 6
 
@@ -109,30 +114,32 @@ def test_sampling_keeps_target_distribution(make_tree):
     assert chi2(first_token_frequencies(make_tree), p) < CHI2_LIMIT
 
 
-def test_wrong_deterministic_rule_is_caught(monkeypatch):
+def no_residual(p, candidates, rng):
     """Accepting a candidate without removing it from p on rejection biases the output."""
-    def no_residual(p, candidates, rng):
-        for i, x in enumerate(candidates):
-            if rng.random() < p[x]:
-                return i, p
-        return None, p
+    for i, x in enumerate(candidates):
+        if rng.random() < p[x]:
+            return i, p
+    return None, p
 
+
+def p_not_p_over_q(p, q, candidates, rng):
+    """Using p(x) instead of p(x)/q(x) as the acceptance probability."""
+    for i, x in enumerate(candidates):
+        if rng.random() < p[x]:
+            return i, p
+        residual = np.maximum(p - q, 0.0)
+        p = residual / residual.sum()
+    return None, p
+
+
+def test_wrong_deterministic_rule_is_caught(monkeypatch):
     monkeypatch.setattr(verify_module, "_deterministic_step", no_residual)
     p = target_probs(P_LOGITS, PARAMS)
     assert chi2(first_token_frequencies(deterministic_tree), p) > CHI2_LIMIT
 
 
 def test_wrong_pq_rule_is_caught(monkeypatch):
-    """Using p(x) instead of p(x)/q(x) as the acceptance probability must fail the test."""
-    def wrong(p, q, candidates, rng):
-        for i, x in enumerate(candidates):
-            if rng.random() < p[x]:
-                return i, p
-            residual = np.maximum(p - q, 0.0)
-            p = residual / residual.sum()
-        return None, p
-
-    monkeypatch.setattr(verify_module, "_sampled_step", wrong)
+    monkeypatch.setattr(verify_module, "_sampled_step", p_not_p_over_q)
     p = target_probs(P_LOGITS, PARAMS)
     assert chi2(first_token_frequencies(sampled_tree), p) > CHI2_LIMIT
 
@@ -140,3 +147,103 @@ def test_wrong_pq_rule_is_caught(monkeypatch):
 def test_verify_checks_logit_rows():
     with pytest.raises(ValueError):
         verify(DraftTree.chain([1, 2]), np.zeros((2, VOCAB)), PARAMS, np.random.default_rng(0))
+
+
+# --- sampling over several tree levels, every node with its own logit row ---------------------
+#
+# The target is a fixed function from token paths to logits (a different row for every path), so
+# a verifier that reads the wrong row, or gets the rule wrong below the first level, is caught.
+# After the verdict, tokens are drawn from the target itself up to HORIZON: the joint law of those
+# HORIZON tokens must be the target's exactly, whatever the tree.
+
+DEEP_GRID = {  # sampling settings and the horizon checked (kept near 100-200 cells)
+    "t1": (SamplingParams(temperature=1.0), 3),
+    "t0.7-topk3": (SamplingParams(temperature=0.7, top_k=3), 4),
+    "t1.3-topp0.7": (SamplingParams(temperature=1.3, top_p=0.7), 4),
+}
+DEEP_SAMPLES = 2000
+CHILDREN_PER_LEVEL = (2, 2, 1)  # a tree of depth 3: 2 + 4 + 4 nodes
+
+
+@functools.cache
+def path_logits(path: tuple[int, ...]) -> np.ndarray:
+    return np.random.default_rng([11, len(path), *path]).normal(0.0, 1.5, VOCAB)
+
+
+@functools.cache
+def draft_q(path: tuple[int, ...]) -> np.ndarray:
+    """A drafter's distribution after ``path``: close to the target's, never equal (distinct per node)."""
+    z = 0.8 * path_logits(path) + np.random.default_rng([29, len(path), *path]).normal(0.0, 0.7, VOCAB)
+    return np.exp(z) / np.exp(z).sum()
+
+
+def deep_tree(rng: np.random.Generator, sampled_levels: set[int]) -> DraftTree:
+    """Children at the levels in ``sampled_levels`` (1 = children of the root) are drawn i.i.d.
+    from ``draft_q``; the others are the target's most likely tokens, in order."""
+    tokens, parents, sampled_from, paths = [], [], {}, {-1: ()}
+    frontier = [-1]
+    for level, k in enumerate(CHILDREN_PER_LEVEL, start=1):
+        nxt = []
+        for node in frontier:
+            path = paths[node]
+            if level in sampled_levels:
+                q = draft_q(path)
+                kids = rng.choice(VOCAB, size=k, p=q)
+                sampled_from[node] = q
+            else:
+                kids = np.argsort(-path_logits(path), kind="stable")[:k]
+            for t in kids:
+                tokens.append(int(t))
+                parents.append(node)
+                paths[len(tokens) - 1] = path + (int(t),)
+                nxt.append(len(tokens) - 1)
+        frontier = nxt
+    return DraftTree(np.array(tokens), np.array(parents), sampled_from=sampled_from)
+
+
+def exact_deep_joint(params: SamplingParams, horizon: int) -> np.ndarray:
+    probs = np.zeros((VOCAB,) * horizon)
+    for seq in itertools.product(range(VOCAB), repeat=horizon):
+        probs[seq] = np.prod([target_probs(path_logits(seq[:i]), params)[seq[i]] for i in range(horizon)])
+    return probs
+
+
+def deep_counts(sampled_levels: set[int], params: SamplingParams, horizon: int, n: int = DEEP_SAMPLES,
+                seed: int = 0) -> tuple[np.ndarray, int]:
+    """Joint counts of the first ``horizon`` committed tokens, and how many draft tokens below
+    the first level were accepted (the deep levels were really exercised)."""
+    rng = np.random.default_rng(seed)
+    counts = np.zeros((VOCAB,) * horizon)
+    deep = 0
+    for _ in range(n):
+        tree = deep_tree(rng, sampled_levels)
+        rows = [path_logits(())] + [path_logits(tuple(int(tree.tokens[j]) for j in tree.path_to(i))) for i in range(len(tree))]
+        verdict = verify(tree, np.stack(rows), params, rng)
+        deep += max(len(verdict.path) - 1, 0)
+        seq = list(verdict.tokens)
+        while len(seq) < horizon:
+            seq.append(sample(target_probs(path_logits(tuple(seq)), params), rng))
+        counts[tuple(seq[:horizon])] += 1
+    return counts, deep
+
+
+SAMPLED_LEVELS = {"deterministic": set(), "sampled": {1, 2, 3}, "sampled-root": {1}, "sampled-below": {2, 3}}
+
+
+@pytest.mark.parametrize("grid", DEEP_GRID)
+@pytest.mark.parametrize("levels", SAMPLED_LEVELS)
+def test_deep_sampled_verification_keeps_the_joint_distribution(levels, grid):
+    params, horizon = DEEP_GRID[grid]
+    counts, deep = deep_counts(SAMPLED_LEVELS[levels], params, horizon)
+    assert deep > DEEP_SAMPLES // 10  # drafts below the first level were accepted often
+    assert chi2_pvalue(counts, exact_deep_joint(params, horizon)) > ALPHA
+
+
+@pytest.mark.parametrize("grid", DEEP_GRID)
+@pytest.mark.parametrize("step, broken, levels", [("_deterministic_step", no_residual, "deterministic"),
+                                                  ("_sampled_step", p_not_p_over_q, "sampled")])
+def test_a_wrong_rule_fails_the_deep_test(monkeypatch, grid, step, broken, levels):
+    params, horizon = DEEP_GRID[grid]
+    monkeypatch.setattr(verify_module, step, broken)
+    counts, _ = deep_counts(SAMPLED_LEVELS[levels], params, horizon)
+    assert chi2_pvalue(counts, exact_deep_joint(params, horizon)) < ALPHA

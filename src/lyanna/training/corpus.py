@@ -123,11 +123,14 @@ def encode_conversation(tokenizer: Any, messages: list[dict[str, str]], max_toke
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = enc["input_ids"][:max_tokens], enc["offset_mapping"][:max_tokens]
     starts = np.array([o[0] for o in offsets])
+    eos = getattr(tokenizer, "eos_token_id", None)
     spans = []
     for a, b in char_spans:
         inside = np.nonzero((starts >= a) & (starts < b))[0]
         if len(inside):
-            spans.append([int(inside[0]), int(inside[-1]) + 1])
+            start, end = int(inside[0]), int(inside[-1]) + 1
+            ends = [i for i in range(start, end) if ids[i] == eos]
+            spans.append([start, ends[-1] + 1 if ends else end])  # what follows the turn's EOS is never generated
     if not spans:
         raise Skip("no assistant token within the length cut")
     return list(map(int, ids)), spans

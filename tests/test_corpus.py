@@ -1,0 +1,149 @@
+"""Conversation corpora: robust record parsing, templating with assistant spans, the corpus data
+stage end to end, packed batches, and the fit's schedule."""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from lyanna.data import SPEC_BENCH, packaged
+from lyanna.errors import LyannaError
+from lyanna.loading import load_tokenizer
+from lyanna.train import main as train_main
+from lyanna.training import pipeline
+from lyanna.training.corpus import Skip, encode_conversation, iter_records, messages_of, read_corpus, reply_mask
+from lyanna.training.fit import Example, batch_loss, init_lyanna_head, make_batch, pack
+
+CONVS = [
+    {"id": "a", "conversations": [{"from": "human", "value": "hi there"}, {"from": "gpt", "value": "hello you"},
+                                   {"from": "human", "value": "and again"}, {"from": "gpt", "value": "bye now"}]},
+    {"id": "b", "conversations": [{"from": "gpt", "value": "leading reply is dropped"},
+                                   {"from": "human", "value": "question"}, {"from": "gpt", "value": "answer"}]},
+    {"id": "c", "conversations": []},  # no turns
+    {"id": "d", "conversations": [{"from": "human", "value": "only a question"}]},
+    {"id": "e", "conversations": [{"from": "robot", "value": "x"}, {"from": "gpt", "value": "y"}]},
+    {"id": "f", "messages": [{"role": "developer", "content": "be brief"},
+                             {"role": "user", "content": [{"type": "text", "text": "parts "}, {"type": "text", "text": "work"}]},
+                             {"role": "assistant", "content": "yes"}]},
+]
+
+
+def write_truncated_array(path, records) -> None:
+    text = json.dumps(records, indent=1).rstrip()[:-1]  # the array's closing bracket never came
+    path.write_text(text + ",\n {\"id\": \"cut\", \"conversations\": [{\"from\": \"hum")  # cut mid-record, no closing ]
+
+
+def test_records_parse_one_at_a_time_and_a_truncated_tail_is_skipped(tmp_path):
+    f = tmp_path / "sharegpt.json"
+    write_truncated_array(f, CONVS)
+    got = list(iter_records(f))
+    assert [r["id"] for _, r in got[:-1]] == [c["id"] for c in CONVS]
+    assert isinstance(got[-1][1], Skip) and "truncated" in str(got[-1][1])
+    jl = tmp_path / "msgs.jsonl"
+    jl.write_text(json.dumps(CONVS[5]) + "\nnot json\n" + json.dumps(CONVS[0]) + "\n")
+    kinds = [type(r).__name__ for _, r in iter_records(jl)]
+    assert kinds == ["dict", "Skip", "dict"]
+
+
+def test_messages_are_normalized_or_skipped_with_a_reason():
+    assert [m["role"] for m in messages_of(CONVS[0])] == ["user", "assistant", "user", "assistant"]
+    assert [m["content"] for m in messages_of(CONVS[1])] == ["question", "answer"]
+    assert messages_of(CONVS[5]) == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "parts work"},
+                                     {"role": "assistant", "content": "yes"}]
+    for rec, reason in [(CONVS[2], "no conversations"), (CONVS[3], "no assistant turn"), (CONVS[4], "unknown role"),
+                        ("text", "not an object")]:
+        with pytest.raises(Skip, match=reason):
+            messages_of(rec)
+
+
+def test_assistant_spans_cover_exactly_the_replies_up_to_their_eos(tiny_model_dir):
+    tok = load_tokenizer(tiny_model_dir)
+    ids, spans = encode_conversation(tok, messages_of(CONVS[0]), max_tokens=10_000)
+    assert [tok.decode(ids[a:b]) for a, b in spans] == ["hello you<|im_end|>", "bye now<|im_end|>"]
+    assert ids == tok(tok.apply_chat_template(messages_of(CONVS[0]), tokenize=False), add_special_tokens=False)["input_ids"]
+    cut, cut_spans = encode_conversation(tok, messages_of(CONVS[0]), max_tokens=spans[0][0] + 3)
+    assert len(cut) == spans[0][0] + 3 and cut_spans == [[spans[0][0], spans[0][0] + 3]]
+    with pytest.raises(Skip, match="length cut"):
+        encode_conversation(tok, messages_of(CONVS[0]), max_tokens=spans[0][0])
+    ids_m, mask = reply_mask({"ids": ids, "reply": spans})
+    assert tok.decode(ids_m[mask]) == "hello you<|im_end|>bye now<|im_end|>"
+
+
+def test_corpus_order_is_seeded_limits_hold_and_benchmark_questions_are_dropped(tmp_path, tiny_model_dir):
+    tok = load_tokenizer(tiny_model_dir)
+    bench_q = json.loads(packaged(SPEC_BENCH).read_text(encoding="utf-8").split("\n")[0])["turns"][0]
+    records = [{"id": f"r{i}", "conversations": [{"from": "human", "value": f"question {i}"},
+                                                  {"from": "gpt", "value": f"answer number {i}"}]} for i in range(30)]
+    records.append({"id": "bench", "conversations": [{"from": "human", "value": "  " + bench_q.upper()},
+                                                      {"from": "gpt", "value": "x"}]})
+    f = tmp_path / "c.json"
+    f.write_text(json.dumps(records))
+    from lyanna.training.pipeline import benchmark_prompts
+
+    rows, skipped = read_corpus(f, tok, benchmark_prompts(), 512, seed=3)
+    assert len(rows) == 30 and skipped == {"benchmark question": 1}
+    again, _ = read_corpus(f, tok, benchmark_prompts(), 512, seed=3)
+    other, _ = read_corpus(f, tok, benchmark_prompts(), 512, seed=4)
+    assert [r["id"] for r in again] == [r["id"] for r in rows] != [r["id"] for r in other]
+    few, _ = read_corpus(f, tok, set(), 512, seed=3, reply_tokens=40)
+    assert 40 <= sum(b - a for r in few for a, b in r["reply"]) < 40 + max(b - a for r in rows for a, b in r["reply"])
+
+
+def test_corpus_stage_features_and_fit_end_to_end(tmp_path, tiny_model_dir):
+    """data --source FILE -> features (engine) -> fit judged on another run -> a stale shard is redone."""
+    os.environ["LYANNA_NO_PROGRESS"] = "1"
+    f = tmp_path / "c.json"
+    write_truncated_array(f, CONVS)
+    run = tmp_path / "run"
+    assert train_main(["data", "--run-dir", str(run), "--model", str(tiny_model_dir), "--source", str(f)]) == 0
+    report = json.loads((run / "data" / "report.json").read_text())
+    assert report["conversations"] == 3 and sum(report["skipped"].values()) == 4
+    assert train_main(["features", "--run-dir", str(run)]) == 0
+    examples = pipeline.load_examples(run)
+    assert len(examples) == 3 and all(ex.mask.any() and not ex.mask.all() for _, ex in examples)
+    assert train_main(["data", "--run-dir", str(run), "--model", str(tiny_model_dir), "--prompts", str(f)]) == 1  # other source
+    state = pipeline.stage_fit(run, "lyanna", steps=4, batch=2, lr=1e-3, depth=2, rank=4, draft_vocab=50, eval_every=4,
+                               row_len=64, warmup=2, eval_run=run)
+    assert state["step"] == 4 and state["train_reply_tokens"] > 0 and len(state["history"][-1]["agreement"]) == 2
+    # the data grows (one more conversation in the same shard): its features shard is stale and redone
+    rows = list(pipeline.iter_data(run))
+    extra = {"id": "new#9", "ids": rows[0]["ids"], "reply": rows[0]["reply"]}
+    (run / "data" / "shard-00000.jsonl").write_text("\n".join(json.dumps(r) for r in rows + [extra]) + "\n")
+    pipeline.stage_features(run)
+    assert len(pipeline.load_examples(run)) == 4
+
+
+def test_packed_rows_equal_single_sequence_unrolls(tiny_decoder, tiny_examples):
+    """Several sequences in one row (and a padded row) give each sequence exactly its own chain."""
+    engine = tiny_decoder.engine
+    head = init_lyanna_head(engine, tiny_decoder.target.weights, np.arange(259), rank=4)
+    exs = [Example(e.tokens[:n], e.features[:n]) for e, n in zip(tiny_examples, (20, 17, 25))]
+    rows = [[0, 1], [2]]
+    batch = make_batch(exs, rows, row_len=40)
+    assert batch.tokens.shape == (2, 37) and int((batch.segments[1] < 0).sum()) == 12
+    with torch.no_grad():
+        packed = head.unroll_batch(batch.features, batch.tokens, batch.segments, 3)
+        for r, row in enumerate(rows):
+            at = 0
+            for i in row:
+                n = len(exs[i].tokens)
+                alone = head.unroll(torch.from_numpy(exs[i].features), torch.from_numpy(exs[i].tokens), 3)
+                for k in range(3):  # rows whose chain stays inside the sequence
+                    m = n - 1 - k
+                    torch.testing.assert_close(packed[k][r, at:at + m], alone[k][:m], atol=1e-5, rtol=1e-5)
+                at += n
+        # the loss of the packed batch is the loss over the same scored rows one sequence at a time
+        per_seq = [batch_loss(head, make_batch(exs, [[i]], 40), 3) for i in range(3)]
+    assert all(torch.isfinite(x) for x in per_seq)
+    assert pack(exs, 40) == [[0, 1], [2]]
+
+
+def test_learning_rate_warms_up_then_decays_to_a_tenth():
+    lrs = [pipeline.lr_at(s, 100, 1.0, 10) for s in range(100)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(lrs[9:], lrs[10:])) and lrs[-1] == pytest.approx(0.1, abs=0.01)
+    with pytest.raises(LyannaError, match="labels"):
+        pipeline.stage_fit(None, "lyanna", steps=1, labels="medium")  # refused before anything is read

@@ -147,6 +147,24 @@ def test_fusion_merges_resampled_into_fresh_tree(tiny_decoder, fitted):
     assert recovered and recovered <= only_resampled  # re-sampled nodes made the cut, marked as such
 
 
+def test_suffix_branches_join_the_chain_tree(tiny_decoder, fitted):
+    """``lyanna+suffix``: every path of the plain Lyanna tree stays, and a repeated stretch of the
+    context adds the suffix drafter's continuation as a branch."""
+    head, _, _ = fitted
+    plain = drafter_for(tiny_decoder, head, policy="off")
+    both = drafter_for(tiny_decoder, head, policy="off", suffix=True)
+    engine = tiny_decoder.engine
+    ctx = tiny_decoder.encode("the cat sat. the cat sat. the cat", chat=False)  # its last token is the root
+    out = engine.forward(ctx[:-1], np.arange(len(ctx) - 1), engine.new_cache(len(ctx) + 64), taps=plain.taps)
+    for d in (plain, both):
+        d.start(ctx[:-1], out.hidden)
+    t_plain, t_both = plain.propose(ctx, 6), both.propose(ctx, 6)
+    matched = both.suffix.propose(ctx, 6)
+    assert len(matched) > 0 and paths_of(matched) - paths_of(t_plain)  # the match proposes something new
+    assert paths_of(t_plain) | paths_of(matched) == paths_of(t_both)
+    assert np.all((t_both.scores >= 0) & (t_both.scores <= 1))
+
+
 def test_greedy_equals_ar_with_every_policy(tmp_path, tiny_decoder, fitted, single_threaded_kernels):
     """Every policy is lossless; re-sampling commits re-sampled tokens, and ``reuse`` (nofusion)
     saves draft passes against drafting afresh every round (noresample)."""
@@ -196,5 +214,5 @@ def test_lyanna_greedy_equals_ar_on_default_model(tmp_path, default_decoder):
             ids = d.encode(p)
             req = GenerationRequest(max_new_tokens=40)
             ar = d.generate(ids, req).tokens
-            for m in ("lyanna", "lyanna-nofusion"):
+            for m in ("lyanna", "lyanna-nofusion", "lyanna+suffix"):
                 assert d.generate(ids, req, method=m).tokens == ar

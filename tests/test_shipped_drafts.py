@@ -24,14 +24,14 @@ def test_shipped_checkpoint_is_small_and_has_a_model_card(arch):
 
 @pytest.mark.slow
 def test_shipped_drafts_load_by_default_and_decode_losslessly(default_decoder):
-    for method in ("eagle", "lyanna", "lyanna-noresample", "lyanna-nofusion"):
+    for method in ("eagle", "lyanna", "lyanna-noresample", "lyanna-nofusion", "lyanna+suffix"):
         assert method in default_decoder.methods
     accepted = {}
     for prompt in PROMPTS:
         ids = default_decoder.encode(prompt)
         req = GenerationRequest(max_new_tokens=48)
         ar = default_decoder.generate(ids, req)
-        for method in ("eagle", "lyanna", "lyanna-nofusion"):
+        for method in ("eagle", "lyanna", "lyanna-nofusion", "lyanna+suffix"):
             out = default_decoder.generate(ids, req, method=method, budget=16)
             assert out.tokens == ar.tokens, (method, prompt)
             accepted[method] = accepted.get(method, 0) + out.accepted_draft_tokens

@@ -104,7 +104,8 @@ SAMPLING_GRID = {
     "t1.5-topp0.6": (SamplingParams(temperature=1.5, top_p=0.6), 4),
 }
 N_SAMPLES = 600
-METHODS = ["ar", "suffix", "eagle", "lyanna", "lyanna-noresample", "lyanna-nofusion", "peek", "random-sampled"]
+METHODS = ["ar", "suffix", "eagle", "lyanna", "lyanna-noresample", "lyanna-nofusion", "lyanna+suffix", "peek",
+           "random-sampled"]
 
 
 def exact_joint(engine: Transformer, params: SamplingParams, horizon: int) -> np.ndarray:
@@ -163,7 +164,8 @@ def small_decoder():
         ly.ti.b.normal_(0, 1.0)
     w = {**ly.numpy_weights(), "ti.hot": np.array([0, 1, 2, 3])}
     variants = {"lyanna": {"policy": "fuse"}, "lyanna-noresample": {"policy": "off"},
-                "lyanna-nofusion": {"policy": "reuse", "reuse_min_expected": 0.0}}
+                "lyanna-nofusion": {"policy": "reuse", "reuse_min_expected": 0.0},
+                "lyanna+suffix": {"policy": "fuse", "suffix": True}}
     for name, knobs in variants.items():
         d.add_drafter(name, LyannaDrafter(ChainHead(d.engine, w), TokenInfo(w["ti.a"], w["ti.b"], w["ti.hot"]), tap=2,
                                           depth=3, topk=2, width=2, **knobs))

@@ -15,6 +15,9 @@ sampling, re-sampling after a rejection, and verification fusion.
 - Policy ``fuse`` merges that tree into the next fresh one (one verification for both), ``reuse``
   verifies it alone without drafting when its expected accepted length is high enough, ``off``
   always drafts afresh.
+- ``lyanna+suffix`` also merges the suffix drafter's continuations (model-free matches in the
+  prompt and output) into every tree; the budget then keeps the likeliest nodes of both, so
+  copying stretches (summaries, RAG) get long branches and the rest keep the chain's.
 """
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ from ..loading import Target
 from ..tree import DraftTree
 from .checkpoint import decode_settings, load_head
 from .head import DraftHead, PairContext
+from .suffix import SuffixDrafter
 
 ARCH = "lyanna"
 POLICIES = ("fuse", "reuse", "off")
@@ -115,13 +119,16 @@ class LyannaDrafter:
         ARCH: {"policy": "fuse"},
         f"{ARCH}-noresample": {"policy": "off"},
         f"{ARCH}-nofusion": {"policy": "reuse", "reuse_min_expected": 0.0},
+        f"{ARCH}+suffix": {"policy": "fuse", "suffix": True},
     }
 
     def __init__(self, head: ChainHead, ti: TokenInfo, tap: int, depth: int = DECODE_DEFAULTS["depth"],
                  topk: int = DECODE_DEFAULTS["topk"], width: int = DECODE_DEFAULTS["width"],
-                 max_nodes: int = DECODE_DEFAULTS["max_nodes"], policy: str = "fuse", reuse_min_expected: float = 1.5):
+                 max_nodes: int = DECODE_DEFAULTS["max_nodes"], policy: str = "fuse", reuse_min_expected: float = 1.5,
+                 suffix: bool = False):
         """``reuse_min_expected``: policy ``reuse`` verifies the re-sampled tree alone when the sum of
-        its acceptance probabilities (its expected accepted length) reaches this."""
+        its acceptance probabilities (its expected accepted length) reaches this. ``suffix``: merge
+        suffix-match continuations into every tree."""
         if policy not in POLICIES:
             raise LyannaError(f"resample policy must be one of {', '.join(POLICIES)}, got {policy!r}")
         self.head, self.ti, self.tap = head, ti, tap
@@ -129,6 +136,7 @@ class LyannaDrafter:
         self.depth, self.topk, self.width, self.max_nodes = depth, topk, width, max_nodes
         self.policy, self.reuse_min_expected = policy, reuse_min_expected
         self.context = PairContext(head, tap)
+        self.suffix = SuffixDrafter() if suffix else None
         self._chain: np.ndarray | None = None  # raw-logit rows the last tree was built from
         self._leftover: np.ndarray | None = None  # rows still valid after the next root
 
@@ -150,6 +158,8 @@ class LyannaDrafter:
     def start(self, prompt_ids: Sequence[int], hidden: dict[int, np.ndarray]) -> None:
         self.context.start(hidden)
         self._chain = self._leftover = None
+        if self.suffix is not None:
+            self.suffix.start(prompt_ids, hidden)
 
     def commit(self, tokens: Sequence[int], hidden: dict[int, np.ndarray]) -> None:
         """``tokens`` = the root and the accepted drafts; the chain rows after them stay valid."""
@@ -169,6 +179,13 @@ class LyannaDrafter:
         return self.head.raw_logits(np.stack(features))
 
     def propose(self, context: Sequence[int], max_depth: int) -> DraftTree:
+        tree = self._propose_chain(context, max_depth)
+        if self.suffix is None:
+            return tree
+        matched = self.suffix.propose(context, max_depth)
+        return tree.merged(matched, self.max_nodes + len(matched)) if len(matched) else tree
+
+    def _propose_chain(self, context: Sequence[int], max_depth: int) -> DraftTree:
         depth = min(self.depth, max_depth)
         if depth < 1:
             return DraftTree.empty()

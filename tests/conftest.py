@@ -207,3 +207,24 @@ def single_threaded_kernels():
     numba.set_num_threads(1)
     yield
     numba.set_num_threads(before)
+
+
+# Deliberately broken acceptance rules: the statistical tests must fail with them (controls).
+def no_residual(p, candidates, rng):
+    """The classic bug: a rejected deterministic draft keeps its mass in p."""
+    for i, x in enumerate(candidates):
+        if rng.random() < p[x]:
+            return i, p
+    return None, p
+
+
+def p_not_p_over_q(p, q, candidates, rng):
+    """Another bug: a sampled draft accepted with probability p(x) instead of min(1, p(x)/q(x))."""
+    import numpy as np
+
+    for i, x in enumerate(candidates):
+        if rng.random() < p[x]:
+            return i, p
+        residual = np.maximum(p - q, 0.0)
+        p = residual / residual.sum()
+    return None, p

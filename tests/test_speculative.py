@@ -23,7 +23,7 @@ from lyanna.sampling import SamplingParams, target_probs
 from lyanna.training.fit import init_eagle_head, init_lyanna_head
 from lyanna.tree import DraftTree
 
-from .conftest import ALPHA, chi2_pvalue
+from .conftest import ALPHA, chi2_pvalue, no_residual, p_not_p_over_q
 
 SMALL_VOCAB = 8
 
@@ -189,24 +189,6 @@ def test_sampled_output_has_the_target_joint_distribution(small_decoder, exact_j
         if horizon > 3:
             assert s.accepted_deeper > 0
     assert chi2_pvalue(s.counts, exact_joints[grid]) > ALPHA
-
-
-def no_residual(p, candidates, rng):
-    """The classic bug: a rejected deterministic draft keeps its mass in p."""
-    for i, x in enumerate(candidates):
-        if rng.random() < p[x]:
-            return i, p
-    return None, p
-
-
-def p_not_p_over_q(p, q, candidates, rng):
-    """Another bug: a sampled draft accepted with probability p(x) instead of min(1, p(x)/q(x))."""
-    for i, x in enumerate(candidates):
-        if rng.random() < p[x]:
-            return i, p
-        residual = np.maximum(p - q, 0.0)
-        p = residual / residual.sum()
-    return None, p
 
 
 @pytest.mark.parametrize("grid", SAMPLING_GRID)

@@ -15,7 +15,7 @@ from lyanna.sampling import SamplingParams, sample, target_probs
 from lyanna.tree import DraftTree
 from lyanna.verify import verify
 
-from .conftest import ALPHA, chi2_pvalue
+from .conftest import ALPHA, chi2_pvalue, no_residual, p_not_p_over_q
 
 VOCAB = 6
 
@@ -112,24 +112,6 @@ def sampled_tree(rng):
 def test_sampling_keeps_target_distribution(make_tree):
     p = target_probs(P_LOGITS, PARAMS)
     assert chi2(first_token_frequencies(make_tree), p) < CHI2_LIMIT
-
-
-def no_residual(p, candidates, rng):
-    """Accepting a candidate without removing it from p on rejection biases the output."""
-    for i, x in enumerate(candidates):
-        if rng.random() < p[x]:
-            return i, p
-    return None, p
-
-
-def p_not_p_over_q(p, q, candidates, rng):
-    """Using p(x) instead of p(x)/q(x) as the acceptance probability."""
-    for i, x in enumerate(candidates):
-        if rng.random() < p[x]:
-            return i, p
-        residual = np.maximum(p - q, 0.0)
-        p = residual / residual.sum()
-    return None, p
 
 
 def test_wrong_deterministic_rule_is_caught(monkeypatch):

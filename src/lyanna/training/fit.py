@@ -186,11 +186,6 @@ def example_loss(head: EagleHead, ex: Example, depth: int, **kw) -> torch.Tensor
     return batch_loss(head, make_batch([ex], [[0]], len(ex.tokens)), depth, **kw)
 
 
-def agreement(head: EagleHead, ex: Example, depth: int) -> tuple[np.ndarray, np.ndarray]:
-    """``batch_agreement`` of one example."""
-    return batch_agreement(head, make_batch([ex], [[0]], len(ex.tokens)), depth)
-
-
 def init_eagle_head(engine: Transformer, target_weights: dict[str, np.ndarray], seed: int = 0) -> EagleHead:
     """A head whose layer starts from the target's last layer and whose fc starts as 'feature +
     s * embedding', with ``s`` matching the embedding's scale to the feature's (final-norm

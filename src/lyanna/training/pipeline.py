@@ -293,17 +293,16 @@ def load_examples(run: Path, ids: set[str] | None = None, max_reply_tokens: int 
     return out
 
 
-def flatness(features: np.ndarray, lm_head: np.ndarray, mask: np.ndarray, device: str | None = None) -> float:
+def flatness(features: np.ndarray, lm_head, mask: np.ndarray) -> float:
     """Mean normalized entropy of the target's next-token distributions over the reply tokens
-    (flatter distributions carry more of what a draft head must learn, per SFDD); with
-    ``device``, computed by torch there."""
+    (flatter distributions carry more of what a draft head must learn, per SFDD); ``lm_head`` is
+    a numpy array, or a torch tensor on the device that computes it."""
     before = np.zeros(len(mask), bool)
     before[:-1] = mask[1:]  # the feature after token i predicts token i + 1
-    if device:
+    if not isinstance(lm_head, np.ndarray):
         import torch
 
-        head = _device_matrix(lm_head, device)
-        logp = torch.log_softmax(torch.from_numpy(np.asarray(features[before], np.float32)).to(device) @ head.T, -1)
+        logp = torch.log_softmax(torch.from_numpy(np.asarray(features[before], np.float32)).to(lm_head.device) @ lm_head.T, -1)
         entropy = -(logp.exp() * logp).sum(-1)
         return float(entropy.mean() / math.log(lm_head.shape[0]))
     logits = np.asarray(features[before], np.float32) @ lm_head.T
@@ -312,19 +311,6 @@ def flatness(features: np.ndarray, lm_head: np.ndarray, mask: np.ndarray, device
     p /= p.sum(-1, keepdims=True)
     entropy = -(p * np.log(np.clip(p, 1e-30, None))).sum(-1)
     return float(entropy.mean() / math.log(lm_head.shape[0]))
-
-
-_DEVICE_MATRICES: dict = {}
-
-
-def _device_matrix(m: np.ndarray, device: str):
-    """``m`` as a torch tensor on ``device``, copied once."""
-    import torch
-
-    key = (id(m), device)
-    if key not in _DEVICE_MATRICES:
-        _DEVICE_MATRICES[key] = torch.from_numpy(np.asarray(m, np.float32)).to(device)
-    return _DEVICE_MATRICES[key]
 
 
 def stage_select(run: Path, mode: str, keep: float, seed: int, device: str | None = None) -> Path:
@@ -341,7 +327,11 @@ def stage_select(run: Path, mode: str, keep: float, seed: int, device: str | Non
     if mode == "flat":
         target = load_target(info["model"])
         head = target.weights.get("lm_head.weight", target.weights["model.embed_tokens.weight"])
-        scores = [flatness(ex.features, head, ex.scored(), device) for _, ex in examples]
+        if device:
+            import torch
+
+            head = torch.from_numpy(np.asarray(head, np.float32)).to(device)  # copied to the device once
+        scores = [flatness(ex.features, head, ex.scored()) for _, ex in examples]
         order = np.argsort(scores)[::-1]
     elif mode == "random":
         order = np.random.default_rng(seed).permutation(len(ids))
@@ -490,7 +480,7 @@ def stage_fit(run: Path, arch: str, steps: int, batch: int = 8, lr: float = 3e-4
             super().__init__()
             self.head = head
 
-        def forward(self, b, counts: list[float]) -> torch.Tensor:
+        def forward(self, b, counts: list[float] | None) -> torch.Tensor:
             if b is None:  # more ranks than rows: take part in the gradient average with zero
                 return sum(p.sum() * 0 for p in params)
             return batch_loss(self.head, b, depth, labels=labels, counts=counts)
@@ -538,7 +528,9 @@ def stage_fit(run: Path, arch: str, steps: int, batch: int = 8, lr: float = 3e-4
         rows = epoch_batches[step - epoch_start]
         per_epoch = len(epoch_batches)
         # every rank divides by the whole batch's scored rows, times the ranks DDP averages over
-        counts = [c / world for c in scored_counts(make_batch(train_ex, rows, row_len, features=False), depth)]
+        # (one process: its own rows are the whole batch, batch_loss counts them itself)
+        counts = ([c / world for c in scored_counts(make_batch(train_ex, rows, row_len, features=False), depth)]
+                  if world > 1 else None)
         mine = rows[rank_id::world]
         b = make_batch(train_ex, mine, row_len, device) if mine else None
         for g in opt.param_groups:

@@ -21,7 +21,10 @@ REPLY_TOKENS=${REPLY_TOKENS:-8000000}
 OUT=src/lyanna/drafts/smollm2-135m-instruct
 L=".venv/bin/lyanna"
 $L train data --run-dir "$ROOT/sharegpt" --source sharegpt --max-tokens 2048 --reply-tokens "$REPLY_TOKENS" --seed 0
-$L train data --run-dir "$ROOT/sd" --prompts "${PROMPTS:-../shared/data/train/prompts.jsonl}" --limit 96 --max-new-tokens 128 --seed 1
+# held-out prompts: the 400 lines `shuf` picks with a fixed random source, as for the shipped heads
+mkdir -p "$ROOT"
+[ -f "$ROOT/heldout-prompts.jsonl" ] || shuf -n 400 --random-source=<(yes) "${PROMPTS:-../shared/data/train/prompts.jsonl}" > "$ROOT/heldout-prompts.jsonl"
+$L train data --run-dir "$ROOT/sd" --prompts "$ROOT/heldout-prompts.jsonl" --limit 96 --max-new-tokens 128 --seed 1
 $L train features --run-dir "$ROOT/sharegpt" --device "$DEVICE"
 $L train features --run-dir "$ROOT/sd" --device "$DEVICE"
 COMMON=(--run-dir "$ROOT/sharegpt" --batch 8 --row-len 2048 --depth 4 --draft-vocab 8192 --device "$DEVICE"

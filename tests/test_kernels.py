@@ -30,6 +30,20 @@ def test_linear_takes_a_vector_and_strided_input() -> None:
         linear(x, w.T)
 
 
+@pytest.mark.parametrize("n,k", [(64, 576), (13, 37), (7, 64)])
+def test_a_rows_result_does_not_depend_on_its_block(n: int, k: int) -> None:
+    """Bit for bit: a token verified inside a block (or a batch) must get the logits it gets
+    alone, or greedy speculative output can drift from ``ar`` on a near tie. The earlier kernel,
+    with a separate path for an odd last row, failed this."""
+    rng = np.random.default_rng(n)
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    x = rng.standard_normal((9, k)).astype(np.float32)
+    alone = np.stack([linear(x[i : i + 1], w)[0] for i in range(9)])
+    for m in range(1, 10):
+        for start in range(0, 10 - m):
+            assert np.array_equal(linear(x[start : start + m], w), alone[start : start + m]), (m, start)
+
+
 def reference_attention(q, k, v, end, bias):
     n, heads, hd = q.shape
     groups = heads // k.shape[0]

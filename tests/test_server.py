@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 from lyanna.cli import main as cli_main
 from lyanna.decoding import GenerationRequest, GenerationResult
 from lyanna.server import GracefulServer, create_app
+from lyanna.speculative import NoDrafter
 from lyanna.tree import DraftTree
 
 WAIT = 20  # seconds a test waits for an event before it fails (never reached when things work)
@@ -83,6 +84,8 @@ class StubDecoder:
         self.calibrating = threading.Event()
         self.encode_gate: threading.Event | None = None  # set: tokenizing blocks on it
         self.encoding = threading.Event()
+        self.engine = self  # forward_batch below
+        self._cancels: list = []  # should_cancel of the generations in flight
 
     def release(self, n: int = 1) -> None:
         for _ in range(n):
@@ -104,24 +107,44 @@ class StubDecoder:
         self.messages.append(messages)
         return self.encode("".join(m["content"] for m in messages))
 
-    def generate(self, ids, request, method="ar", on_text=None, should_cancel=None, **_) -> GenerationResult:
+    def drafter_for(self, method: str):
+        return NoDrafter()
+
+    def steps(self, ids, request, method="ar", on_text=None, should_cancel=None, **_):
+        """Like ``Decoder.steps``: a generator of forward blocks; its engine is the stub itself."""
         self.requests.append(request)
+        return self._steps(ids, request, method, on_text, should_cancel)
+
+    def _steps(self, ids, request, method, on_text, should_cancel):
         self.started.set()
+        self._cancels.append(should_cancel)
         tokens, finish = [], "length"
-        while len(tokens) < request.max_new_tokens:
-            if should_cancel():
-                finish = "cancelled"
-                break
-            if self.pace is not None:
-                time.sleep(self.pace)  # the stub's compute time for one token
-            elif not self._tokens.acquire(timeout=0.005):  # a forward pass ends: look at should_cancel
-                continue
-            tokens.append(7)
-            on_text("t")
+        try:
+            while len(tokens) < request.max_new_tokens:
+                made = yield "block"
+                if should_cancel():
+                    finish = "cancelled"
+                    break
+                if made:
+                    tokens.append(7)
+                    on_text("t")
+        finally:
+            self._cancels.remove(should_cancel)
         result = GenerationResult(method=method, prompt_tokens=len(ids), tokens=tokens, text="t" * len(tokens),
                                   finish_reason=finish, prefill_seconds=0.0, seconds=0.0, target_passes=len(tokens))
         self.results.put(result)
         return result
+
+    def forward_batch(self, blocks):
+        """One pass makes a token for every generation in the batch: after ``pace`` seconds, or per
+        ``release()``; a pass also ends (making nothing) when a generation is cancelled."""
+        if self.pace is not None:
+            time.sleep(self.pace)  # the stub's compute time for one token
+            return [True] * len(blocks)
+        while not self._tokens.acquire(timeout=0.005):
+            if any(cancelled() for cancelled in self._cancels):
+                return [False] * len(blocks)
+        return [True] * len(blocks)
 
 
 @pytest.fixture

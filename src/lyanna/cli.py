@@ -102,6 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--port", type=_int_at_least(1, "a port number"), default=8000)
     sv.add_argument("--method", default="ar", help="default decoding method (requests may pick another with lyanna_method)")
     sv.add_argument("--queue-size", type=_positive_int, default=16, help="requests queued or running before 429")
+    sv.add_argument("--max-batch", type=_positive_int, default=None,
+                    help="requests that share each forward pass (continuous batching; default 8, see BENCHMARKS.md)")
     sv.add_argument("--request-timeout", type=_positive_seconds, default=300.0, help="seconds before a request is cancelled (504)")
     sv.add_argument("--max-body-bytes", type=_positive_int, default=None,
                     help="largest request body accepted, 413 beyond it (default 2 MiB)")
@@ -112,6 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     lt.add_argument("--concurrency", type=_positive_int, default=8)
     lt.add_argument("--max-tokens", type=_positive_int, default=64)
     lt.add_argument("--questions", default=None, help="MT-bench-format JSONL for prompts (default Spec-Bench)")
+    lt.add_argument("--method", default=None, help="decoding method to ask for (default: the server's)")
     lt.add_argument("--json", dest="json_out", default=None, metavar="OUT")
 
     cb = sub.add_parser("calibrate", help="measure target latency against tree size on this machine (cached)")
@@ -200,10 +203,10 @@ def _bench(args: argparse.Namespace) -> None:
 def _serve(args: argparse.Namespace) -> None:
     from .server import serve
 
-    from .server import DEFAULT_MAX_BODY_BYTES
+    from .server import DEFAULT_MAX_BATCH, DEFAULT_MAX_BODY_BYTES
 
     serve(_decoder(args), args.host, args.port, args.method, args.queue_size, args.request_timeout,
-          args.max_body_bytes or DEFAULT_MAX_BODY_BYTES)
+          args.max_body_bytes or DEFAULT_MAX_BODY_BYTES, args.max_batch or DEFAULT_MAX_BATCH)
 
 
 def _loadtest(args: argparse.Namespace) -> None:
@@ -211,7 +214,7 @@ def _loadtest(args: argparse.Namespace) -> None:
     from .loadtest import run_load
 
     prompts = [q.prompt for q in load_questions(args.questions)]
-    report = run_load(args.url, prompts, args.requests, args.concurrency, args.max_tokens)
+    report = run_load(args.url, prompts, args.requests, args.concurrency, args.max_tokens, method=args.method)
     print(json.dumps(report, indent=2))
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(report, indent=2))

@@ -9,18 +9,19 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Generator, Sequence
 
 import numpy as np
 
+from .batching import BatchScheduler
 from .budget import Budget, LatencyCurve, parse_budget
 from .drafters.registry import arch_providing, load_methods
 from .drafters.suffix import SuffixDrafter
-from .engine import Transformer
+from .engine import Block, ForwardOutput, Transformer
 from .errors import LyannaError
 from .loading import Target
 from .sampling import SamplingParams
-from .speculative import DecodeState, Drafter, Fallback, NoDrafter, decode
+from .speculative import DecodeState, Drafter, Fallback, NoDrafter, fork, rounds, run_alone
 from .stopping import OutputTracker
 
 
@@ -172,6 +173,37 @@ class Decoder:
         Speculative methods only: ``budget`` is the number of draft nodes verified per round,
         ``"auto"`` (this machine's latency curve decides each round) or None (the drafter's whole
         tree); ``fallback`` stops drafting once speculation is slower than plain decoding."""
+        return run_alone(self.steps(prompt_ids, request, method, on_text, should_cancel, budget, fallback), self.engine)
+
+    def generate_batch(
+        self,
+        prompts: Sequence[Sequence[int]],
+        requests: GenerationRequest | Sequence[GenerationRequest] = GenerationRequest(),
+        method: str = PLAIN_METHOD,
+        max_batch: int | None = None,
+        budget: int | str | None = "auto",
+    ) -> list[GenerationResult]:
+        """Generate for several prompts together, ``max_batch`` at a time (None: all), one forward
+        pass per step for the whole batch; a finished sequence's place goes to the next prompt.
+        Each result is token-identical to ``generate`` on that prompt alone."""
+        reqs = [requests] * len(prompts) if isinstance(requests, GenerationRequest) else list(requests)
+        if len(reqs) != len(prompts):
+            raise LyannaError(f"{len(prompts)} prompts but {len(reqs)} requests")
+        scheduler = BatchScheduler(self.engine, self.drafter_for, max_batch or max(1, len(prompts)))
+        waiting = list(enumerate(zip(prompts, reqs)))[::-1]
+        results: dict[int, GenerationResult] = {}
+        while waiting or scheduler.active:
+            while waiting and scheduler.can_admit(method):
+                i, (ids, req) = waiting.pop()
+                scheduler.admit(i, self.steps(ids, req, method, budget=budget), method)
+            for i, outcome in scheduler.step():
+                if isinstance(outcome, BaseException):
+                    raise outcome
+                results[i] = outcome
+        return [results[i] for i in range(len(prompts))]
+
+    def drafter_for(self, method: str) -> Drafter:
+        """The registered drafter of ``method``, with a clear error for an unknown method."""
         drafter = self._plain if method == PLAIN_METHOD else self.drafters.get(method)
         if drafter is None:
             arch = arch_providing(method)
@@ -179,6 +211,22 @@ class Decoder:
                 raise LyannaError(f"method {method!r} needs a draft head: pass --draft DIR (a checkpoint of arch "
                                   f"{arch!r} made by the training pipeline)")
             raise LyannaError(f"unknown method {method!r}; available: {', '.join(self.methods)}")
+        return drafter
+
+    def steps(
+        self,
+        prompt_ids: Sequence[int],
+        request: GenerationRequest = GenerationRequest(),
+        method: str = PLAIN_METHOD,
+        on_text: Callable[[str], None] | None = None,
+        should_cancel: Callable[[], bool] | None = None,
+        budget: int | str | None = "auto",
+        fallback: bool = False,
+    ) -> Generator[Block, ForwardOutput, GenerationResult]:
+        """``generate`` as a generator of forward blocks (prefill first, then one per round) that
+        is sent each block's output and returns the result: what the batch scheduler drives. The
+        request is checked before the first block."""
+        drafter = fork(self.drafter_for(method))
         if budget is not None:
             budget = parse_budget(budget)
         prompt_ids = [int(t) for t in prompt_ids]
@@ -190,17 +238,24 @@ class Decoder:
                 f"prompt of {len(prompt_ids)} tokens plus max_new_tokens {request.max_new_tokens} "
                 f"exceeds the model's context window of {limit} tokens"
             )
+        if min(prompt_ids) < 0 or max(prompt_ids) >= self.target.config.vocab_size:
+            raise LyannaError(f"prompt token ids must lie in [0, {self.target.config.vocab_size})")
+        return self._steps(drafter, method, prompt_ids, request, on_text, should_cancel, budget, fallback)
+
+    def _steps(self, drafter: Drafter, method: str, prompt_ids: list[int], request: GenerationRequest,
+               on_text: Callable[[str], None] | None, should_cancel: Callable[[], bool] | None,
+               budget: int | None, fallback: bool) -> Generator[Block, ForwardOutput, GenerationResult]:
         t0 = time.perf_counter()
         cache = self.engine.new_cache(len(prompt_ids) + request.max_new_tokens + MAX_TREE_TOKENS)
         tracker = OutputTracker(self.tokenizer, self.eos_token_ids, request.max_new_tokens, request.stop, on_text, should_cancel)
-        out = self.engine.forward(prompt_ids, np.arange(len(prompt_ids)), cache, logit_rows=[-1], taps=tuple(drafter.taps))
+        out = yield Block(prompt_ids, np.arange(len(prompt_ids)), cache, logit_rows=[-1], taps=tuple(drafter.taps))
         state = DecodeState(
             self.engine, cache, tracker, request.sampling, request.sampling.rng(), prompt_ids,
             out.logits[-1], out.hidden, target_passes=1,
         )
         # The latency curve is asked for only when a round needs it: ``ar`` never measures anything.
-        stats = decode(state, drafter, None if budget is None else Budget(budget, self.latency_curve),
-                       Fallback(lambda: float(self.latency_curve()(1))) if fallback else None)
+        stats = yield from rounds(state, drafter, None if budget is None else Budget(budget, self.latency_curve),
+                                  Fallback(lambda: float(self.latency_curve()(1))) if fallback else None)
         t1 = time.perf_counter()
         return GenerationResult(
             method=method,

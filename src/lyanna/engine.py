@@ -9,7 +9,7 @@ cache, and can later keep only a chosen subset of the block (``KVCache.compact``
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -18,7 +18,7 @@ from .errors import LyannaError
 from .kernels import attention, linear
 
 # Bumped whenever the forward pass's cost changes, so cached latency calibrations are redone.
-ENGINE_REVISION = 2
+ENGINE_REVISION = 3
 
 
 class KVCache:
@@ -126,18 +126,33 @@ def window_bias(bias: np.ndarray | None, start: int, positions: np.ndarray, wind
     return out
 
 
+class Span(NamedTuple):
+    """One sequence's rows ``[lo, hi)`` of a (batched) block and where they go in its cache: this
+    layer's [kv_heads, capacity, head_dim] arrays, slots from ``start``, an additive
+    [hi - lo, start + hi - lo] mask or None (every row sees everything up to its own slot)."""
+
+    lo: int
+    hi: int
+    k_cache: np.ndarray
+    v_cache: np.ndarray
+    start: int
+    bias: np.ndarray | None
+
+
 def layer_forward(
     layer: LayerWeights, c: ModelConfig, x: np.ndarray, rot: np.ndarray,
     k_cache: np.ndarray, v_cache: np.ndarray, start: int, bias: np.ndarray | None,
 ) -> np.ndarray:
-    """One pre-norm decoder layer over a block of n rows written to cache slots [start, start + n).
+    """One pre-norm decoder layer over a block of n rows of one sequence, written to cache slots
+    [start, start + n). Shared by the target engine and the draft heads."""
+    return ragged_layer_forward(layer, c, x, rot, [Span(0, x.shape[0], k_cache, v_cache, start, bias)])
 
-    ``k_cache``/``v_cache`` are this layer's [kv_heads, capacity, head_dim] arrays; ``bias`` is an
-    additive [n, start + n] mask or None (every row sees everything up to its own slot, as for
-    n == 1). Shared by the target engine and the draft heads.
-    """
+
+def ragged_layer_forward(layer: LayerWeights, c: ModelConfig, x: np.ndarray, rot: np.ndarray,
+                         spans: Sequence[Span]) -> np.ndarray:
+    """One decoder layer over the rows of several sequences at once: the linear layers stream
+    their weights once for every row (the point of batching on a CPU), attention runs per span."""
     n = x.shape[0]
-    end = start + n
     nh, nkv, hd = c.num_heads, c.num_kv_heads, c.head_dim
     q_dim, kv_dim = nh * hd, nkv * hd
     h = rms_norm(x, layer.attn_norm, c.rms_norm_eps)
@@ -147,9 +162,14 @@ def layer_forward(
     q = (np.ascontiguousarray(qkv[:, :q_dim]).view(np.complex64).reshape(n, nh, hd // 2) * rot).view(np.float32)
     k = (np.ascontiguousarray(qkv[:, q_dim : q_dim + kv_dim]).view(np.complex64).reshape(n, nkv, hd // 2) * rot).view(np.float32)
     v = qkv[:, q_dim + kv_dim :].reshape(n, nkv, hd)
-    k_cache[:, start:end] = k.transpose(1, 0, 2)
-    v_cache[:, start:end] = v.transpose(1, 0, 2)
-    o = attention((q * np.float32(1.0 / np.sqrt(hd))).reshape(n, nh, hd), k_cache, v_cache, end, bias)
+    q = (q * np.float32(1.0 / np.sqrt(hd))).reshape(n, nh, hd)
+    parts = []
+    for span in spans:
+        end = span.start + span.hi - span.lo
+        span.k_cache[:, span.start : end] = k[span.lo : span.hi].transpose(1, 0, 2)
+        span.v_cache[:, span.start : end] = v[span.lo : span.hi].transpose(1, 0, 2)
+        parts.append(attention(q[span.lo : span.hi], span.k_cache, span.v_cache, end, span.bias))
+    o = parts[0] if len(parts) == 1 else np.concatenate(parts)
     x = x + linear(o, layer.wo)
     h = rms_norm(x, layer.mlp_norm, c.rms_norm_eps)
     gu = linear(h, layer.w_gate_up)
@@ -210,37 +230,87 @@ class Transformer:
         Hugging Face ``hidden_states`` indices: ``k < num_layers`` is the input of layer k, and
         ``num_layers`` is the final-norm output.
         """
+        return self.forward_batch([Block(tokens, positions, cache, block_mask, logit_rows, taps)])[0]
+
+    def forward_batch(self, blocks: Sequence["Block"]) -> list[ForwardOutput]:
+        """``forward`` for the blocks of several sequences (each its own cache) in one pass.
+
+        Every row's numbers are bit-identical to running its block alone (the kernels compute a
+        row the same way whatever shares its block), so batching never changes an output.
+        """
         c = self.config
-        tokens = np.asarray(tokens, dtype=np.int64)
-        positions = np.asarray(positions, dtype=np.int64)
+        if not blocks:
+            return []
+        if len({id(b.cache) for b in blocks}) != len(blocks):
+            raise ValueError("each block of a batch needs its own cache")
+        tokens, positions, biases, bounds = [], [], [], []
+        lo = 0
+        for b in blocks:
+            t, p, bias = self._prepare(b)
+            tokens.append(t)
+            positions.append(p)
+            biases.append(bias)
+            bounds.append((lo, lo + t.shape[0], b.cache.length))
+            lo += t.shape[0]
+        all_tokens = np.concatenate(tokens) if len(blocks) > 1 else tokens[0]
+        rot = rotation(self.inv_freq, np.concatenate(positions) if len(blocks) > 1 else positions[0])
+        x = self.embed[all_tokens]
+        wanted = set().union(*(b.taps for b in blocks))
+        hidden: dict[int, np.ndarray] = {}
+        for li, layer in enumerate(self.layers):
+            if li in wanted:
+                hidden[li] = x
+            spans = [Span(lo, hi, b.cache.k[li], b.cache.v[li], start, bias)
+                     for (lo, hi, start), b, bias in zip(bounds, blocks, biases)]
+            x = ragged_layer_forward(layer, c, x, rot, spans)
+        for (lo, hi, start), b in zip(bounds, blocks):
+            b.cache.length = start + hi - lo
+        if c.num_layers in wanted:
+            hidden[c.num_layers] = rms_norm(x, self.final_norm, c.rms_norm_eps)
+        # Rows whose logits are wanted, gathered so that the LM head also runs once for the batch.
+        picks = [np.arange(lo, hi)[slice(None) if b.logit_rows is None else b.logit_rows]
+                 for (lo, hi, _), b in zip(bounds, blocks)]
+        rows = np.concatenate(picks) if len(blocks) > 1 else picks[0]
+        normed = hidden[c.num_layers][rows] if c.num_layers in hidden else rms_norm(x[rows], self.final_norm, c.rms_norm_eps)
+        logits = linear(normed, self.lm_head)
+        outs, at = [], 0
+        for (lo, hi, _), b, pick in zip(bounds, blocks, picks):
+            outs.append(ForwardOutput(logits=logits[at : at + pick.size],
+                                      hidden={tap: hidden[tap][lo:hi] for tap in b.taps}))
+            at += pick.size
+        return outs
+
+    def _prepare(self, b: "Block") -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """A block's tokens, positions and attention mask, checked against its cache."""
+        c = self.config
+        tokens = np.asarray(b.tokens, dtype=np.int64).reshape(-1)
+        positions = np.asarray(b.positions, dtype=np.int64)
         n = tokens.shape[0]
-        start, end = cache.length, cache.length + n
+        start, end = b.cache.length, b.cache.length + n
         if n == 0 or positions.shape != (n,):
             raise ValueError(f"need n > 0 tokens and as many positions, got {n} and {positions.shape}")
-        if end > cache.capacity:
-            raise ValueError(f"cache capacity {cache.capacity} exceeded: {start} cached + {n} new")
+        if end > b.cache.capacity:
+            raise ValueError(f"cache capacity {b.cache.capacity} exceeded: {start} cached + {n} new")
         if tokens.min() < 0 or tokens.max() >= c.vocab_size:
             raise ValueError(f"token ids must lie in [0, {c.vocab_size})")
         bias = None
         if n > 1:
-            within = np.tril(np.ones((n, n), bool)) if block_mask is None else np.asarray(block_mask, bool)
+            within = np.tril(np.ones((n, n), bool)) if b.block_mask is None else np.asarray(b.block_mask, bool)
             if within.shape != (n, n):
                 raise ValueError(f"block_mask must be [{n}, {n}], got {within.shape}")
             bias = attention_bias(start, within)
         if c.sliding_window is not None and positions.max() >= c.sliding_window:  # some key is out of the window
             bias = window_bias(bias, start, positions, c.sliding_window)
-        rot = rotation(self.inv_freq, positions)
-        x = self.embed[tokens]
-        hidden: dict[int, np.ndarray] = {}
-        for li, layer in enumerate(self.layers):
-            if li in taps:
-                hidden[li] = x
-            x = layer_forward(layer, c, x, rot, cache.k[li], cache.v[li], start, bias)
-        cache.length = end
-        rows = x if logit_rows is None else x[logit_rows]
-        if c.num_layers in taps:
-            hidden[c.num_layers] = rms_norm(x, self.final_norm, c.rms_norm_eps)
-            normed = hidden[c.num_layers] if logit_rows is None else hidden[c.num_layers][logit_rows]
-        else:
-            normed = rms_norm(rows, self.final_norm, c.rms_norm_eps)
-        return ForwardOutput(logits=linear(normed, self.lm_head), hidden=hidden)
+        return tokens, positions, bias
+
+
+@dataclass
+class Block:
+    """One sequence's share of a forward pass (the arguments of ``Transformer.forward``)."""
+
+    tokens: Sequence[int] | np.ndarray
+    positions: Sequence[int] | np.ndarray
+    cache: KVCache
+    block_mask: np.ndarray | None = None
+    logit_rows: Sequence[int] | np.ndarray | slice | None = None
+    taps: Sequence[int] = ()

@@ -40,13 +40,16 @@ def _linear_kernel(x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:  # pr
                         acc += x[i, k] * w[jj, k]
                     out[i, jj] = acc
             continue
-        i = 0
-        while i + 2 <= m:
+        # Every input row goes through the same two-row code (an odd last row is paired with
+        # itself), so a row's result never depends on how many rows share its block: greedy
+        # speculative decoding and batching rely on that.
+        for i in range(0, m, 2):
+            i1 = min(i + 1, m - 1)
             a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = np.float32(0.0)
             b0 = b1 = b2 = b3 = b4 = b5 = b6 = b7 = np.float32(0.0)
             for k in range(k_dim):
                 x0 = x[i, k]
-                x1 = x[i + 1, k]
+                x1 = x[i1, k]
                 w0 = w[j, k]
                 w1 = w[j + 1, k]
                 w2 = w[j + 2, k]
@@ -73,23 +76,8 @@ def _linear_kernel(x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:  # pr
                 b7 += x1 * w7
             out[i, j], out[i, j + 1], out[i, j + 2], out[i, j + 3] = a0, a1, a2, a3
             out[i, j + 4], out[i, j + 5], out[i, j + 6], out[i, j + 7] = a4, a5, a6, a7
-            out[i + 1, j], out[i + 1, j + 1], out[i + 1, j + 2], out[i + 1, j + 3] = b0, b1, b2, b3
-            out[i + 1, j + 4], out[i + 1, j + 5], out[i + 1, j + 6], out[i + 1, j + 7] = b4, b5, b6, b7
-            i += 2
-        if i < m:
-            a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = np.float32(0.0)
-            for k in range(k_dim):
-                x0 = x[i, k]
-                a0 += x0 * w[j, k]
-                a1 += x0 * w[j + 1, k]
-                a2 += x0 * w[j + 2, k]
-                a3 += x0 * w[j + 3, k]
-                a4 += x0 * w[j + 4, k]
-                a5 += x0 * w[j + 5, k]
-                a6 += x0 * w[j + 6, k]
-                a7 += x0 * w[j + 7, k]
-            out[i, j], out[i, j + 1], out[i, j + 2], out[i, j + 3] = a0, a1, a2, a3
-            out[i, j + 4], out[i, j + 5], out[i, j + 6], out[i, j + 7] = a4, a5, a6, a7
+            out[i1, j], out[i1, j + 1], out[i1, j + 2], out[i1, j + 3] = b0, b1, b2, b3
+            out[i1, j + 4], out[i1, j + 5], out[i1, j + 6], out[i1, j + 7] = b4, b5, b6, b7
 
 
 def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:

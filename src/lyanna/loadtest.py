@@ -1,11 +1,13 @@
 """A bounded load test for a running Lyanna server, on this machine only.
 
 It sends a fixed number of chat requests with bounded concurrency and a hard time limit, to a
-loopback address only, and reports failures, latency percentiles and aggregate tokens/s.
+loopback address only, and reports failures, latency and time-to-first-token percentiles and
+aggregate tokens/s. Requests are streamed, so the first token's arrival is seen.
 """
 from __future__ import annotations
 
 import ipaddress
+import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
@@ -27,7 +29,8 @@ def _require_loopback(url: str) -> None:
 
 
 def run_load(url: str, prompts: Sequence[str], requests: int, concurrency: int, max_tokens: int,
-             time_limit: float = 1800.0) -> dict[str, Any]:
+             time_limit: float = 1800.0, method: str | None = None) -> dict[str, Any]:
+    """``method``: ask for this decoding method (``lyanna_method``) instead of the server's default."""
     import httpx
 
     _require_loopback(url)
@@ -36,27 +39,50 @@ def run_load(url: str, prompts: Sequence[str], requests: int, concurrency: int, 
     deadline = time.perf_counter() + time_limit
 
     def one(i: int) -> dict[str, Any]:
+        """One streamed request: latency, time to its first text, and completion tokens."""
         if time.perf_counter() > deadline:
-            return {"ok": False, "status": "skipped: time limit", "seconds": 0.0, "tokens": 0}
+            return {"ok": False, "status": "skipped: time limit", "seconds": 0.0, "ttft": None, "tokens": 0}
         body = {"messages": [{"role": "user", "content": prompts[i % len(prompts)]}], "max_tokens": max_tokens,
-                "temperature": 0}
+                "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
+                **({"lyanna_method": method} if method else {})}
         t0 = time.perf_counter()
+        ttft, tokens, ok, status = None, 0, False, None
         try:
-            r = httpx.post(url.rstrip("/") + "/v1/chat/completions", json=body, timeout=max(1.0, deadline - t0))
-            ok = r.status_code == 200
-            tokens = r.json()["usage"]["completion_tokens"] if ok else 0
-            status = r.status_code
+            with httpx.stream("POST", url.rstrip("/") + "/v1/chat/completions", json=body,
+                              timeout=max(1.0, deadline - t0)) as r:
+                status = r.status_code
+                for line in r.iter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        ok = ok or line == "data: [DONE]"
+                        continue
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        status = chunk["error"].get("type", "error")
+                        break
+                    if ttft is None and any(c.get("delta", {}).get("content") for c in chunk.get("choices", [])):
+                        ttft = time.perf_counter() - t0
+                    if chunk.get("usage"):
+                        tokens = chunk["usage"]["completion_tokens"]
+            ok = ok and status == 200
         except httpx.HTTPError as e:
-            ok, tokens, status = False, 0, type(e).__name__
-        return {"ok": ok, "status": status, "seconds": time.perf_counter() - t0, "tokens": tokens}
+            ok, status = False, type(e).__name__
+        return {"ok": ok, "status": status, "seconds": time.perf_counter() - t0, "ttft": ttft,
+                "tokens": tokens if ok else 0}
 
+    try:
+        server = httpx.get(url.rstrip("/") + "/health", timeout=10).json()
+    except (httpx.HTTPError, ValueError) as e:
+        raise LyannaError(f"no Lyanna server answers at {url}: {e}") from None
     start = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
         rows = list(pool.map(one, range(requests)))
     wall = time.perf_counter() - start
     lat = np.array([r["seconds"] for r in rows if r["ok"]])
+    ttft = np.array([r["ttft"] for r in rows if r["ok"] and r["ttft"] is not None])
     tokens = sum(r["tokens"] for r in rows)
     return {
+        "server": {k: server.get(k) for k in ("model", "method", "max_batch")},
+        "method": method or server.get("method"),
         "requests": requests,
         "concurrency": concurrency,
         "max_tokens": max_tokens,
@@ -66,6 +92,8 @@ def run_load(url: str, prompts: Sequence[str], requests: int, concurrency: int, 
         "wall_seconds": round(wall, 2),
         "latency_p50_s": round(float(np.percentile(lat, 50)), 3) if lat.size else None,
         "latency_p95_s": round(float(np.percentile(lat, 95)), 3) if lat.size else None,
+        "ttft_p50_s": round(float(np.percentile(ttft, 50)), 3) if ttft.size else None,
+        "ttft_p95_s": round(float(np.percentile(ttft, 95)), 3) if ttft.size else None,
         "completion_tokens": tokens,
         "tokens_per_s": round(tokens / wall, 2) if wall > 0 else None,
     }

@@ -32,11 +32,14 @@ from starlette.exceptions import HTTPException
 
 from .decoding import Decoder, GenerationRequest, GenerationResult
 from .errors import LyannaError
+from .batching import BatchScheduler
 from .sampling import SamplingParams
 
 # A 128k-token context is about 0.5 MB of text; JSON escaping can triple that. Anything larger
 # cannot be a prompt this server would accept, and reading it would only cost memory.
 DEFAULT_MAX_BODY_BYTES = 2 * 1024 * 1024
+# Requests per forward pass: MEASURED below (BENCHMARKS.md, batching).
+DEFAULT_MAX_BATCH = 8
 # Seconds uvicorn gives open connections after a shutdown signal. In-flight requests are answered
 # at once (503), so this only bounds a client slow to read its last bytes.
 GRACEFUL_SHUTDOWN_SECONDS = 10
@@ -197,10 +200,14 @@ class Job:
 
 
 class EngineWorker:
-    """Runs jobs one at a time on a thread; at most ``max_pending`` queued or running."""
+    """Runs jobs on one engine thread, up to ``max_batch`` of them together (continuous batching:
+    a job joins the running batch at the next forward pass and leaves when it finishes); at most
+    ``max_pending`` queued or running."""
 
-    def __init__(self, decoder: Decoder, max_pending: int, on_result: Callable[[GenerationResult], None]):
+    def __init__(self, decoder: Decoder, max_pending: int, on_result: Callable[[GenerationResult], None],
+                 max_batch: int = 1):
         self.decoder, self.max_pending, self.on_result = decoder, max_pending, on_result
+        self.max_batch = max_batch
         self.closing = False
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._lock = threading.Lock()
@@ -223,21 +230,51 @@ class EngineWorker:
         self._jobs.put(job)
 
     def _run(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            try:
-                if job.cancel.is_set():
-                    continue  # its request has been answered already
-                result = self.decoder.generate(
-                    job.ids, job.request, method=job.method,
-                    on_text=lambda s, job=job: job.push("text", s), should_cancel=job.cancel.is_set,
-                )
-                self.on_result(result)  # cancelled generations too: their tokens were computed
-                job.push("done", result)
-            except Exception as e:  # reported to that request only; the worker lives on
-                job.push("error", e)
-            finally:
-                with self._lock:
-                    self._active.discard(job)
+        batch = BatchScheduler(self.decoder.engine, self.decoder.drafter_for, self.max_batch)
+        waiting: list[Job] = []
+        stopping = False
+        while not (stopping and not batch.active):
+            # Wait for work only when there is nothing to step; otherwise take what has arrived.
+            incoming = [self._jobs.get()] if not batch.active and not waiting and not stopping else []
+            while True:
+                try:
+                    incoming.append(self._jobs.get_nowait())
+                except queue.Empty:
+                    break
+            stopping = stopping or None in incoming
+            waiting += [job for job in incoming if job is not None]
+            waiting = [job for job in waiting if not self._admit(batch, job)]
+            for job, outcome in batch.step():
+                self._finish(job, outcome)
+        for job in waiting:
+            self._finish(job, None)
+
+    def _admit(self, batch: BatchScheduler, job: Job) -> bool:
+        """Start ``job`` in the batch if it has room; True when the job has left the queue."""
+        if job.cancel.is_set():  # its request has been answered already
+            self._finish(job, None)
+            return True
+        if not batch.can_admit(job.method):
+            return False
+        try:
+            steps = self.decoder.steps(job.ids, job.request, method=job.method,
+                                       on_text=lambda s, job=job: job.push("text", s), should_cancel=job.cancel.is_set)
+            batch.admit(job, steps, job.method)
+        except Exception as e:  # reported to that request only
+            self._finish(job, e)
+        return True
+
+    def _finish(self, job: Job, outcome: GenerationResult | Exception | None) -> None:
+        """Hand a job's result or failure to its request (None: it had been answered already)."""
+        try:
+            if isinstance(outcome, Exception):
+                job.push("error", outcome)
+            elif outcome is not None:
+                self.on_result(outcome)  # cancelled generations too: their tokens were computed
+                job.push("done", outcome)
+        finally:
+            with self._lock:
+                self._active.discard(job)
 
     def close(self) -> None:
         """On the event loop: refuse new jobs and answer every queued or running one with 503."""
@@ -248,7 +285,7 @@ class EngineWorker:
             job.abort("shutdown")
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Stop the thread once the job it runs has seen its cancellation."""
+        """Stop the thread once the jobs it runs have seen their cancellation."""
         self._jobs.put(None)
         self._thread.join(timeout)
 
@@ -335,8 +372,10 @@ def _validate(model: type[_Common], data: Any) -> Any:
 
 
 def create_app(decoder: Decoder, method: str = "ar", max_pending: int = 16, request_timeout: float = 300.0,
-               model_name: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
-    """The FastAPI app; ``method`` is the default decoding method, ``lyanna_method`` overrides it.
+               model_name: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               max_batch: int = DEFAULT_MAX_BATCH) -> FastAPI:
+    """The FastAPI app; ``method`` is the default decoding method, ``lyanna_method`` overrides it;
+    up to ``max_batch`` requests share each forward pass.
     ``app.state.begin_shutdown()`` (safe from any thread or a signal handler) answers every
     in-flight request with 503 and refuses new ones."""
     if method not in decoder.methods:
@@ -353,7 +392,7 @@ def create_app(decoder: Decoder, method: str = "ar", max_pending: int = 16, requ
         await loop.run_in_executor(None, decoder.latency_curve)
         log.info("latency curve of %s ready", served)
         state["tokenizer"] = ThreadPoolExecutor(1, thread_name_prefix="lyanna-tokenize")
-        state["worker"] = worker = EngineWorker(decoder, max_pending, metrics.record)
+        state["worker"] = worker = EngineWorker(decoder, max_pending, metrics.record, max_batch)
         state["loop"] = loop
         yield
         del state["loop"]  # a late signal has nothing left to answer
@@ -396,7 +435,8 @@ def create_app(decoder: Decoder, method: str = "ar", max_pending: int = 16, requ
     @app.get("/health")
     async def health() -> dict[str, Any]:
         worker = state.get("worker")
-        return {"status": "ok", "model": served, "queue": worker.pending if worker else 0}
+        return {"status": "ok", "model": served, "method": method, "max_batch": max_batch,
+                "queue": worker.pending if worker else 0}
 
     @app.get("/metrics")
     async def prometheus() -> PlainTextResponse:
@@ -586,7 +626,7 @@ class GracefulServer(uvicorn.Server):
 
 
 def serve(decoder: Decoder, host: str, port: int, method: str, max_pending: int, request_timeout: float,
-          max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+          max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_batch: int = DEFAULT_MAX_BATCH) -> None:
     app = create_app(decoder, method=method, max_pending=max_pending, request_timeout=request_timeout,
-                     max_body_bytes=max_body_bytes)
+                     max_body_bytes=max_body_bytes, max_batch=max_batch)
     GracefulServer(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS).run()

@@ -12,16 +12,18 @@ from __future__ import annotations
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Generator, Protocol, Sequence, TypeVar, runtime_checkable
 
 import numpy as np
 
 from .budget import Budget
-from .engine import KVCache, Transformer
+from .engine import Block, ForwardOutput, KVCache, Transformer
 from .sampling import SamplingParams, next_token
 from .stopping import OutputTracker
 from .tree import DraftTree
 from .verify import Verdict, verify
+
+T = TypeVar("T")
 
 
 @runtime_checkable
@@ -44,6 +46,21 @@ class Drafter(Protocol):
     def commit(self, tokens: Sequence[int], hidden: dict[int, np.ndarray]) -> None:
         """Tokens just written to the target cache (root + accepted path) and their hidden rows."""
 
+    # Optional: ``fork() -> Drafter``, the same drafter with fresh per-sequence state, lets several
+    # generations use one method at once (batching); without it they take turns (see ``fork``).
+
+
+def fork(drafter: Drafter) -> Drafter:
+    """A drafter for one more generation: ``drafter.fork()`` (same weights and settings, its own
+    per-sequence state) where it has one, else ``drafter`` itself, which can then serve only one
+    generation at a time (``can_fork`` says which)."""
+    make = getattr(drafter, "fork", None)
+    return make() if callable(make) else drafter
+
+
+def can_fork(drafter: Drafter) -> bool:
+    return callable(getattr(drafter, "fork", None))
+
 
 class NoDrafter:
     """The drafter of ``ar``: it proposes nothing, so every round is one plain decoding step."""
@@ -51,6 +68,9 @@ class NoDrafter:
     taps: tuple[int, ...] = ()
     passes = 0
     _EMPTY = DraftTree.empty()
+
+    def fork(self) -> "NoDrafter":
+        return self  # stateless
 
     def start(self, prompt_ids: Sequence[int], hidden: dict[int, np.ndarray]) -> None:
         pass
@@ -162,11 +182,34 @@ def _block(tree: DraftTree, root: int, start: int) -> tuple[np.ndarray, np.ndarr
     return tokens, positions, mask
 
 
+Forwards = Generator[Block, ForwardOutput, "RoundStats"]  # yields blocks to run, is sent their outputs
+
+
+def run_alone(steps: Generator[Block, ForwardOutput, T], engine: Transformer) -> T:
+    """Drive a generation that yields forward blocks on ``engine``, one block per pass (the
+    batch scheduler drives many of them together instead, with ``forward_batch``)."""
+    try:
+        block = next(steps)
+        while True:
+            block = steps.send(engine.forward(block.tokens, block.positions, block.cache, block.block_mask,
+                                              block.logit_rows, block.taps))
+    except StopIteration as done:
+        return done.value
+
+
 def decode(state: DecodeState, drafter: Drafter, budget: Budget | None = None,
            fallback: Fallback | None = None) -> RoundStats:
-    """Generate until the tracker finishes. ``budget`` trims each proposed tree (None: verify it
-    whole); ``fallback`` may stop drafting for the rest of this generation."""
-    engine, cache, tracker = state.engine, state.cache, state.tracker
+    """Generate until the tracker finishes, alone on the engine (see ``rounds``)."""
+    return run_alone(rounds(state, drafter, budget, fallback), state.engine)
+
+
+def rounds(state: DecodeState, drafter: Drafter, budget: Budget | None = None,
+           fallback: Fallback | None = None) -> Forwards:
+    """The decode loop, as a generator that yields each round's verification block and is sent
+    the target's output for it (so one loop serves a sequence alone and inside a batch).
+    ``budget`` trims each proposed tree (None: verify it whole); ``fallback`` may stop drafting
+    for the rest of this generation. Returns the rounds' statistics."""
+    cache, tracker = state.cache, state.tracker
     stats = RoundStats()
     drafter.start(state.prompt_ids, state.prefill_hidden)
     passes_before = drafter.passes
@@ -187,7 +230,7 @@ def decode(state: DecodeState, drafter: Drafter, budget: Budget | None = None,
         t1 = time.perf_counter()
         start = cache.length
         tokens, positions, mask = _block(tree, root, start)
-        out = engine.forward(tokens, positions, cache, block_mask=mask, taps=drafter.taps if drafting else ())
+        out = yield Block(tokens, positions, cache, mask, taps=drafter.taps if drafting else ())
         state.target_passes += 1
         verdict = verify(tree, out.logits, state.params, state.rng)
         taken = tracker.extend(verdict.tokens)

@@ -51,6 +51,10 @@ class EagleDrafter:
     def passes(self) -> int:
         return self.context.passes
 
+    def fork(self) -> "EagleDrafter":
+        """The same head and settings with a context of its own (one per generation)."""
+        return EagleDrafter(self.head, self.tap, self.depth, self.topk, self.width, self.max_nodes)
+
     def start(self, prompt_ids: Sequence[int], hidden: dict[int, np.ndarray]) -> None:
         self.context.start(hidden)
 

@@ -155,6 +155,11 @@ class LyannaDrafter:
     def passes(self) -> int:
         return self.context.passes
 
+    def fork(self) -> "LyannaDrafter":
+        """The same head, table and settings with a context and chain of its own (one per generation)."""
+        return LyannaDrafter(self.head, self.ti, self.tap, self.depth, self.topk, self.width, self.max_nodes,
+                             self.policy, self.reuse_min_expected, suffix=self.suffix is not None)
+
     def start(self, prompt_ids: Sequence[int], hidden: dict[int, np.ndarray]) -> None:
         self.context.start(hidden)
         self._chain = self._leftover = None

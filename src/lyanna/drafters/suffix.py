@@ -42,6 +42,9 @@ class SuffixDrafter:
         self._tokens: list[int] = []
         self._index: list[dict[tuple[int, ...], list[int]]] = []
 
+    def fork(self) -> "SuffixDrafter":
+        return SuffixDrafter(self.max_ngram, self.min_ngram, self.max_depth, self.branches, self.max_nodes)
+
     def start(self, prompt_ids: Sequence[int], hidden: dict[int, np.ndarray]) -> None:
         self._tokens = []
         self._index = [defaultdict(list) for _ in range(self.max_ngram + 1)]

@@ -1,0 +1,81 @@
+"""Continuous batching: the generations in flight share every target forward pass.
+
+Each generation is the decoder's generator of forward blocks (``Decoder.steps``: the prefill,
+then one verification block per round of the one decode loop). A step gathers the pending block
+of every active generation, runs them as one ragged forward (the linear layers stream their
+weights once for all rows, which is what a CPU is short of) and sends each generation its own
+output. Generations join between steps and leave when they finish, so a new request waits for
+one step, not for the batch. The kernels compute a row the same way whatever shares its block,
+so a sequence's output inside a batch is token-identical to decoding it alone.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Generator, Hashable
+
+from .engine import Block, ForwardOutput, Transformer
+from .speculative import Drafter, can_fork
+
+Steps = Generator[Block, ForwardOutput, Any]  # a generation: yields blocks, returns its result
+
+
+@dataclass
+class _Flight:
+    steps: Steps
+    block: Block
+    method: str
+
+
+class BatchScheduler:
+    """The generations in flight, at most ``max_batch`` of them, stepped together on ``engine``;
+    ``drafter_for(method)`` names a method's drafter (to know whether it can serve several at once)."""
+
+    def __init__(self, engine: Transformer, drafter_for: Callable[[str], Drafter], max_batch: int):
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        self.engine, self.drafter_for, self.max_batch = engine, drafter_for, max_batch
+        self.active: dict[Hashable, _Flight] = {}
+
+    def can_admit(self, method: str) -> bool:
+        """Room in the batch, and a drafter free for ``method`` (one without ``fork`` keeps its
+        state on itself, so it serves one generation at a time)."""
+        if len(self.active) >= self.max_batch:
+            return False
+        return can_fork(self.drafter_for(method)) or all(f.method != method for f in self.active.values())
+
+    def admit(self, key: Hashable, steps: Steps, method: str) -> None:
+        """Add a generation (from ``Decoder.steps``); its prefill runs with the next step."""
+        if key in self.active:
+            raise ValueError(f"generation {key!r} is already in flight")
+        self.active[key] = _Flight(steps, next(steps), method)
+
+    def step(self) -> list[tuple[Hashable, Any]]:
+        """One forward pass for every generation in flight; returns those that finished, with
+        their result or the exception that ended them (the others go on)."""
+        keys = list(self.active)
+        if not keys:
+            return []
+        blocks = [self.active[k].block for k in keys]
+        try:
+            outs: list[ForwardOutput | Exception] = list(self.engine.forward_batch(blocks))
+        except ValueError:
+            # A block the engine refuses (checked before anything runs): find whose, alone.
+            outs = []
+            for block in blocks:
+                try:
+                    outs.append(self.engine.forward_batch([block])[0])
+                except ValueError as e:
+                    outs.append(e)
+        finished: list[tuple[Hashable, Any]] = []
+        for key, out in zip(keys, outs):
+            flight = self.active[key]
+            try:
+                flight.block = flight.steps.throw(out) if isinstance(out, Exception) else flight.steps.send(out)
+            except StopIteration as done:
+                finished.append((key, done.value))
+            except Exception as e:  # this generation's failure; the batch goes on
+                finished.append((key, e))
+            else:
+                continue
+            del self.active[key]
+        return finished

@@ -1,0 +1,156 @@
+"""Batching: sequences that share forward passes get exactly what they would get alone."""
+from __future__ import annotations
+
+import threading
+from dataclasses import replace
+
+import httpx
+import numpy as np
+import pytest
+
+from lyanna import verify as verify_module
+from lyanna.bench import load_questions
+from lyanna.decoding import GenerationRequest
+from lyanna.engine import Block
+from lyanna.server import create_app
+
+from .conftest import ALPHA, chi2_pvalue, no_residual
+from .test_server import Server
+from .test_speculative import PROMPT, SAMPLING_GRID, SMALL_VOCAB, exact_joints, small_decoder  # noqa: F401 (fixtures)
+
+
+def _prefilled(engine, ids):
+    cache = engine.new_cache(64)
+    engine.forward(ids, np.arange(len(ids)), cache)
+    return cache
+
+
+def _copy(cache):
+    new = type(cache).__new__(type(cache))
+    new.k, new.v, new.length = cache.k.copy(), cache.v.copy(), cache.length
+    return new
+
+
+def test_a_batched_forward_gives_every_block_its_own_forward_bit_for_bit(tiny_decoder):
+    """A plain step, a tree block with its mask, and a prefill with taps, in one ragged pass."""
+    engine = tiny_decoder.engine
+    top = engine.config.num_layers
+    tree = np.array([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], bool)
+    specs = [
+        dict(prefix=[5, 9, 11], tokens=[4], positions=[3]),
+        dict(prefix=[7, 7, 8, 2, 3], tokens=[1, 2, 3, 4], positions=[5, 6, 6, 7], block_mask=tree, taps=(1, top)),
+        dict(prefix=None, tokens=[3, 1, 4, 1, 5, 9], positions=list(range(6)), logit_rows=[-1], taps=(0,)),
+    ]
+    alone, batched = [], []
+    for spec in specs:
+        prefix = spec.pop("prefix")
+        cache = _prefilled(engine, prefix) if prefix else engine.new_cache(64)
+        alone.append((Block(cache=_copy(cache), **spec)))
+        batched.append((Block(cache=cache, **spec)))
+    outs = engine.forward_batch(batched)
+    for a, b, out in zip(alone, batched, outs):
+        ref = engine.forward(a.tokens, a.positions, a.cache, a.block_mask, a.logit_rows, a.taps)
+        assert np.array_equal(out.logits, ref.logits)
+        assert out.hidden.keys() == ref.hidden.keys() == set(a.taps)
+        for tap in a.taps:
+            assert np.array_equal(out.hidden[tap], ref.hidden[tap])
+        assert b.cache.length == a.cache.length
+        assert np.array_equal(b.cache.k[:, :, : b.cache.length], a.cache.k[:, :, : a.cache.length])
+        assert np.array_equal(b.cache.v[:, :, : b.cache.length], a.cache.v[:, :, : a.cache.length])
+
+
+def test_a_batch_refuses_two_blocks_on_one_cache(tiny_decoder):
+    cache = tiny_decoder.engine.new_cache(8)
+    with pytest.raises(ValueError, match="own cache"):
+        tiny_decoder.engine.forward_batch([Block([1], [0], cache), Block([2], [0], cache)])
+
+
+def _same(a, b) -> None:
+    assert (a.tokens, a.finish_reason, a.text) == (b.tokens, b.finish_reason, b.text)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["ar", "suffix", "eagle", "lyanna", "lyanna+suffix"])
+def test_default_model_batched_greedy_equals_each_alone(default_decoder, method):
+    """Six prompts of different lengths, three at a time (so sequences join and leave while
+    others run), each with its own limit and one with a stop string: every output, finish reason
+    and text is what decoding that prompt alone gives."""
+    d = default_decoder
+    prompts = [d.encode(q.prompt) for q in load_questions()[:6]]
+    assert len({len(p) for p in prompts}) > 3
+    reqs = [GenerationRequest(max_new_tokens=n) for n in (24, 40, 8, 32, 16, 40)]
+    reqs[1] = replace(reqs[1], stop=(d.generate(prompts[1], reqs[1]).text[20:24],))  # stops mid-output
+    batched = d.generate_batch(prompts, reqs, method=method, max_batch=3)
+    for ids, req, got in zip(prompts, reqs, batched):
+        _same(got, d.generate(ids, req, method=method))
+    assert batched[1].finish_reason == "stop"
+    assert batched[2].new_tokens <= 8
+
+
+@pytest.mark.parametrize("method", ["ar", "suffix", "eagle", "lyanna", "lyanna-nofusion", "lyanna+suffix", "peek"])
+def test_seeded_sampling_in_a_batch_equals_alone(small_decoder, method):
+    """Per-request seeds: the same samples whatever else shares the passes ("peek" cannot fork,
+    so its generations take turns in the batch)."""
+    params = SAMPLING_GRID["t1.5-topp0.6"][0]
+    reqs = [GenerationRequest(max_new_tokens=12, sampling=replace(params, seed=s)) for s in range(8)]
+    prompts = [PROMPT[: 2 + s % 3] for s in range(8)]
+    batched = small_decoder.generate_batch(prompts, reqs, method=method, max_batch=5, budget=None)
+    for ids, req, got in zip(prompts, reqs, batched):
+        _same(got, small_decoder.generate(ids, req, method=method, budget=None))
+
+
+def _batched_counts(decoder, method, params, horizon, n):
+    reqs = [GenerationRequest(max_new_tokens=horizon, sampling=replace(params, seed=s)) for s in range(n)]
+    counts = np.zeros((SMALL_VOCAB,) * horizon)
+    for r in decoder.generate_batch([PROMPT] * n, reqs, method=method, max_batch=16, budget=None):
+        counts[tuple(r.tokens)] += 1
+    return counts
+
+
+@pytest.mark.parametrize("method", ["ar", "eagle", "lyanna"])
+def test_batched_sampling_keeps_the_target_joint_distribution(small_decoder, exact_joints, single_threaded_kernels,
+                                                              method):
+    params, horizon = SAMPLING_GRID["t1.5-topp0.6"]
+    assert chi2_pvalue(_batched_counts(small_decoder, method, params, horizon, 600), exact_joints["t1.5-topp0.6"]) > ALPHA
+
+
+def test_batched_sampling_with_a_broken_rule_fails_the_joint_test(small_decoder, exact_joints, single_threaded_kernels,
+                                                                  monkeypatch):
+    params, horizon = SAMPLING_GRID["t1.5-topp0.6"]
+    monkeypatch.setattr(verify_module, "_deterministic_step", no_residual)
+    assert chi2_pvalue(_batched_counts(small_decoder, "peek", params, horizon, 600), exact_joints["t1.5-topp0.6"]) < ALPHA
+
+
+def test_server_batches_concurrent_requests_and_answers_each_as_alone(tiny_decoder, monkeypatch):
+    """Six concurrent greedy requests against ``--max-batch 4``: passes held more than one
+    sequence, and every completion equals the decoder's answer for that prompt alone."""
+    sizes: list[int] = []
+    real = tiny_decoder.engine.forward_batch
+
+    def counting(blocks):
+        sizes.append(len(blocks))
+        return real(blocks)
+
+    monkeypatch.setattr(tiny_decoder.engine, "forward_batch", counting)
+    prompts = [f"tell me about {w} and {w}" for w in ("cats", "dogs", "owls", "a long river in spring", "x", "ink")]
+    srv = Server(create_app(tiny_decoder, method="ar", max_pending=8, request_timeout=30, max_batch=4))
+    try:
+        answers: dict[int, dict] = {}
+
+        def ask(i: int) -> None:
+            body = {"messages": [{"role": "user", "content": prompts[i]}], "max_tokens": 12 + i, "temperature": 0}
+            answers[i] = httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=60).json()
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    finally:
+        srv.stop()
+    assert max(sizes) > 1 and max(sizes) <= 4
+    for i, prompt in enumerate(prompts):
+        ids = tiny_decoder.encode_messages([{"role": "user", "content": prompt}])
+        alone = tiny_decoder.generate(ids, GenerationRequest(max_new_tokens=12 + i))
+        assert answers[i]["choices"][0]["message"]["content"] == alone.text
+        assert answers[i]["usage"]["completion_tokens"] == alone.new_tokens

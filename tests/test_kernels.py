@@ -87,3 +87,20 @@ def test_attention_masked_slots_have_no_weight() -> None:
     np.testing.assert_allclose(out.reshape(2, 4), np.stack([v[0, 3], v[0, 3]]), rtol=1e-6)
     with pytest.raises(ValueError, match="bias must be"):
         attention(q, k, v, 6, bias[:, :5])
+
+
+@pytest.mark.parametrize("cached", [5, 37, 100])
+def test_a_querys_attention_does_not_depend_on_masked_keys_after_it(cached: int) -> None:
+    """Bit for bit: a token attended alone (keys up to itself) and the same token as the first
+    row of a tree block whose later keys it cannot see (what verification against ``ar`` needs).
+    The float32 softmax denominator, summed in an order that depends on the number of keys,
+    failed this for 5 and 100 cached keys."""
+    rng = np.random.default_rng(cached)
+    kv, groups, hd, extra = 3, 3, 64, 11
+    q = rng.standard_normal((1, kv * groups, hd)).astype(np.float32)
+    k = rng.standard_normal((kv, cached + 1 + extra, hd)).astype(np.float32)
+    v = rng.standard_normal((kv, cached + 1 + extra, hd)).astype(np.float32)
+    alone = attention(q, k, v, cached + 1, None)
+    bias = np.zeros((1, cached + 1 + extra), np.float32)
+    bias[0, cached + 1 :] = -np.inf
+    assert np.array_equal(attention(q, k, v, cached + 1 + extra, bias), alone)

@@ -114,11 +114,16 @@ def _attention_kernel(q: np.ndarray, k: np.ndarray, v: np.ndarray, end: int, bia
                 s += bias[i, j]
             scores[j] = s
             top = max(top, s)
-        total = np.float32(0.0)
         for j in range(end):
-            e = np.exp(scores[j] - top)
-            scores[j] = e
-            total += e
+            # masked keys skip the (scalar, libm) exp: exp(-inf) is exactly 0
+            scores[j] = np.float32(0.0) if scores[j] == -np.inf else np.exp(scores[j] - top)
+        # The vectorized sum visits keys in an order that depends on how many there are; in
+        # float64 that order no longer shows once rounded to float32, so a query gets the same
+        # denominator alone, in a tree block whose later keys it cannot see, or in a batch.
+        total64 = 0.0
+        for j in range(end):
+            total64 += np.float64(scores[j])
+        total = np.float32(total64)
         acc = np.zeros(hd, np.float32)
         for j in range(end):
             p = scores[j]

@@ -175,6 +175,21 @@ def test_auto_drafts_nothing_on_a_steep_curve_with_unlikely_drafts():
     assert len(Budget("auto", steep).choose(binary_tree(10, 0.05), 0.0)) == 0
 
 
+def test_auto_in_a_batch_pays_for_the_whole_pass():
+    """Three other sequences with 4 rows in the pass: the flat part of the curve is half used, so
+    the tree gets the rest of it (8 - 4 - root = 3 nodes), and the others' tokens count in the
+    rate. In a full, compute-bound pass a node costs a whole step's worth of time: drafts that
+    would pay alone (acceptance 0.5) then lower the pass's rate, and plain decoding is chosen."""
+    tree = binary_tree(20, 0.9)
+    alone = Budget("auto", FLAT_THEN_STEEP).choose(tree, 0.0)
+    shared = Budget("auto", FLAT_THEN_STEEP, load=lambda: (3, 4)).choose(tree, 0.0)
+    want = int(np.argmax([(3 + 1 + 0.9 * n) / flat_then_steep_latency(4 + n + 1) for n in range(21)]))
+    assert len(alone) == 7 and len(shared) == want == 3
+    coin_flips = binary_tree(20, 0.5)
+    assert len(Budget("auto", FLAT_THEN_STEEP).choose(coin_flips, 0.0)) == 7
+    assert len(Budget("auto", FLAT_THEN_STEEP, load=lambda: (7, 16)).choose(coin_flips, 0.0)) == 0
+
+
 def test_correction_learns_from_rejections_and_forgets_them():
     budget = Budget("auto", MODERATE)
     tree = binary_tree(20, 0.9)

@@ -43,6 +43,14 @@ class BatchScheduler:
             return False
         return can_fork(self.drafter_for(method)) or all(f.method != method for f in self.active.values())
 
+    def load_for(self, key: Hashable) -> Callable[[], tuple[int, int]]:
+        """For ``key``'s tree budget: how many other generations share the next pass and how many
+        rows their blocks hold (those that chose already this step, else their last block)."""
+        def load() -> tuple[int, int]:
+            others = [f for k, f in self.active.items() if k != key]
+            return len(others), sum(len(f.block.tokens) for f in others)
+        return load
+
     def admit(self, key: Hashable, steps: Steps, method: str) -> None:
         """Add a generation (from ``Decoder.steps``); its prefill runs with the next step."""
         if key in self.active:

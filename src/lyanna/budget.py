@@ -153,13 +153,14 @@ class Budget:
     """Per-generation tree-size policy: a fixed node count, or ``auto`` from a latency curve."""
 
     def __init__(self, spec: int | str, curve: LatencyCurve | Callable[[], LatencyCurve] | None = None,
-                 decay: float = 0.8):
+                 decay: float = 0.8, load: Callable[[], tuple[int, int]] | None = None):
         """``curve``: the latency curve, or a function giving it, called the first time a tree needs
-        sizing (so a generation that never drafts never measures the machine)."""
+        sizing (so a generation that never drafts never measures the machine). ``load``: inside a
+        batch, the other sequences sharing the pass and their rows (see ``choose``)."""
         self.spec = parse_budget(spec)
         if self.spec == "auto" and curve is None:
             raise LyannaError("budget 'auto' needs a latency curve (lyanna calibrate)")
-        self._curve, self.decay = curve, decay
+        self._curve, self.decay, self._load = curve, decay, load
         self._predicted = 0.0  # decayed sums of predicted and accepted draft tokens
         self._accepted = 0.0
         self._draft_seconds: float | None = None
@@ -187,10 +188,15 @@ class Budget:
             return tree.shallowest(int(self.spec))
         if self.spec != "auto":
             return tree.best(int(self.spec))
+        # Alone, tokens per second of this sequence. In a batch, of the whole pass: the others
+        # commit at least one token each and already put their rows in the block, so a node
+        # costs what it adds to the total block; where the pass is compute-bound (many rows)
+        # that exceeds what it is worth and the tree shrinks towards plain decoding by itself.
+        others, other_rows = self._load() if self._load is not None else (0, 0)
         closed = tree.closed_scores()
         p = np.sort(closed)[::-1]
-        gain = 1.0 + np.concatenate([[0.0], np.cumsum(np.minimum(p * self.correction, 1.0))])
-        cost = self._draft_seconds + self.curve(np.arange(1, len(p) + 2))
+        gain = others + 1.0 + np.concatenate([[0.0], np.cumsum(np.minimum(p * self.correction, 1.0))])
+        cost = self._draft_seconds + self.curve(other_rows + np.arange(1, len(p) + 2))
         return tree.best(int(np.argmax(gain / cost)), closed)
 
     def observe(self, tree: DraftTree, accepted: int) -> None:

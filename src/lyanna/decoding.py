@@ -195,7 +195,7 @@ class Decoder:
         while waiting or scheduler.active:
             while waiting and scheduler.can_admit(method):
                 i, (ids, req) = waiting.pop()
-                scheduler.admit(i, self.steps(ids, req, method, budget=budget), method)
+                scheduler.admit(i, self.steps(ids, req, method, budget=budget, load=scheduler.load_for(i)), method)
             for i, outcome in scheduler.step():
                 if isinstance(outcome, BaseException):
                     raise outcome
@@ -222,9 +222,11 @@ class Decoder:
         should_cancel: Callable[[], bool] | None = None,
         budget: int | str | None = "auto",
         fallback: bool = False,
+        load: Callable[[], tuple[int, int]] | None = None,
     ) -> Generator[Block, ForwardOutput, GenerationResult]:
         """``generate`` as a generator of forward blocks (prefill first, then one per round) that
-        is sent each block's output and returns the result: what the batch scheduler drives. The
+        is sent each block's output and returns the result: what the batch scheduler drives
+        (``load``: its ``load_for``, so the auto budget sizes trees for the whole pass). The
         request is checked before the first block."""
         drafter = fork(self.drafter_for(method))
         if budget is not None:
@@ -240,11 +242,12 @@ class Decoder:
             )
         if min(prompt_ids) < 0 or max(prompt_ids) >= self.target.config.vocab_size:
             raise LyannaError(f"prompt token ids must lie in [0, {self.target.config.vocab_size})")
-        return self._steps(drafter, method, prompt_ids, request, on_text, should_cancel, budget, fallback)
+        return self._steps(drafter, method, prompt_ids, request, on_text, should_cancel, budget, fallback, load)
 
     def _steps(self, drafter: Drafter, method: str, prompt_ids: list[int], request: GenerationRequest,
                on_text: Callable[[str], None] | None, should_cancel: Callable[[], bool] | None,
-               budget: int | None, fallback: bool) -> Generator[Block, ForwardOutput, GenerationResult]:
+               budget: int | str | None, fallback: bool,
+               load: Callable[[], tuple[int, int]] | None) -> Generator[Block, ForwardOutput, GenerationResult]:
         t0 = time.perf_counter()
         cache = self.engine.new_cache(len(prompt_ids) + request.max_new_tokens + MAX_TREE_TOKENS)
         tracker = OutputTracker(self.tokenizer, self.eos_token_ids, request.max_new_tokens, request.stop, on_text, should_cancel)
@@ -254,7 +257,7 @@ class Decoder:
             out.logits[-1], out.hidden, target_passes=1,
         )
         # The latency curve is asked for only when a round needs it: ``ar`` never measures anything.
-        stats = yield from rounds(state, drafter, None if budget is None else Budget(budget, self.latency_curve),
+        stats = yield from rounds(state, drafter, None if budget is None else Budget(budget, self.latency_curve, load=load),
                                   Fallback(lambda: float(self.latency_curve()(1))) if fallback else None)
         t1 = time.perf_counter()
         return GenerationResult(

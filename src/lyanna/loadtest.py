@@ -80,7 +80,15 @@ def run_load(url: str, prompts: Sequence[str], requests: int, concurrency: int, 
     lat = np.array([r["seconds"] for r in rows if r["ok"]])
     ttft = np.array([r["ttft"] for r in rows if r["ok"] and r["ttft"] is not None])
     tokens = sum(r["tokens"] for r in rows)
+    from datetime import datetime, timezone
+
+    from .bench import machine_info
+
+    asked = f" --method {method}" if method else ""
     return {
+        "command": f"lyanna loadtest{asked} --requests {requests} --concurrency {concurrency} --max-tokens {max_tokens}",
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine_info(),
         "server": {k: server.get(k) for k in ("model", "method", "max_batch")},
         "method": method or server.get("method"),
         "requests": requests,

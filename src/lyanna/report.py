@@ -118,17 +118,22 @@ def findings(report: dict[str, Any]) -> list[str]:
 
 
 def write_report(bench_files: Sequence[str | Path], out: str | Path = "BENCHMARKS.md", title: str = "Benchmarks") -> Path:
-    """One section per bench JSON: command, machine, date, table, figures."""
+    """One section per bench JSON (command, machine, date, table, figures), then one section for
+    every ``lyanna loadtest --json`` file given."""
     out = Path(out)
-    lines = [f"# {title}", "", "Made by `lyanna report` from `lyanna bench --json` output; every number below comes from",
-             "the command named in its section, on the machine and date shown there.", ""]
+    lines = [f"# {title}", "", "Made by `lyanna report` from `lyanna bench --json` and `lyanna loadtest --json` output; every",
+             "number below comes from the command named in its section, on the machine and date shown there.", ""]
+    loads = []
     for f in bench_files:
         f = Path(f)
         try:
             report = json.loads(f.read_text())
+            if "concurrency" in report and "results" not in report:
+                loads.append(report)
+                continue
             settings, machine = report["settings"], report["machine"]
         except (OSError, json.JSONDecodeError, KeyError) as e:
-            raise LyannaError(f"{f} is not a lyanna bench JSON ({e})") from None
+            raise LyannaError(f"{f} is not a lyanna bench or loadtest JSON ({e})") from None
         cmd = settings.get("command") or f"lyanna bench --methods {','.join(settings['methods'])} --max-new-tokens {settings['max_new_tokens']}"
         lines += [
             f"## {settings.get('label') or f.stem}", "",
@@ -146,8 +151,60 @@ def write_report(bench_files: Sequence[str | Path], out: str | Path = "BENCHMARK
             lines.append("")
         for caption, path in _figures(report, out.parent / "docs" / "figures", f.stem):
             lines += [f"![{caption}]({path.relative_to(out.parent).as_posix()})", ""]
+    if loads:
+        lines += _load_section(loads, out.parent)
     out.write_text("\n".join(lines))
     return out
+
+
+def _load_section(loads: list[dict[str, Any]], root: Path) -> list[str]:
+    """Serving under load: one row per loadtest, the batched-vs-unbatched comparisons, a figure."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def key(r: dict[str, Any]) -> tuple:
+        return (r["method"] or "", r["server"].get("max_batch") or 0, r["concurrency"])
+
+    loads = sorted(loads, key=key)
+    m = loads[0]["machine"]
+    dates = sorted(r["date"] for r in loads)
+    lines = ["## serving under load", "",
+             "- commands: `lyanna serve --max-batch B` (default model), then against it one `lyanna loadtest` per row,",
+             f"  e.g. `{loads[0]['command']}`; all rows: `scripts/loadtest-batching.sh`",
+             f"- machine: {m['cpu']}, {m['cores']} cores, {m['platform']}; server and load generator on the same machine",
+             f"- dates: {dates[0]} to {dates[-1]}; greedy; prompts: the Spec-Bench questions in order", "",
+             "| method | max batch | concurrency | succeeded / failed | tokens/s | latency p50 / p95 s | first token p50 / p95 s |",
+             "|---|---|---|---|---|---|---|"]
+    for r in loads:
+        lines.append(f"| {r['method']} | {r['server'].get('max_batch')} | {r['concurrency']} | {r['succeeded']} / {r['failed']} "
+                     f"| {r['tokens_per_s']} | {r['latency_p50_s']} / {r['latency_p95_s']} | {r['ttft_p50_s']} / {r['ttft_p95_s']} |")
+    lines.append("")
+    by = {key(r): r for r in loads}
+    for (method, batch, conc), r in by.items():
+        alone = by.get((method, 1, conc))
+        if batch > 1 and alone and alone["tokens_per_s"] and r["tokens_per_s"]:
+            lines.append(f"- `{method}`, concurrency {conc}: max-batch {batch} gives {r['tokens_per_s']} tokens/s against "
+                         f"{alone['tokens_per_s']} at max-batch 1 ({r['tokens_per_s'] / alone['tokens_per_s']:.2f}x), "
+                         f"p50 latency {r['latency_p50_s']} s against {alone['latency_p50_s']} s")
+    lines.append("")
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    for method in sorted({k[0] for k in by}):
+        for batch in sorted({k[1] for k in by if k[0] == method}):
+            pts = sorted((c, r["tokens_per_s"]) for (mm, b, c), r in by.items() if mm == method and b == batch)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o" if batch > 1 else "x",
+                    ls="-" if batch > 1 else ":", label=f"{method}, max-batch {batch}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrent clients")
+    ax.set_ylabel("aggregate tokens/s")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = root / "docs" / "figures" / "loadtest.png"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return lines + [f"![Aggregate tokens/s under load]({path.relative_to(root).as_posix()})", ""]
 
 
 def scaling_figure(state_files: Sequence[str | Path], out: str | Path) -> Path:

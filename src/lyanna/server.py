@@ -258,7 +258,8 @@ class EngineWorker:
             return False
         try:
             steps = self.decoder.steps(job.ids, job.request, method=job.method,
-                                       on_text=lambda s, job=job: job.push("text", s), should_cancel=job.cancel.is_set)
+                                       on_text=lambda s, job=job: job.push("text", s), should_cancel=job.cancel.is_set,
+                                       load=batch.load_for(job))
             batch.admit(job, steps, job.method)
         except Exception as e:  # reported to that request only
             self._finish(job, e)

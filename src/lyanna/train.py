@@ -33,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--max-tokens", type=int, default=2048, help="corpus: conversations are cut to this many tokens")
     d.add_argument("--max-new-tokens", type=int, default=64)
     d.add_argument("--max-prompt-tokens", type=int, default=256)
+    d.add_argument("--batch", type=int, default=8, help="self-distillation: replies generated together (continuous batching)")
     d.add_argument("--seed", type=int, default=0)
 
     f = sub.add_parser("features", help="target hidden states of every example (fp16 shards), teacher-forced")
@@ -96,7 +97,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise LyannaError("train data needs --source (a conversation corpus) or --prompts (self-distillation)")
             else:
                 pipeline.stage_data(args.run_dir, args.model, args.prompts, args.limit, args.max_new_tokens,
-                                    args.max_prompt_tokens, args.seed)
+                                    args.max_prompt_tokens, args.seed, args.batch)
         elif args.stage == "features":
             pipeline.stage_features(args.run_dir, args.device)
         elif args.stage == "select":

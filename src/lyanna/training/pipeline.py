@@ -103,11 +103,14 @@ def _write_shards(run: Path, rows: list[str], first: int) -> None:
 
 
 def stage_data(run: Path, model: str, prompts_file: Path, limit: int | None, max_new_tokens: int,
-               max_prompt_tokens: int, seed: int) -> int:
-    """Self-distillation: the target answers training prompts greedily with its chat template."""
+               max_prompt_tokens: int, seed: int, batch: int = 8) -> int:
+    """Self-distillation: the target answers training prompts greedily with its chat template,
+    ``batch`` replies sharing each forward pass (each token-identical to generating it alone)."""
     from ..decoding import Decoder, GenerationRequest
     from ..loading import load_target
 
+    if batch < 1:
+        raise LyannaError(f"--batch must be >= 1, got {batch}")
     prompts = read_prompts(prompts_file, limit, seed, benchmark_prompts())
     if not prompts:  # checked before the run exists: an empty run would only fail later, less clearly
         raise LyannaError(f"{prompts_file} has no training prompts (empty, or every prompt is a benchmark question)")
@@ -118,16 +121,21 @@ def stage_data(run: Path, model: str, prompts_file: Path, limit: int | None, max
     decoder = Decoder(load_target(model))
     shard_idx = len(list((run / "data").glob("shard-*.jsonl")))
     bar = _progress(len(prompts), "data (self-distillation)", len(prompts) - len(todo))
-    buffer: list[str] = []
-    for i, p in enumerate(todo):
-        ids = decoder.encode(p["prompt"])[:max_prompt_tokens]
-        out = decoder.generate(ids, GenerationRequest(max_new_tokens=max_new_tokens))
-        buffer.append(json.dumps({"id": p["id"], "prompt_ids": ids, "output_ids": out.tokens}))
-        bar.update(1)
-        if len(buffer) == SHARD_EXAMPLES or i == len(todo) - 1:
-            _write_shards(run, buffer, shard_idx)
-            shard_idx += 1
-            buffer = []
+    request = GenerationRequest(max_new_tokens=max_new_tokens)
+    started, made = time.perf_counter(), 0
+    for first in range(0, len(todo), SHARD_EXAMPLES):  # one shard at a time: a shard is the unit of resumption
+        rows = []
+        chunk = todo[first : first + SHARD_EXAMPLES]
+        for k in range(0, len(chunk), 4 * batch):  # progress every few batches
+            part = chunk[k : k + 4 * batch]
+            ids = [decoder.encode(p["prompt"])[:max_prompt_tokens] for p in part]
+            for p, pid, out in zip(part, ids, decoder.generate_batch(ids, request, max_batch=batch)):
+                rows.append(json.dumps({"id": p["id"], "prompt_ids": pid, "output_ids": out.tokens}))
+            made += len(part)
+            bar.update(len(part))
+            bar.set_postfix(replies_per_s=f"{made / max(time.perf_counter() - started, 1e-9):.2f}", refresh=False)
+        _write_shards(run, rows, shard_idx)
+        shard_idx += 1
     bar.close()
     return len(prompts)
 

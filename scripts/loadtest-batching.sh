@@ -17,7 +17,7 @@ mkdir -p "$OUT"
 for b in $BATCHES; do
   $L serve --port "$PORT" --max-batch "$b" --queue-size 64 > "$OUT/.serve-b$b.log" 2>&1 &
   pid=$!
-  trap 'kill $pid 2>/dev/null' EXIT
+  trap 'kill $pid 2>/dev/null || true' EXIT
   for _ in $(seq 300); do curl -sf "http://127.0.0.1:$PORT/health" > /dev/null && break; sleep 1; done
   for m in $METHODS; do
     for c in $CONCURRENCIES; do

@@ -16,7 +16,8 @@ from lyanna.server import create_app
 
 from .conftest import ALPHA, chi2_pvalue, no_residual
 from .test_server import Server
-from .test_speculative import PROMPT, SAMPLING_GRID, SMALL_VOCAB, exact_joints, small_decoder  # noqa: F401 (fixtures)
+from .test_speculative import (PROMPT, SAMPLING_GRID, SMALL_VOCAB, eos_decoder, exact_joints,  # noqa: F401 (fixtures)
+                               small_decoder)
 
 
 def _prefilled(engine, ids):
@@ -85,6 +86,19 @@ def test_default_model_batched_greedy_equals_each_alone(default_decoder, method)
         _same(got, d.generate(ids, req, method=method))
     assert batched[1].finish_reason == "stop"
     assert batched[2].new_tokens <= 8
+
+
+@pytest.mark.parametrize("method", ["ar", "suffix"])
+def test_eos_stops_and_limits_per_sequence_inside_shared_passes(eos_decoder, method):
+    """Twelve generations, eight at a time, ending by EOS, a stop string or their own limit in
+    the middle of each other's passes: each ends exactly as it does alone."""
+    prompts = [[0], [4, 5], [6, 7, 1], [3, 3, 7]] * 3
+    reqs = [GenerationRequest(max_new_tokens=n, stop=stop)
+            for n, stop in zip((1, 5, 40) * 4, ((), ("h",), ("dcd",), ()) * 3)]
+    batched = eos_decoder.generate_batch(prompts, reqs, method=method, max_batch=8, budget=None)
+    for ids, req, got in zip(prompts, reqs, batched):
+        _same(got, eos_decoder.generate(ids, req, method=method, budget=None))
+    assert {r.finish_reason for r in batched} == {"stop", "length"}
 
 
 @pytest.mark.parametrize("method", ["ar", "suffix", "eagle", "lyanna", "lyanna-nofusion", "lyanna+suffix", "peek"])

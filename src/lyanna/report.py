@@ -196,6 +196,9 @@ def _load_section(loads: list[dict[str, Any]], root: Path) -> list[str]:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o" if batch > 1 else "x",
                     ls="-" if batch > 1 else ":", label=f"{method}, max-batch {batch}")
     ax.set_xscale("log", base=2)
+    ticks = sorted({k[2] for k in by})
+    ax.set_xticks(ticks, [str(c) for c in ticks])
+    ax.minorticks_off()
     ax.set_xlabel("concurrent clients")
     ax.set_ylabel("aggregate tokens/s")
     ax.legend(fontsize=7)

@@ -1,0 +1,69 @@
+"""Issue 16's route measurement: ms per forward block of 1 / 2 / 8 / 16 / 64 tokens after 256
+cached tokens, on the default model, for our engine (fp32 weights, numba kernels) and for
+llama.cpp on the same GGUF (llama-cpp-python, logits for every row as verification needs).
+Writes docs/bench/blocks.json. Usage: .venv/bin/python scripts/measure-blocks.py
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+
+from lyanna.bench import machine_info
+from lyanna.budget import calibrate
+from lyanna.engine import Transformer
+from lyanna.loading import DEFAULT_MODEL, load_target, source_gguf
+
+SIZES = (1, 2, 8, 16, 64)
+CONTEXT = 256
+REPEATS = 7
+
+
+def llamacpp_ms(gguf: Path, vocab: int) -> list[float]:
+    import llama_cpp
+
+    llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=CONTEXT + max(SIZES) + 8, n_threads=os.cpu_count(),
+                          logits_all=True, verbose=False)
+    rng = np.random.default_rng(0)
+    llm.eval(rng.integers(vocab, size=CONTEXT).tolist())
+    out = []
+    for n in SIZES:
+        tokens = rng.integers(vocab, size=n).tolist()
+        times = []
+        for _ in range(REPEATS + 1):  # the first is a warm-up
+            llm.n_tokens = CONTEXT  # eval() drops the cache rows past n_tokens first
+            t0 = time.perf_counter()
+            llm.eval(tokens)
+            times.append(time.perf_counter() - t0)
+        out.append(round(float(np.median(times[1:])) * 1e3, 2))
+    return out
+
+
+def main() -> None:
+    target = load_target(DEFAULT_MODEL)
+    engine = Transformer(target.config, target.weights)
+    ours = calibrate(engine, DEFAULT_MODEL, sizes=SIZES, context=CONTEXT, repeats=REPEATS)
+    report = {
+        "command": "python scripts/measure-blocks.py",
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine_info(),
+        "model": DEFAULT_MODEL,
+        "context": CONTEXT,
+        "sizes": list(SIZES),
+        "ms": {"ours-fp32": [round(s * 1e3, 2) for s in ours.seconds]},
+    }
+    try:
+        report["ms"]["llamacpp"] = llamacpp_ms(source_gguf(DEFAULT_MODEL), target.config.vocab_size)
+    except ImportError:
+        report["llamacpp"] = "llama-cpp-python is not installed"
+    out = Path(__file__).resolve().parent.parent / "docs" / "bench" / "blocks.json"
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(report["ms"], indent=1))
+
+
+if __name__ == "__main__":
+    main()

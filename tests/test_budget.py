@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from lyanna import budget as budget_module
 from lyanna.bench import health, make_runners, split_budget
-from lyanna.budget import Budget, LatencyCurve, calibrate, calibration_path, load_curve, model_key, parse_budget, save_curve
+from lyanna.budget import PROBE_EVERY, Budget, LatencyCurve, calibrate, calibration_path, load_curve, model_key, parse_budget, save_curve
 from lyanna.cli import main
 from lyanna.decoding import Decoder, GenerationRequest
 from lyanna.drafters.eagle import EagleDrafter
@@ -188,6 +188,22 @@ def test_auto_in_a_batch_pays_for_the_whole_pass():
     coin_flips = binary_tree(20, 0.5)
     assert len(Budget("auto", FLAT_THEN_STEEP).choose(coin_flips, 0.0)) == 7
     assert len(Budget("auto", FLAT_THEN_STEEP, load=lambda: (7, 16)).choose(coin_flips, 0.0)) == 0
+
+
+def test_a_loaded_batch_skips_drafting_then_probes_again():
+    """Once a loaded pass leaves no room for a tree, the next PROBE_EVERY - 1 rounds draft
+    nothing (their drafting time would be spent for nothing), then one drafts again; alone, or
+    when the load is gone, every round drafts."""
+    load = [(7, 16)]
+    budget = Budget("auto", FLAT_THEN_STEEP, load=lambda: load[0])
+    assert budget.wants_drafts()
+    assert len(budget.choose(binary_tree(20, 0.5), 0.0)) == 0
+    assert [budget.wants_drafts() for _ in range(PROBE_EVERY)] == [False] * (PROBE_EVERY - 1) + [True]
+    assert len(budget.choose(binary_tree(20, 0.5), 0.0)) == 0
+    load[0] = (0, 0)  # the others left
+    assert budget.wants_drafts()
+    alone = Budget("auto", curve([1, 2, 64], [0.01, 0.02, 0.64]))  # every token costs a full step
+    assert len(alone.choose(binary_tree(20, 0.05), 0.0)) == 0 and alone.wants_drafts()
 
 
 def test_correction_learns_from_rejections_and_forgets_them():

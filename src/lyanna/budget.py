@@ -149,6 +149,11 @@ def parse_budget(text: str | int) -> int | str:
     raise LyannaError(f"budget must be 'auto' or a number of draft nodes, got {text!r}")
 
 
+# In a loaded batch, after a round whose tree the budget cut to nothing, one round in this many
+# drafts again to see whether the load or the drafter's estimates changed.
+PROBE_EVERY = 8
+
+
 class Budget:
     """Per-generation tree-size policy: a fixed node count, or ``auto`` from a latency curve."""
 
@@ -164,6 +169,7 @@ class Budget:
         self._predicted = 0.0  # decayed sums of predicted and accepted draft tokens
         self._accepted = 0.0
         self._draft_seconds: float | None = None
+        self._skip_left = 0  # rounds still to go without drafting (a loaded batch, see wants_drafts)
 
     @property
     def correction(self) -> float:
@@ -197,7 +203,20 @@ class Budget:
         p = np.sort(closed)[::-1]
         gain = others + 1.0 + np.concatenate([[0.0], np.cumsum(np.minimum(p * self.correction, 1.0))])
         cost = self._draft_seconds + self.curve(other_rows + np.arange(1, len(p) + 2))
-        return tree.best(int(np.argmax(gain / cost)), closed)
+        keep = int(np.argmax(gain / cost))
+        if keep == 0 and others:
+            self._skip_left = PROBE_EVERY - 1
+        return tree.best(keep, closed)
+
+    def wants_drafts(self) -> bool:
+        """Whether to propose a tree this round. In a batch where the last tree was cut to nothing
+        by the load, drafting again at once would cost every sequence its drafting time for
+        nothing: skip ``PROBE_EVERY - 1`` rounds, then try again (alone, always draft)."""
+        if self._skip_left and self._load is not None and self._load()[0] > 0:
+            self._skip_left -= 1
+            return False
+        self._skip_left = 0
+        return True
 
     def observe(self, tree: DraftTree, accepted: int) -> None:
         """Learn how the drafter's estimates compare with what verification accepted (every

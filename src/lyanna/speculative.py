@@ -48,6 +48,8 @@ class Drafter(Protocol):
 
     # Optional: ``fork() -> Drafter``, the same drafter with fresh per-sequence state, lets several
     # generations use one method at once (batching); without it they take turns (see ``fork``).
+    # Optional: ``skip()``, told when a round goes by without a proposal (a loaded batch where the
+    # budget would keep nothing): state kept from the last proposal must not be reused as is.
 
 
 def fork(drafter: Drafter) -> Drafter:
@@ -221,9 +223,11 @@ def rounds(state: DecodeState, drafter: Drafter, budget: Budget | None = None,
     while not tracker.finished:
         t0 = time.perf_counter()
         tree = empty
-        if drafting:
+        if drafting and (budget is None or budget.wants_drafts()):
             depth = tracker.max_new_tokens - len(tracker.tokens) - 1  # room left after the bonus token
             tree = drafter.propose(context, depth).prune_depth(depth)
+        elif drafting and callable(getattr(drafter, "skip", None)):
+            drafter.skip()  # this round verifies no draft: per-round speculative state is stale
         proposed = len(tree) > 0  # judged by the fallback even when the budget keeps nothing
         if proposed and budget is not None:
             tree = budget.choose(tree, time.perf_counter() - t0)

@@ -166,6 +166,10 @@ class LyannaDrafter:
         if self.suffix is not None:
             self.suffix.start(prompt_ids, hidden)
 
+    def skip(self) -> None:
+        """A round without a proposal: the last chain does not continue the next root."""
+        self._chain = self._leftover = None
+
     def commit(self, tokens: Sequence[int], hidden: dict[int, np.ndarray]) -> None:
         """``tokens`` = the root and the accepted drafts; the chain rows after them stay valid."""
         self.context.commit(hidden)

@@ -252,9 +252,8 @@ class Transformer:
             biases.append(bias)
             bounds.append((lo, lo + t.shape[0], b.cache.length))
             lo += t.shape[0]
-        all_tokens = np.concatenate(tokens) if len(blocks) > 1 else tokens[0]
-        rot = rotation(self.inv_freq, np.concatenate(positions) if len(blocks) > 1 else positions[0])
-        x = self.embed[all_tokens]
+        rot = rotation(self.inv_freq, np.concatenate(positions))
+        x = self.embed[np.concatenate(tokens)]
         wanted = set().union(*(b.taps for b in blocks))
         hidden: dict[int, np.ndarray] = {}
         for li, layer in enumerate(self.layers):
@@ -270,7 +269,7 @@ class Transformer:
         # Rows whose logits are wanted, gathered so that the LM head also runs once for the batch.
         picks = [np.arange(lo, hi)[slice(None) if b.logit_rows is None else b.logit_rows]
                  for (lo, hi, _), b in zip(bounds, blocks)]
-        rows = np.concatenate(picks) if len(blocks) > 1 else picks[0]
+        rows = np.concatenate(picks)
         normed = hidden[c.num_layers][rows] if c.num_layers in hidden else rms_norm(x[rows], self.final_norm, c.rms_norm_eps)
         logits = linear(normed, self.lm_head)
         outs, at = [], 0

@@ -56,8 +56,7 @@ def fork(drafter: Drafter) -> Drafter:
     """A drafter for one more generation: ``drafter.fork()`` (same weights and settings, its own
     per-sequence state) where it has one, else ``drafter`` itself, which can then serve only one
     generation at a time (``can_fork`` says which)."""
-    make = getattr(drafter, "fork", None)
-    return make() if callable(make) else drafter
+    return drafter.fork() if can_fork(drafter) else drafter  # type: ignore[attr-defined]
 
 
 def can_fork(drafter: Drafter) -> bool:

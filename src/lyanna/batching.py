@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Generator, Hashable
 
-from .engine import Block, ForwardOutput, Transformer
+from .engine import Block, ForwardOutput, TargetEngine
 from .speculative import Drafter, can_fork
 
 Steps = Generator[Block, ForwardOutput, Any]  # a generation: yields blocks, returns its result
@@ -30,7 +30,7 @@ class BatchScheduler:
     """The generations in flight, at most ``max_batch`` of them, stepped together on ``engine``;
     ``drafter_for(method)`` names a method's drafter (to know whether it can serve several at once)."""
 
-    def __init__(self, engine: Transformer, drafter_for: Callable[[str], Drafter], max_batch: int):
+    def __init__(self, engine: TargetEngine, drafter_for: Callable[[str], Drafter], max_batch: int):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.engine, self.drafter_for, self.max_batch = engine, drafter_for, max_batch

@@ -242,6 +242,7 @@ def run_bench(
         results.append(row)
     return {
         "model": decoder.target.name,
+        "engine": decoder.engine.name,
         "machine": machine_info(),
         "settings": {
             "methods": list(methods),

@@ -27,7 +27,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .engine import ENGINE_REVISION, Transformer
+from .engine import ENGINE_REVISION, TargetEngine
 from .errors import LyannaError
 from .loading import cache_dir
 from .tree import DraftTree
@@ -85,18 +85,18 @@ class LatencyCurve:
                    data["machine"], int(data["context"]), data.get("date", ""))
 
 
-def model_key(name: str, engine: Transformer) -> str:
+def model_key(name: str, engine: TargetEngine) -> str:
     c = engine.config
     shape = f"{c.hidden_size}-{c.num_layers}-{c.intermediate_size}-{c.vocab_size}"
     return f"{Path(name).name}-{shape}"
 
 
-def calibration_path(name: str, engine: Transformer) -> Path:
-    digest = hashlib.sha256(f"{machine_id()} engine {ENGINE_REVISION}".encode()).hexdigest()[:10]
+def calibration_path(name: str, engine: TargetEngine) -> Path:
+    digest = hashlib.sha256(f"{machine_id()} engine {engine.name} {ENGINE_REVISION}".encode()).hexdigest()[:10]
     return cache_dir() / "calibration" / f"{model_key(name, engine)}-{digest}.json"
 
 
-def calibrate(engine: Transformer, name: str, sizes: Sequence[int] = DEFAULT_SIZES, context: int = 256,
+def calibrate(engine: TargetEngine, name: str, sizes: Sequence[int] = DEFAULT_SIZES, context: int = 256,
               repeats: int = 5, progress: Callable[[int], None] | None = None) -> LatencyCurve:
     """Median latency of a causal block of each size after ``context`` cached tokens."""
     sizes = sorted(set(int(s) for s in sizes))

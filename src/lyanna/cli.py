@@ -73,6 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", default=DEFAULT_MODEL, help=f"alias, Hugging Face model directory or .gguf file (default {DEFAULT_MODEL})")
     parser.add_argument("--draft", action="append", default=[], metavar="DIR",
                         help="draft-head checkpoint to load; its method (e.g. eagle) becomes available (repeatable)")
+    parser.add_argument("--backend", choices=("numpy", "torch"), default="numpy",
+                        help="what computes the target: our numpy engine (default, the faster one on a CPU) or "
+                             "the Hugging Face model in PyTorch (any device)")
+    parser.add_argument("--device", default=None, help="torch backend: cpu (default), cuda, cuda:1, ...")
+    parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
+                        help="torch backend: the model's dtype (default float32; greedy output equals ar only in float32)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate a reply to one prompt (streamed)")
@@ -158,7 +164,15 @@ def _decoder(args: argparse.Namespace):
     from .decoding import Decoder
     from .loading import load_target
 
-    decoder = Decoder(load_target(args.model))
+    if args.backend == "torch":
+        from .torch_engine import load_torch_target
+
+        target, engine = load_torch_target(args.model, args.device or "cpu", args.dtype or "float32")
+        decoder = Decoder(target, engine=engine)
+    elif args.device or args.dtype:
+        raise LyannaError("--device and --dtype choose where the torch backend runs: add --backend torch")
+    else:
+        decoder = Decoder(load_target(args.model))
     for path in args.draft:
         decoder.load_draft(path)
     return decoder
@@ -244,10 +258,9 @@ def _report(args: argparse.Namespace) -> None:
 def _demo(args: argparse.Namespace) -> None:
     """The product's point in one screen: the same reply by plain decoding (``ar``) and by
     Lyanna, token-identical, and what Lyanna bought (speedup, tokens per target pass)."""
-    from .decoding import Decoder, GenerationRequest
-    from .loading import load_target
+    from .decoding import GenerationRequest
 
-    decoder = Decoder(load_target(args.model))
+    decoder = _decoder(args)
     print(f"model: {args.model}\nprompt: {DEMO_PROMPT}\n")
     ids = decoder.encode(DEMO_PROMPT)
     request = GenerationRequest(max_new_tokens=128)

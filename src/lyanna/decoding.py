@@ -17,7 +17,7 @@ from .batching import BatchScheduler
 from .budget import Budget, LatencyCurve, parse_budget
 from .drafters.registry import arch_providing, load_methods
 from .drafters.suffix import SuffixDrafter
-from .engine import Block, ForwardOutput, Transformer
+from .engine import Block, ForwardOutput, TargetEngine, Transformer
 from .errors import LyannaError
 from .loading import Target
 from .sampling import SamplingParams
@@ -30,6 +30,7 @@ class GenerationRequest:
     max_new_tokens: int = 256
     sampling: SamplingParams = SamplingParams()
     stop: tuple[str, ...] = ()
+    eos_token_ids: tuple[int, ...] | None = None  # None: the model's end-of-sequence tokens
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -97,10 +98,12 @@ MAX_TREE_TOKENS = 256
 class Decoder:
     """A loaded target plus everything to turn prompts into outputs with any registered method."""
 
-    def __init__(self, target: Target, default_drafts: bool = True):
-        """``default_drafts``: register the draft heads shipped for this model (``lyanna/drafts/<name>/``)."""
+    def __init__(self, target: Target, default_drafts: bool = True, engine: TargetEngine | None = None):
+        """``default_drafts``: register the draft heads shipped for this model (``lyanna/drafts/<name>/``);
+        ``engine``: what computes the target (default: the numpy engine over ``target.weights``;
+        ``torch_engine.TorchEngine`` for the Hugging Face model in PyTorch)."""
         self.target = target
-        self.engine = Transformer(target.config, target.weights)
+        self.engine = Transformer(target.config, target.weights) if engine is None else engine
         self.tokenizer = target.tokenizer
         self.eos_token_ids = target.config.eos_token_ids
         self.drafters: dict[str, Drafter] = {}  # the speculative methods
@@ -250,7 +253,8 @@ class Decoder:
                load: Callable[[], tuple[int, int]] | None) -> Generator[Block, ForwardOutput, GenerationResult]:
         t0 = time.perf_counter()
         cache = self.engine.new_cache(len(prompt_ids) + request.max_new_tokens + MAX_TREE_TOKENS)
-        tracker = OutputTracker(self.tokenizer, self.eos_token_ids, request.max_new_tokens, request.stop, on_text, should_cancel)
+        eos = self.eos_token_ids if request.eos_token_ids is None else request.eos_token_ids
+        tracker = OutputTracker(self.tokenizer, eos, request.max_new_tokens, request.stop, on_text, should_cancel)
         out = yield Block(prompt_ids, np.arange(len(prompt_ids)), cache, logit_rows=[-1], taps=tuple(drafter.taps))
         state = DecodeState(
             self.engine, cache, tracker, request.sampling, request.sampling.rng(), prompt_ids,

@@ -9,7 +9,7 @@ cache, and can later keep only a chosen subset of the block (``KVCache.compact``
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, NamedTuple, Protocol, Sequence
 
 import numpy as np
 
@@ -58,6 +58,41 @@ class KVCache:
 class ForwardOutput:
     logits: np.ndarray  # [rows, vocab] for the requested rows
     hidden: dict[int, np.ndarray] = field(default_factory=dict)  # tap -> [n, hidden_size]
+
+
+class Cache(Protocol):
+    """One sequence's target KV cache as the loop sees it: ``length`` committed positions
+    (assigning a smaller one forgets the tail), a ``capacity``, and ``compact`` after verification."""
+
+    length: int
+
+    @property
+    def capacity(self) -> int: ...
+
+    def compact(self, start: int, keep: Sequence[int] | np.ndarray) -> None: ...
+
+
+class TargetEngine(Protocol):
+    """What the decode loop, the batch scheduler, the budget and the drafters need of a target,
+    whichever engine computes it (``Transformer`` here, ``torch_engine.TorchEngine``): forward a
+    block with positions and a tree mask, return logits and tapped hidden states as host fp32
+    arrays, keep the accepted cache rows. The drafters share the target's embedding, LM head,
+    final norm and RoPE frequencies as host fp32 arrays."""
+
+    config: ModelConfig
+    name: str  # the engine and its settings, e.g. "numpy" or "torch-cuda-bfloat16": keys calibrations
+    embed: np.ndarray
+    lm_head: np.ndarray
+    final_norm: np.ndarray
+    inv_freq: np.ndarray
+
+    def new_cache(self, capacity: int) -> Cache: ...
+
+    def forward(self, tokens: Sequence[int] | np.ndarray, positions: Sequence[int] | np.ndarray, cache: Cache,
+                block_mask: np.ndarray | None = None, logit_rows: Sequence[int] | np.ndarray | slice | None = None,
+                taps: Sequence[int] = ()) -> "ForwardOutput": ...
+
+    def forward_batch(self, blocks: Sequence["Block"]) -> list["ForwardOutput"]: ...
 
 
 @dataclass
@@ -191,6 +226,8 @@ def _interleave_rows(w: np.ndarray, heads: int, head_dim: int) -> np.ndarray:
 class Transformer:
     """A Llama-family decoder over numpy fp32 weights with a tree-capable block forward."""
 
+    name = "numpy"
+
     def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray]):
         self.config = config
         c = config
@@ -217,7 +254,7 @@ class Transformer:
         self,
         tokens: Sequence[int] | np.ndarray,
         positions: Sequence[int] | np.ndarray,
-        cache: KVCache,
+        cache: Cache,
         block_mask: np.ndarray | None = None,
         logit_rows: Sequence[int] | np.ndarray | slice | None = None,
         taps: Sequence[int] = (),
@@ -280,27 +317,35 @@ class Transformer:
         return outs
 
     def _prepare(self, b: "Block") -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-        """A block's tokens, positions and attention mask, checked against its cache."""
-        c = self.config
-        tokens = np.asarray(b.tokens, dtype=np.int64).reshape(-1)
-        positions = np.asarray(b.positions, dtype=np.int64)
-        n = tokens.shape[0]
-        start, end = b.cache.length, b.cache.length + n
-        if n == 0 or positions.shape != (n,):
-            raise ValueError(f"need n > 0 tokens and as many positions, got {n} and {positions.shape}")
-        if end > b.cache.capacity:
-            raise ValueError(f"cache capacity {b.cache.capacity} exceeded: {start} cached + {n} new")
-        if tokens.min() < 0 or tokens.max() >= c.vocab_size:
-            raise ValueError(f"token ids must lie in [0, {c.vocab_size})")
-        bias = None
-        if n > 1:
-            within = np.tril(np.ones((n, n), bool)) if b.block_mask is None else np.asarray(b.block_mask, bool)
-            if within.shape != (n, n):
-                raise ValueError(f"block_mask must be [{n}, {n}], got {within.shape}")
-            bias = attention_bias(start, within)
-        if c.sliding_window is not None and positions.max() >= c.sliding_window:  # some key is out of the window
-            bias = window_bias(bias, start, positions, c.sliding_window)
+        """A block's tokens, positions and additive attention mask, checked against its cache."""
+        tokens, positions, within = block_inputs(self.config, b)
+        start = b.cache.length
+        bias = None if within is None else attention_bias(start, within)
+        window = self.config.sliding_window
+        if window is not None and positions.max() >= window:  # some key is out of the window
+            bias = window_bias(bias, start, positions, window)
         return tokens, positions, bias
+
+
+def block_inputs(c: ModelConfig, b: "Block") -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """A block's tokens, positions and within-block mask (None: a single row), checked against the
+    model and the block's cache the same way by every engine."""
+    tokens = np.asarray(b.tokens, dtype=np.int64).reshape(-1)
+    positions = np.asarray(b.positions, dtype=np.int64)
+    n = tokens.shape[0]
+    start, end = b.cache.length, b.cache.length + n
+    if n == 0 or positions.shape != (n,):
+        raise ValueError(f"need n > 0 tokens and as many positions, got {n} and {positions.shape}")
+    if end > b.cache.capacity:
+        raise ValueError(f"cache capacity {b.cache.capacity} exceeded: {start} cached + {n} new")
+    if tokens.min() < 0 or tokens.max() >= c.vocab_size:
+        raise ValueError(f"token ids must lie in [0, {c.vocab_size})")
+    if n == 1:
+        return tokens, positions, None
+    within = np.tril(np.ones((n, n), bool)) if b.block_mask is None else np.asarray(b.block_mask, bool)
+    if within.shape != (n, n):
+        raise ValueError(f"block_mask must be [{n}, {n}], got {within.shape}")
+    return tokens, positions, within
 
 
 @dataclass
@@ -309,7 +354,7 @@ class Block:
 
     tokens: Sequence[int] | np.ndarray
     positions: Sequence[int] | np.ndarray
-    cache: KVCache
+    cache: Cache
     block_mask: np.ndarray | None = None
     logit_rows: Sequence[int] | np.ndarray | slice | None = None
     taps: Sequence[int] = ()

@@ -170,11 +170,12 @@ def load_tokenizer(model_dir: Path) -> Any:
         raise LyannaError(f"cannot load the tokenizer in {model_dir}: {type(e).__name__}: {str(e).splitlines()[0]}") from None
 
 
-def load_target(name_or_path: str | os.PathLike = DEFAULT_MODEL) -> Target:
-    """Load a target model by alias, GGUF file or Hugging Face directory, ready for the engine."""
+def load_target(name_or_path: str | os.PathLike = DEFAULT_MODEL, weights: bool = True) -> Target:
+    """Load a target model by alias, GGUF file or Hugging Face directory, ready for the engine
+    (``weights=False``: everything but the weights, for an engine that loads its own)."""
     model_dir = resolve_model(name_or_path)
     config = ModelConfig.from_pretrained(model_dir)
-    weights = load_weights(model_dir)
+    arrays = load_weights(model_dir) if weights else {}
     tokenizer = load_tokenizer(model_dir)
     eos = set(config.eos_token_ids)
     gen_cfg = model_dir / "generation_config.json"
@@ -184,7 +185,7 @@ def load_target(name_or_path: str | os.PathLike = DEFAULT_MODEL) -> Target:
     if tokenizer.eos_token_id is not None:
         eos.add(int(tokenizer.eos_token_id))
     config = _with_eos(config, tuple(sorted(eos)))
-    return Target(name=str(name_or_path), path=model_dir, config=config, weights=weights, tokenizer=tokenizer)
+    return Target(name=str(name_or_path), path=model_dir, config=config, weights=arrays, tokenizer=tokenizer)
 
 
 def _with_eos(config: ModelConfig, eos: tuple[int, ...]) -> ModelConfig:

@@ -139,7 +139,8 @@ def write_report(bench_files: Sequence[str | Path], out: str | Path = "BENCHMARK
             f"## {settings.get('label') or f.stem}", "",
             f"- command: `{cmd}`",
             f"- machine: {machine['cpu']}, {machine['cores']} cores, {machine['platform']}; numpy {machine['numpy']}, torch {machine['torch']}",
-            f"- date: {settings['date']}; model: {report['model']}; {settings['questions']} questions; temperature {settings['temperature']}",
+            f"- date: {settings['date']}; model: {report['model']}; engine: {report.get('engine', 'numpy')}; "
+            f"{settings['questions']} questions; temperature {settings['temperature']}",
             "", format_table(report), "",
         ]
         lines += [f"- {line}" for line in findings(report)] + [""]

@@ -17,7 +17,7 @@ from typing import Any, Callable, Generator, Protocol, Sequence, TypeVar, runtim
 import numpy as np
 
 from .budget import Budget
-from .engine import Block, ForwardOutput, KVCache, Transformer
+from .engine import Block, Cache, ForwardOutput, TargetEngine
 from .sampling import SamplingParams, next_token
 from .stopping import OutputTracker
 from .tree import DraftTree
@@ -88,8 +88,8 @@ class DecodeState:
     """What the loop works on: the cache holds the prompt and every committed token but the one
     to be chosen next from ``last_logits`` (the target's logits after the cached context)."""
 
-    engine: Transformer
-    cache: KVCache
+    engine: TargetEngine
+    cache: Cache
     tracker: OutputTracker
     params: SamplingParams
     rng: np.random.Generator
@@ -186,7 +186,7 @@ def _block(tree: DraftTree, root: int, start: int) -> tuple[np.ndarray, np.ndarr
 Forwards = Generator[Block, ForwardOutput, "RoundStats"]  # yields blocks to run, is sent their outputs
 
 
-def run_alone(steps: Generator[Block, ForwardOutput, T], engine: Transformer) -> T:
+def run_alone(steps: Generator[Block, ForwardOutput, T], engine: TargetEngine) -> T:
     """Drive a generation that yields forward blocks on ``engine``, one block per pass (the
     batch scheduler drives many of them together instead, with ``forward_batch``)."""
     try:

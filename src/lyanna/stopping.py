@@ -24,7 +24,9 @@ class OutputTracker:
     ):
         if max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
-        self.tokenizer = tokenizer
+        if tokenizer is None and any(stop):
+            raise ValueError("stop strings need a tokenizer (to see the text)")
+        self.tokenizer = tokenizer  # None: token ids only, no text
         self.eos = frozenset(int(t) for t in eos_token_ids)
         self.max_new_tokens = max_new_tokens
         self.stop = tuple(s for s in stop if s)
@@ -67,6 +69,8 @@ class OutputTracker:
         return taken
 
     def _decode_new(self) -> None:
+        if self.tokenizer is None:
+            return
         window = self.tokens[self._prefix :]
         seen = self.tokenizer.decode(self.tokens[self._prefix : self._read], skip_special_tokens=True)
         full = self.tokenizer.decode(window, skip_special_tokens=True)

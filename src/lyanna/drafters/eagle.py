@@ -16,7 +16,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..engine import Transformer
+from ..engine import TargetEngine
 from ..loading import Target
 from ..tree import DraftTree
 from .checkpoint import decode_settings, load_head
@@ -40,7 +40,7 @@ class EagleDrafter:
         self.context = PairContext(head, tap)
 
     @classmethod
-    def methods_from_checkpoint(cls, path: str | Path, target: Target, engine: Transformer) -> dict[str, "EagleDrafter"]:
+    def methods_from_checkpoint(cls, path: str | Path, target: Target, engine: TargetEngine) -> dict[str, "EagleDrafter"]:
         """Every method of ``VARIANTS``, built from the checkpoint at ``path``."""
         config, weights = load_head(path, target, ARCH)
         knobs = decode_settings(config, DECODE_DEFAULTS, path)

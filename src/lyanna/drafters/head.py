@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..engine import KVCache, LayerWeights, Transformer, attention_bias, layer_forward, rotation
+from ..engine import KVCache, LayerWeights, TargetEngine, attention_bias, layer_forward, rotation
 from ..errors import LyannaError
 from ..kernels import linear
 
 
 class DraftHead:
-    def __init__(self, target: Transformer, weights: dict[str, np.ndarray]):
+    def __init__(self, target: TargetEngine, weights: dict[str, np.ndarray]):
         c = target.config
 
         def get(name: str) -> np.ndarray:

@@ -26,7 +26,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..engine import Transformer, layer_forward, rms_norm, rotation
+from ..engine import TargetEngine, layer_forward, rms_norm, rotation
 from ..errors import LyannaError
 from ..kernels import linear
 from ..loading import Target
@@ -64,7 +64,7 @@ class TokenInfo:
 class ChainHead(DraftHead):
     """The draft head plus the hidden-state chain and raw logits over the draft vocabulary."""
 
-    def __init__(self, target: Transformer, weights: dict[str, np.ndarray]):
+    def __init__(self, target: TargetEngine, weights: dict[str, np.ndarray]):
         super().__init__(target, weights)
         self.norm = np.asarray(weights["norm.weight"], np.float32)
         d2t = np.asarray(weights["d2t"], np.int64)
@@ -141,7 +141,7 @@ class LyannaDrafter:
         self._leftover: np.ndarray | None = None  # rows still valid after the next root
 
     @classmethod
-    def methods_from_checkpoint(cls, path: str | Path, target: Target, engine: Transformer) -> dict[str, "LyannaDrafter"]:
+    def methods_from_checkpoint(cls, path: str | Path, target: Target, engine: TargetEngine) -> dict[str, "LyannaDrafter"]:
         """Every method of ``VARIANTS``, built from the checkpoint at ``path`` (they share the
         stateless head and token-info table; each keeps its own context)."""
         config, weights = load_head(path, target, ARCH)

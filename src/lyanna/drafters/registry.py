@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..engine import Transformer
+from ..engine import TargetEngine
 from ..errors import LyannaError
 from ..loading import Target
 from .eagle import EagleDrafter
@@ -28,7 +28,7 @@ def checkpoint_arch(path: str | Path) -> str | None:
     return arch if isinstance(arch, str) else None
 
 
-def load_methods(path: str | Path, target: Target, engine: Transformer) -> dict[str, Any]:
+def load_methods(path: str | Path, target: Target, engine: TargetEngine) -> dict[str, Any]:
     """The methods (name -> drafter) the checkpoint at ``path`` provides for ``target``."""
     cls = DRAFTER_CLASSES.get(checkpoint_arch(path) or "")
     if cls is None:

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..engine import Transformer
+from ..engine import TargetEngine
 from .modules import EagleHead, LyannaHead, pair_segments
 
 
@@ -44,7 +44,7 @@ class Batch:
         return int((self.segments >= 0).sum())
 
 
-def target_features(engine: Transformer, sequences: Sequence[Sequence[int]], tap: int) -> list[Example]:
+def target_features(engine: TargetEngine, sequences: Sequence[Sequence[int]], tap: int) -> list[Example]:
     """One prefill per sequence with the tap; the features the head learns from and predicts."""
     out = []
     for seq in sequences:
@@ -186,7 +186,7 @@ def example_loss(head: EagleHead, ex: Example, depth: int, **kw) -> torch.Tensor
     return batch_loss(head, make_batch([ex], [[0]], len(ex.tokens)), depth, **kw)
 
 
-def init_eagle_head(engine: Transformer, target_weights: dict[str, np.ndarray], seed: int = 0) -> EagleHead:
+def init_eagle_head(engine: TargetEngine, target_weights: dict[str, np.ndarray], seed: int = 0) -> EagleHead:
     """A head whose layer starts from the target's last layer and whose fc starts as 'feature +
     s * embedding', with ``s`` matching the embedding's scale to the feature's (final-norm
     outputs are ~17x larger than embedding rows in SmolLM2: a small random init would hide the
@@ -207,7 +207,7 @@ def init_eagle_head(engine: Transformer, target_weights: dict[str, np.ndarray], 
     return head
 
 
-def init_lyanna_head(engine: Transformer, target_weights: dict[str, np.ndarray], d2t: np.ndarray, rank: int = 32,
+def init_lyanna_head(engine: TargetEngine, target_weights: dict[str, np.ndarray], d2t: np.ndarray, rank: int = 32,
                      seed: int = 0) -> LyannaHead:
     """Like ``init_eagle_head``, plus the raw-logit norm from the target's final norm and a zero TI."""
     eagle = init_eagle_head(engine, target_weights, seed)

@@ -1,0 +1,76 @@
+"""Project each method's speedup on a device from its measured acceptance and the device's latency.
+
+Speculative decoding's speedup is tokens per round (tau) times the cost of one plain step over the
+cost of a round (draft time + the target's latency for the verified block). tau and draft time
+depend on the drafter and the text, not on the target's device, so they come from a bench run
+with fixed budgets (any machine); the latency curve is measured here, on ``--device``, with the
+torch backend (blocks of 1 to 128 tokens after 256 of context).
+
+    python scripts/project-speedup.py --bench docs/bench/fixed-budgets.json --device cuda --dtype bfloat16 \
+        --out docs/bench/projected-cuda.json
+
+Without ``--bench`` it only measures and writes the latency curve. The drafters run on the host
+here (numpy), so a projection keeps the bench's draft time per round: on a GPU that is the
+part a device-side drafter would cut.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shlex
+import sys
+import time
+
+SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    ap.add_argument("--bench", default=None, help="a `lyanna bench --json` report with METHOD@N rows (fixed budgets)")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+
+    import torch
+
+    from lyanna.budget import calibrate
+    from lyanna.torch_engine import load_torch_target
+
+    target, engine = load_torch_target(args.model, args.device, args.dtype)
+    curve = calibrate(engine, target.name, sizes=SIZES, context=256, repeats=7)
+    device = torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else curve.machine
+    report = {
+        "command": "python scripts/project-speedup.py " + shlex.join(sys.argv[1:]),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "device": device, "engine": engine.name, "torch": torch.__version__,
+        "latency_ms": {n: round(t * 1e3, 3) for n, t in zip(curve.sizes, curve.seconds)},
+        "projected": [],
+    }
+    step = curve(1)
+    if args.bench:
+        bench = json.loads(open(args.bench).read())
+        report["bench"] = {"file": args.bench, "command": bench["settings"].get("command"), "date": bench["settings"].get("date")}
+        for row in bench["results"]:
+            m = re.fullmatch(r"(.+)@(\d+)", row["method"])
+            if not m or not row.get("tau"):
+                continue
+            budget = int(m.group(2))
+            rounds = row["new_tokens"] / row["tau"]
+            draft = row["time_split"]["draft"] / 100 * (row["seconds"] - row["prefill_seconds"]) / rounds
+            verify = float(curve(budget + 1))
+            report["projected"].append({
+                "method": row["method"], "tau": row["tau"], "budget": budget,
+                "draft_ms_per_round": round(draft * 1e3, 3), "verify_ms": round(verify * 1e3, 3),
+                "speedup": round(row["tau"] * step / (draft + verify), 3),
+                "speedup_free_drafts": round(row["tau"] * step / verify, 3),  # the bound as draft time goes to 0
+            })
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=2)
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -264,3 +264,18 @@ def test_torch_backend_bench_every_method_equals_ar(default_target, default_deco
         ids = decoder.encode(q.prompt)
         req = GenerationRequest(max_new_tokens=32)
         assert decoder.generate(ids, req).tokens == default_decoder.generate(ids, req).tokens
+
+
+def test_a_16_bit_model_keeps_the_heads_trained_for_it(tiny):
+    """In bfloat16 the drafters still see the checkpoint's float32 embedding and LM head, so the
+    head's fingerprint matches and it drafts; the output has the requested length."""
+    from transformers import AutoModelForCausalLM
+
+    path, _, target = tiny
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16).eval()
+    engine = TorchEngine(model)
+    assert engine.name == "torch-cpu-bfloat16"
+    np.testing.assert_array_equal(engine.lm_head, target.weights["lm_head.weight"])
+    out, (result,) = lyanna.hf.generate(model, torch.tensor([[1, 40, 41]]), draft=path / "head", max_new_tokens=8,
+                                        eos_token_id=[], budget=None, return_results=True)
+    assert out.shape == (1, 11) and result.method == "lyanna" and result.draft_tokens > 0

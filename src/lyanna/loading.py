@@ -12,7 +12,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Collection
 
 import numpy as np
 
@@ -142,15 +142,22 @@ def _weight_files(model_dir: Path) -> list[Path]:
     return found
 
 
-def load_weights(model_dir: Path) -> dict[str, np.ndarray]:
-    """Read every safetensors file of ``model_dir`` as fp32 numpy arrays, with one-line errors."""
-    from safetensors import SafetensorError
+def load_weights(model_dir: Path, only: Collection[str] | None = None) -> dict[str, np.ndarray]:
+    """Read every safetensors file of ``model_dir`` (``only``: just the tensors of these names)
+    as fp32 numpy arrays, with one-line errors."""
+    from safetensors import SafetensorError, safe_open
     from safetensors.torch import load_file
+
+    def read(f: Path) -> dict[str, Any]:
+        if only is None:
+            return load_file(str(f))
+        with safe_open(str(f), framework="pt") as st:
+            return {k: st.get_tensor(k) for k in st.keys() if k in only}
 
     weights: dict[str, np.ndarray] = {}
     for f in _weight_files(model_dir):
         try:
-            tensors = load_file(str(f))
+            tensors = read(f)
         except (SafetensorError, OSError, ValueError, RuntimeError) as e:
             raise LyannaError(
                 f"cannot read {f}: {str(e).splitlines()[0]}; the file is truncated or corrupt, "

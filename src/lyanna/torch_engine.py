@@ -12,6 +12,7 @@ Causal blocks (prefill, a plain decoding step) are run without a mask, exactly a
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
@@ -19,7 +20,7 @@ import numpy as np
 from .config import ModelConfig, rope_inv_freq
 from .engine import Block, ForwardOutput, block_inputs
 from .errors import LyannaError
-from .loading import Target, load_target
+from .loading import Target, load_target, load_weights
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -98,6 +99,8 @@ class TorchEngine:
         self.lm_head = self.embed if out is None else _host(out.weight)
         self.final_norm = _host(model.model.norm.weight)
         self.inv_freq = rope_inv_freq(config)
+        if self.dtype != torch.float32:
+            self._exact_host_weights(Path(str(getattr(hf, "_name_or_path", "") or "")))
 
     @classmethod
     def from_pretrained(cls, model_dir: str, config: ModelConfig, device: str = "cpu", dtype: str = "float32") -> "TorchEngine":
@@ -118,6 +121,19 @@ class TorchEngine:
         hf_logging.disable_progress_bar()
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype))
         return cls(model.to(dev), config)
+
+    def _exact_host_weights(self, model_dir: Path) -> None:
+        """A model loaded in 16 bits: the drafters (and the fingerprint that matches a head to its
+        target) get the embedding and LM head as the checkpoint stores them, when it is a local
+        directory of safetensors; otherwise the 16-bit values, and a head fingerprinted on the
+        float32 weights is refused as trained for another target."""
+        names = ("model.embed_tokens.weight", "lm_head.weight")
+        if not (model_dir.is_dir() and any(model_dir.glob("*.safetensors"))):
+            return
+        exact = load_weights(model_dir, only=names)
+        if names[0] in exact:
+            self.embed = exact[names[0]]
+            self.lm_head = exact.get(names[1], self.embed)
 
     def host_weights(self) -> dict[str, np.ndarray]:
         """The target weights that draft heads read on the host (their fingerprint checks the LM head)."""

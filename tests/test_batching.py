@@ -41,6 +41,9 @@ def test_a_batched_forward_gives_every_block_its_own_forward_bit_for_bit(tiny_de
         dict(prefix=[5, 9, 11], tokens=[4], positions=[3]),
         dict(prefix=[7, 7, 8, 2, 3], tokens=[1, 2, 3, 4], positions=[5, 6, 6, 7], block_mask=tree, taps=(1, top)),
         dict(prefix=None, tokens=[3, 1, 4, 1, 5, 9], positions=list(range(6)), logit_rows=[-1], taps=(0,)),
+        # prompts long enough for the prefill GEMM path (kernels.BULK_MIN_ROWS), two in one pass
+        dict(prefix=None, tokens=list(range(10, 70)), positions=list(range(60)), logit_rows=[-1], taps=(1,), prefill=True),
+        dict(prefix=None, tokens=list(range(80, 130)), positions=list(range(50)), prefill=True),
     ]
     alone, batched = [], []
     for spec in specs:
@@ -50,7 +53,7 @@ def test_a_batched_forward_gives_every_block_its_own_forward_bit_for_bit(tiny_de
         batched.append((Block(cache=cache, **spec)))
     outs = engine.forward_batch(batched)
     for a, b, out in zip(alone, batched, outs):
-        ref = engine.forward(a.tokens, a.positions, a.cache, a.block_mask, a.logit_rows, a.taps)
+        ref = engine.forward_batch([a])[0]
         assert np.array_equal(out.logits, ref.logits)
         assert out.hidden.keys() == ref.hidden.keys() == set(a.taps)
         for tap in a.taps:
@@ -58,6 +61,14 @@ def test_a_batched_forward_gives_every_block_its_own_forward_bit_for_bit(tiny_de
         assert b.cache.length == a.cache.length
         assert np.array_equal(b.cache.k[:, :, : b.cache.length], a.cache.k[:, :, : a.cache.length])
         assert np.array_equal(b.cache.v[:, :, : b.cache.length], a.cache.v[:, :, : a.cache.length])
+
+
+def test_a_prefill_block_starts_from_an_empty_cache_and_is_causal(tiny_decoder):
+    engine = tiny_decoder.engine
+    with pytest.raises(ValueError, match="prefill"):
+        engine.forward_batch([Block([1, 2], [3, 4], _prefilled(engine, [5, 6, 7]), prefill=True)])
+    with pytest.raises(ValueError, match="prefill"):
+        engine.forward_batch([Block([1, 2], [0, 1], engine.new_cache(8), block_mask=np.ones((2, 2), bool), prefill=True)])
 
 
 def test_a_batch_refuses_two_blocks_on_one_cache(tiny_decoder):

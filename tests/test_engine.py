@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from lyanna.engine import Transformer
+from lyanna.engine import Block, Transformer
 from lyanna.loading import load_target
 from lyanna.tree import DraftTree
 
@@ -41,9 +41,14 @@ def test_logits_match_hf_for_each_layout(tmp_path, arch, overrides):
     ids = list(np.random.default_rng(0).integers(3, 259, size=150))
     ref = hf_logits(model_dir, ids, hidden=True)
     out = engine.forward(ids, np.arange(len(ids)), engine.new_cache(200), taps=(0, 1, 2))
-    assert np.abs(out.logits - ref.logits[0].numpy()).max() < 1e-4
-    for tap in (0, 1, 2):
-        assert np.abs(out.hidden[tap] - ref.hidden_states[tap][0].numpy()).max() < 1e-4
+    # the same sequence as a prompt's prefill: PyTorch's GEMM and fused attention (kernels.linear_rows)
+    cache = engine.new_cache(200)
+    pre = engine.forward_batch([Block(ids, np.arange(len(ids)), cache, taps=(0, 1, 2), prefill=True)])[0]
+    for got in (out, pre):
+        assert np.abs(got.logits - ref.logits[0].numpy()).max() < 1e-4
+        for tap in (0, 1, 2):
+            assert np.abs(got.hidden[tap] - ref.hidden_states[tap][0].numpy()).max() < 1e-4
+    assert cache.length == len(ids)
 
 
 def test_sliding_window_decode_and_tree_blocks_match_hf(tmp_path):

@@ -104,3 +104,21 @@ def test_a_querys_attention_does_not_depend_on_masked_keys_after_it(cached: int)
     bias = np.zeros((1, cached + 1 + extra), np.float32)
     bias[0, cached + 1 :] = -np.inf
     assert np.array_equal(attention(q, k, v, cached + 1 + extra, bias), alone)
+
+
+def test_prefill_rows_get_the_same_numbers_alone_and_beside_other_rows():
+    """``linear_rows``: a prompt's rows (a bulk range, through the GEMM) get the same bits whatever
+    rows surround them and wherever they sit in the pass; the other rows get ``linear``'s bits;
+    a range shorter than ``BULK_MIN_ROWS`` stays on ``linear``."""
+    from lyanna.kernels import BULK_MIN_ROWS, linear, linear_rows
+
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((10 + 2 * BULK_MIN_ROWS + 3, 64), dtype=np.float32)
+    w = rng.standard_normal((96, 64), dtype=np.float32)
+    a, b = (10, 10 + BULK_MIN_ROWS + 3), (10 + BULK_MIN_ROWS + 3, x.shape[0])
+    mixed = linear_rows(x, w, [a, b])
+    assert np.array_equal(mixed[a[0]:a[1]], linear_rows(x[a[0]:a[1]], w, [(0, a[1] - a[0])]))
+    assert np.array_equal(mixed[:10], linear(x[:10], w))
+    np.testing.assert_allclose(mixed, x @ w.T, rtol=1e-4, atol=1e-4)
+    short = x[: BULK_MIN_ROWS - 1]
+    assert np.array_equal(linear_rows(short, w, [(0, len(short))]), linear(short, w))

@@ -255,7 +255,8 @@ class Decoder:
         cache = self.engine.new_cache(len(prompt_ids) + request.max_new_tokens + MAX_TREE_TOKENS)
         eos = self.eos_token_ids if request.eos_token_ids is None else request.eos_token_ids
         tracker = OutputTracker(self.tokenizer, eos, request.max_new_tokens, request.stop, on_text, should_cancel)
-        out = yield Block(prompt_ids, np.arange(len(prompt_ids)), cache, logit_rows=[-1], taps=tuple(drafter.taps))
+        out = yield Block(prompt_ids, np.arange(len(prompt_ids)), cache, logit_rows=[-1], taps=tuple(drafter.taps),
+                          prefill=True)
         state = DecodeState(
             self.engine, cache, tracker, request.sampling, request.sampling.rng(), prompt_ids,
             out.logits[-1], out.hidden, target_passes=1,

@@ -15,7 +15,7 @@ import numpy as np
 
 from .config import ModelConfig, rope_inv_freq
 from .errors import LyannaError
-from .kernels import attention, linear
+from .kernels import BULK_MIN_ROWS, attention, linear, linear_rows, prefill_attention
 
 # Bumped whenever the forward pass's cost changes, so cached latency calibrations are redone.
 ENGINE_REVISION = 3
@@ -164,7 +164,8 @@ def window_bias(bias: np.ndarray | None, start: int, positions: np.ndarray, wind
 class Span(NamedTuple):
     """One sequence's rows ``[lo, hi)`` of a (batched) block and where they go in its cache: this
     layer's [kv_heads, capacity, head_dim] arrays, slots from ``start``, an additive
-    [hi - lo, start + hi - lo] mask or None (every row sees everything up to its own slot)."""
+    [hi - lo, start + hi - lo] mask or None (every row sees everything up to its own slot);
+    ``prefill``: a prompt's rows, whose linear layers may go through a GEMM (``linear_rows``)."""
 
     lo: int
     hi: int
@@ -172,6 +173,7 @@ class Span(NamedTuple):
     v_cache: np.ndarray
     start: int
     bias: np.ndarray | None
+    prefill: bool = False
 
 
 def layer_forward(
@@ -190,8 +192,9 @@ def ragged_layer_forward(layer: LayerWeights, c: ModelConfig, x: np.ndarray, rot
     n = x.shape[0]
     nh, nkv, hd = c.num_heads, c.num_kv_heads, c.head_dim
     q_dim, kv_dim = nh * hd, nkv * hd
+    bulk = [(s.lo, s.hi) for s in spans if s.prefill]
     h = rms_norm(x, layer.attn_norm, c.rms_norm_eps)
-    qkv = linear(h, layer.wqkv)
+    qkv = linear_rows(h, layer.wqkv, bulk)
     if layer.bqkv is not None:
         qkv += layer.bqkv
     q = (np.ascontiguousarray(qkv[:, :q_dim]).view(np.complex64).reshape(n, nh, hd // 2) * rot).view(np.float32)
@@ -203,14 +206,17 @@ def ragged_layer_forward(layer: LayerWeights, c: ModelConfig, x: np.ndarray, rot
         end = span.start + span.hi - span.lo
         span.k_cache[:, span.start : end] = k[span.lo : span.hi].transpose(1, 0, 2)
         span.v_cache[:, span.start : end] = v[span.lo : span.hi].transpose(1, 0, 2)
-        parts.append(attention(q[span.lo : span.hi], span.k_cache, span.v_cache, end, span.bias))
+        if span.prefill and span.hi - span.lo >= BULK_MIN_ROWS:
+            parts.append(prefill_attention(q[span.lo : span.hi], span.k_cache, span.v_cache, span.bias))
+        else:
+            parts.append(attention(q[span.lo : span.hi], span.k_cache, span.v_cache, end, span.bias))
     o = parts[0] if len(parts) == 1 else np.concatenate(parts)
-    x = x + linear(o, layer.wo)
+    x = x + linear_rows(o, layer.wo, bulk)
     h = rms_norm(x, layer.mlp_norm, c.rms_norm_eps)
-    gu = linear(h, layer.w_gate_up)
+    gu = linear_rows(h, layer.w_gate_up, bulk)
     gate, up = gu[:, : c.intermediate_size], gu[:, c.intermediate_size :]
     with np.errstate(over="ignore"):  # exp(-gate) may overflow to inf: silu is then exactly 0
-        return x + linear((gate / (1.0 + np.exp(-gate))) * up, layer.w_down)
+        return x + linear_rows((gate / (1.0 + np.exp(-gate))) * up, layer.w_down, bulk)
 
 
 def _interleave_rows(w: np.ndarray, heads: int, head_dim: int) -> np.ndarray:
@@ -296,7 +302,7 @@ class Transformer:
         for li, layer in enumerate(self.layers):
             if li in wanted:
                 hidden[li] = x
-            spans = [Span(lo, hi, b.cache.k[li], b.cache.v[li], start, bias)
+            spans = [Span(lo, hi, b.cache.k[li], b.cache.v[li], start, bias, b.prefill)
                      for (lo, hi, start), b, bias in zip(bounds, blocks, biases)]
             x = ragged_layer_forward(layer, c, x, rot, spans)
         for (lo, hi, start), b in zip(bounds, blocks):
@@ -340,6 +346,8 @@ def block_inputs(c: ModelConfig, b: "Block") -> tuple[np.ndarray, np.ndarray, np
         raise ValueError(f"cache capacity {b.cache.capacity} exceeded: {start} cached + {n} new")
     if tokens.min() < 0 or tokens.max() >= c.vocab_size:
         raise ValueError(f"token ids must lie in [0, {c.vocab_size})")
+    if b.prefill and (start != 0 or b.block_mask is not None):
+        raise ValueError("a prefill block is causal and starts from an empty cache")
     if n == 1:
         return tokens, positions, None
     within = np.tril(np.ones((n, n), bool)) if b.block_mask is None else np.asarray(b.block_mask, bool)
@@ -358,3 +366,6 @@ class Block:
     block_mask: np.ndarray | None = None
     logit_rows: Sequence[int] | np.ndarray | slice | None = None
     taps: Sequence[int] = ()
+    # A prompt's prefill (causal, from an empty cache): its rows are never compared with rows
+    # computed in another block, so the engine may compute them with a faster GEMM.
+    prefill: bool = False

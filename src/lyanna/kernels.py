@@ -12,6 +12,7 @@ quiet machine, 2026-11-21), ms for 1 / 2 / 8 / 16 / 64 tokens: OpenBLAS 16.4 / 3
 from __future__ import annotations
 
 import threading
+from typing import Sequence
 
 import numpy as np
 from numba import njit, prange
@@ -92,6 +93,68 @@ def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
         with _launch:
             _linear_kernel(rows, w, out)
     return out if x.ndim == 2 else out[0]
+
+
+# Rows from which a prompt's prefill goes through PyTorch's kernels (``linear_rows``,
+# ``prefill_attention``): from here on its sgemm outruns ``linear`` on the 2-core Xeon for every
+# weight shape of the default model (GFLOP/s at 48 rows: 178-229 against 125-150; at 32 rows it
+# loses on one shape; at 155 rows 151-252 against 87-137; throwaway measurements of 2026-11-22,
+# in issue 13's note).
+BULK_MIN_ROWS = 48
+
+
+def linear_rows(x: np.ndarray, w: np.ndarray, bulk: Sequence[tuple[int, int]] = ()) -> np.ndarray:
+    """``x @ w.T`` where each row range ``[lo, hi)`` of ``bulk`` (a prompt's prefill) of at least
+    ``BULK_MIN_ROWS`` rows goes through one GEMM call of its own and every other row through
+    ``linear``. A GEMM's rows can depend on the block they come in, so only prefill goes that way:
+    a prompt is prefilled the same way by every method, alone or in a batch (its own call, on an
+    aligned copy of its rows), and verified or decoded rows never go through it."""
+    ranges = [(lo, hi) for lo, hi in bulk if hi - lo >= BULK_MIN_ROWS]
+    if not ranges:
+        return linear(x, w)
+    out = np.empty((x.shape[0], w.shape[0]), np.float32)
+    rest = np.ones(x.shape[0], bool)
+    for lo, hi in ranges:
+        out[lo:hi] = _gemm(x[lo:hi], w)
+        rest[lo:hi] = False
+    if rest.any():
+        out[rest] = linear(x[rest], w)
+    return out
+
+
+def _aligned(x: np.ndarray) -> np.ndarray:
+    """A copy of ``x`` at a 64-byte aligned address: BLAS kernels may take another path for
+    another alignment, which would change the last bits of a prompt's numbers."""
+    flat = np.empty(x.size + 16, np.float32)
+    skip = (-flat.ctypes.data % 64) // 4
+    out = flat[skip : skip + x.size].reshape(x.shape)
+    out[...] = x
+    return out
+
+
+def _gemm(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """``x @ w.T`` by PyTorch's CPU sgemm."""
+    import torch
+
+    with _launch:
+        return torch.nn.functional.linear(torch.from_numpy(_aligned(x)), torch.from_numpy(w)).numpy()
+
+
+def prefill_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, bias: np.ndarray) -> np.ndarray:
+    """``attention`` for a prompt's prefill (``n`` rows from an empty cache, additive mask
+    [n, n]) by PyTorch's fused attention: our kernel's one query at a time is 27 GFLOP/s there.
+    Like ``linear_rows``, only prefill goes this way, so a prompt's numbers are the same for
+    every method and in a batch."""
+    import torch
+
+    n, heads, hd = q.shape
+    groups = heads // k_cache.shape[0]
+    qt = torch.from_numpy(_aligned(q)).transpose(0, 1)  # [heads, n, hd]
+    kt = torch.from_numpy(_aligned(k_cache[:, :n])).repeat_interleave(groups, 0)  # [heads, n, hd]
+    vt = torch.from_numpy(_aligned(v_cache[:, :n])).repeat_interleave(groups, 0)
+    with _launch:
+        out = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, attn_mask=torch.from_numpy(bias), scale=1.0)
+    return out.transpose(0, 1).reshape(n, heads * hd).numpy()
 
 
 @njit(parallel=True, fastmath=_FAST, cache=True, nogil=True)

@@ -192,8 +192,7 @@ def run_alone(steps: Generator[Block, ForwardOutput, T], engine: TargetEngine) -
     try:
         block = next(steps)
         while True:
-            block = steps.send(engine.forward(block.tokens, block.positions, block.cache, block.block_mask,
-                                              block.logit_rows, block.taps))
+            block = steps.send(engine.forward_batch([block])[0])
     except StopIteration as done:
         return done.value
 

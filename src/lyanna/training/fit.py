@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..engine import TargetEngine
+from ..engine import Block, TargetEngine
 from .modules import EagleHead, LyannaHead, pair_segments
 
 
@@ -49,8 +49,8 @@ def target_features(engine: TargetEngine, sequences: Sequence[Sequence[int]], ta
     out = []
     for seq in sequences:
         ids = np.asarray(seq, np.int64)
-        fwd = engine.forward(ids, np.arange(len(ids)), engine.new_cache(len(ids)), logit_rows=[-1], taps=(tap,))
-        out.append(Example(ids, fwd.hidden[tap]))
+        block = Block(ids, np.arange(len(ids)), engine.new_cache(len(ids)), logit_rows=[-1], taps=(tap,), prefill=True)
+        out.append(Example(ids, engine.forward_batch([block])[0].hidden[tap]))
     return out
 
 

@@ -274,6 +274,9 @@ class PathTarget:
         logits = np.stack([self.logits_after(prefix + tuple(tokens[mask[i]].tolist())) for i in range(n)])
         return SimpleNamespace(logits=logits, hidden={})
 
+    def forward_batch(self, blocks):
+        return [self.forward(b.tokens, b.positions, b.cache, b.block_mask, b.logit_rows, b.taps) for b in blocks]
+
 
 class FusingSampler:
     """Proposes the merge of two trees whose children were sampled i.i.d. from draft

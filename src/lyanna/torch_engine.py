@@ -29,9 +29,13 @@ class TorchCache:
     """A ``DynamicCache`` with the loop's cache contract: ``length``, ``capacity``, ``compact``."""
 
     def __init__(self, capacity: int):
+        import transformers
         from transformers import DynamicCache
 
         self.kv = DynamicCache()
+        if not hasattr(self.kv, "layers"):  # compaction edits each layer's keys and values
+            raise LyannaError(f"the torch backend needs a transformers whose DynamicCache keeps per-layer "
+                              f"objects (5.x); this one is {transformers.__version__}")
         self._capacity = capacity
 
     @property

@@ -97,8 +97,12 @@ def calibration_path(name: str, engine: TargetEngine) -> Path:
 
 
 def calibrate(engine: TargetEngine, name: str, sizes: Sequence[int] = DEFAULT_SIZES, context: int = 256,
-              repeats: int = 5, progress: Callable[[int], None] | None = None) -> LatencyCurve:
-    """Median latency of a causal block of each size after ``context`` cached tokens."""
+              repeats: int = 5) -> LatencyCurve:
+    """Median latency of a causal block of each size after ``context`` cached tokens. The sizes
+    are measured in turn within each of the ``repeats`` sweeps (after one warm-up sweep), so a
+    machine whose speed drifts while it calibrates (a shared host) shifts every size alike
+    instead of bending the curve: measured size by size, a noisy moment once made 8 tokens look
+    cheaper than 6 here, and the auto budget then chose trees too big for this CPU."""
     sizes = sorted(set(int(s) for s in sizes))
     if not sizes or sizes[0] < 1:
         raise LyannaError("calibration sizes must be positive integers")
@@ -108,19 +112,16 @@ def calibrate(engine: TargetEngine, name: str, sizes: Sequence[int] = DEFAULT_SI
     rng = np.random.default_rng(0)
     cache = engine.new_cache(context + sizes[-1])
     engine.forward(rng.integers(engine.config.vocab_size, size=context), np.arange(context), cache, logit_rows=[-1])
-    seconds = []
-    for n in sizes:
-        tokens = rng.integers(engine.config.vocab_size, size=n)
-        mask = np.tril(np.ones((n, n), bool))
-        times = []
-        for _ in range(repeats + 1):  # the first is a warm-up
+    blocks = {n: (rng.integers(engine.config.vocab_size, size=n), np.tril(np.ones((n, n), bool))) for n in sizes}
+    times: dict[int, list[float]] = {n: [] for n in sizes}
+    for sweep in range(repeats + 1):  # the first sweep is a warm-up
+        for n, (tokens, mask) in blocks.items():
             cache.length = context
             t0 = time.perf_counter()
             engine.forward(tokens, np.arange(context, context + n), cache, block_mask=mask)
-            times.append(time.perf_counter() - t0)
-        seconds.append(float(np.median(times[1:])))
-        if progress is not None:
-            progress(1)
+            if sweep:
+                times[n].append(time.perf_counter() - t0)
+    seconds = [float(np.median(times[n])) for n in sizes]
     return LatencyCurve(tuple(sizes), tuple(seconds), model_key(name, engine), machine_id(), context,
                         time.strftime("%Y-%m-%d %H:%M"))
 

@@ -43,18 +43,25 @@ class KVCache:
         Used after verification: of a block of tree nodes appended at ``start``, only the accepted
         path survives, moved to be contiguous right after the prefix.
         """
-        keep = np.asarray(keep, dtype=np.int64)
-        block = self.length - start
-        if start < 0 or block < 0:
-            raise ValueError(f"compact start {start} outside cache of length {self.length}")
-        if keep.size and (keep.min() < 0 or keep.max() >= block or np.unique(keep).size != keep.size):
-            raise ValueError(f"compact keep indices {keep.tolist()} invalid for a block of {block}")
+        keep = compaction(start, self.length, keep)
         if not np.array_equal(keep, np.arange(keep.size)):
             src = start + keep
             dst = slice(start, start + keep.size)
             self.k[:, :, dst] = self.k[:, :, src]  # fancy indexing copies first, so overlap is safe
             self.v[:, :, dst] = self.v[:, :, src]
         self.length = start + int(keep.size)
+
+
+def compaction(start: int, length: int, keep: Sequence[int] | np.ndarray) -> np.ndarray:
+    """``keep`` as indices into the block ``[start, length)`` of a cache, checked (in range, no
+    repeats): what every cache's ``compact`` accepts."""
+    keep = np.asarray(keep, dtype=np.int64)
+    block = length - start
+    if start < 0 or block < 0:
+        raise ValueError(f"compact start {start} outside cache of length {length}")
+    if keep.size and (keep.min() < 0 or keep.max() >= block or np.unique(keep).size != keep.size):
+        raise ValueError(f"compact keep indices {keep.tolist()} invalid for a block of {block}")
+    return keep
 
 
 @dataclass
@@ -80,7 +87,8 @@ class TargetEngine(Protocol):
     whichever engine computes it (``Transformer`` here, ``torch_engine.TorchEngine``): forward a
     block with positions and a tree mask, return logits and tapped hidden states as host fp32
     arrays, keep the accepted cache rows. The drafters share the target's embedding, LM head,
-    final norm and RoPE frequencies as host fp32 arrays."""
+    final norm and RoPE frequencies as host fp32 arrays. An engine that subclasses it writes
+    ``forward_batch`` only: ``forward`` is the batch of one."""
 
     config: ModelConfig
     name: str  # the engine and its settings, e.g. "numpy" or "torch-cuda-bfloat16": keys calibrations
@@ -91,9 +99,24 @@ class TargetEngine(Protocol):
 
     def new_cache(self, capacity: int) -> Cache: ...
 
-    def forward(self, tokens: Sequence[int] | np.ndarray, positions: Sequence[int] | np.ndarray, cache: Cache,
-                block_mask: np.ndarray | None = None, logit_rows: Sequence[int] | np.ndarray | slice | None = None,
-                taps: Sequence[int] = ()) -> "ForwardOutput": ...
+    def forward(
+        self,
+        tokens: Sequence[int] | np.ndarray,
+        positions: Sequence[int] | np.ndarray,
+        cache: Cache,
+        block_mask: np.ndarray | None = None,
+        logit_rows: Sequence[int] | np.ndarray | slice | None = None,
+        taps: Sequence[int] = (),
+    ) -> ForwardOutput:
+        """Run a block of ``n`` new tokens after the ``cache.length`` cached positions.
+
+        ``block_mask[i, j]`` says whether block token i may attend to block token j (every token
+        always sees the whole cached prefix); ``None`` means causal. ``logit_rows`` picks the rows
+        whose logits are computed (the LM head is costly), ``None`` means all. ``taps`` are
+        Hugging Face ``hidden_states`` indices: ``k < num_layers`` is the input of layer k, and
+        ``num_layers`` is the final-norm output.
+        """
+        return self.forward_batch([Block(tokens, positions, cache, block_mask, logit_rows, taps)])[0]
 
     def forward_batch(self, blocks: Sequence["Block"]) -> list["ForwardOutput"]: ...
 
@@ -232,7 +255,7 @@ def _interleave_rows(w: np.ndarray, heads: int, head_dim: int) -> np.ndarray:
     return w.reshape(heads, head_dim, *w.shape[1:])[:, perm].reshape(w.shape)
 
 
-class Transformer:
+class Transformer(TargetEngine):
     """A Llama-family decoder over numpy fp32 weights with a tree-capable block forward."""
 
     name = "numpy"
@@ -258,25 +281,6 @@ class Transformer:
     def new_cache(self, capacity: int) -> KVCache:
         c = self.config
         return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, capacity)
-
-    def forward(
-        self,
-        tokens: Sequence[int] | np.ndarray,
-        positions: Sequence[int] | np.ndarray,
-        cache: Cache,
-        block_mask: np.ndarray | None = None,
-        logit_rows: Sequence[int] | np.ndarray | slice | None = None,
-        taps: Sequence[int] = (),
-    ) -> ForwardOutput:
-        """Run a block of ``n`` new tokens after the ``cache.length`` cached positions.
-
-        ``block_mask[i, j]`` says whether block token i may attend to block token j (every token
-        always sees the whole cached prefix); ``None`` means causal. ``logit_rows`` picks the rows
-        whose logits are computed (the LM head is costly), ``None`` means all. ``taps`` are
-        Hugging Face ``hidden_states`` indices: ``k < num_layers`` is the input of layer k, and
-        ``num_layers`` is the final-norm output.
-        """
-        return self.forward_batch([Block(tokens, positions, cache, block_mask, logit_rows, taps)])[0]
 
     def forward_batch(self, blocks: Sequence["Block"]) -> list[ForwardOutput]:
         """``forward`` for the blocks of several sequences (each its own cache) in one pass.

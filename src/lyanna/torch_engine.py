@@ -18,7 +18,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from .config import ModelConfig, rope_inv_freq
-from .engine import Block, ForwardOutput, block_inputs
+from .engine import Block, ForwardOutput, TargetEngine, block_inputs, compaction
 from .errors import LyannaError
 from .loading import Target, load_target, load_weights
 
@@ -67,20 +67,14 @@ class TorchCache:
         """Keep block positions ``start + keep[i]`` (in that order) after the prefix, drop the rest."""
         import torch
 
-        keep = np.asarray(keep, dtype=np.int64)
-        length = self.length
-        block = length - start
-        if start < 0 or block < 0:
-            raise ValueError(f"compact start {start} outside cache of length {length}")
-        if keep.size and (keep.min() < 0 or keep.max() >= block or np.unique(keep).size != keep.size):
-            raise ValueError(f"compact keep indices {keep.tolist()} invalid for a block of {block}")
+        keep = compaction(start, self.length, keep)
         if np.array_equal(keep, np.arange(keep.size)):  # the kept rows are already in place
             self._select(slice(0, start + keep.size))
         else:
             self._select(torch.from_numpy(np.concatenate([np.arange(start), start + keep])))
 
 
-class TorchEngine:
+class TorchEngine(TargetEngine):
     """A Hugging Face causal LM (Llama, Mistral, Qwen2 layouts) as a Lyanna target engine."""
 
     def __init__(self, model: Any, config: ModelConfig | None = None):
@@ -145,18 +139,6 @@ class TorchEngine:
 
     def new_cache(self, capacity: int) -> TorchCache:
         return TorchCache(capacity)
-
-    def forward(
-        self,
-        tokens: Sequence[int] | np.ndarray,
-        positions: Sequence[int] | np.ndarray,
-        cache: TorchCache,
-        block_mask: np.ndarray | None = None,
-        logit_rows: Sequence[int] | np.ndarray | slice | None = None,
-        taps: Sequence[int] = (),
-    ) -> ForwardOutput:
-        """``engine.Transformer.forward``'s contract on the Hugging Face model."""
-        return self.forward_batch([Block(tokens, positions, cache, block_mask, logit_rows, taps)])[0]
 
     def forward_batch(self, blocks: Sequence[Block]) -> list[ForwardOutput]:
         """The blocks one after another (each sequence has its own ``DynamicCache``; a padded

@@ -144,3 +144,59 @@ def test_data_without_prompts_fails_with_one_line(tmp_path, tiny_model_dir, caps
     err = capsys.readouterr().err
     assert err.startswith("lyanna train: error:") and "no training prompts" in err and err.count("\n") == 1
     assert not run.exists()
+
+
+def test_self_distillation_through_the_hf_model_gives_the_greedy_replies(run_dir, tiny_model_dir, tmp_path):
+    """`train data --device cpu`: padded batches through the Hugging Face model with a static
+    cache; each reply is the target's greedy reply (as the engine decodes it alone), ending at
+    its first end-of-sequence token, and the run is resumable like the engine's."""
+    run = tmp_path / "hf"
+    pfile = run_dir.parent / "prompts.jsonl"
+    assert train_main(["data", "--run-dir", str(run), "--model", str(tiny_model_dir), "--prompts", str(pfile),
+                       "--max-new-tokens", "24", "--batch", "5", "--device", "cpu"]) == 0
+    got = {r["id"]: r for r in pipeline.iter_data(run)}
+    want = {r["id"]: r for r in pipeline.iter_data(run_dir)}  # the engine's replies, same prompts and limit
+    assert got.keys() == want.keys()
+    eos = set(load_target(tiny_model_dir).config.eos_token_ids)
+    for eid, row in got.items():
+        assert row["prompt_ids"] == want[eid]["prompt_ids"]
+        out = row["output_ids"]
+        assert len(out) == 24 or out[-1] in eos
+        assert not eos & set(out[:-1])  # nothing after the first end-of-sequence token
+        assert out == want[eid]["output_ids"], eid
+    assert json.loads((run / "run.json").read_text())["generator"] == "hf-cpu"
+    # the features came with the replies: the same as the features stage computes teacher-forced
+    mine = dict(pipeline.load_examples(run))
+    theirs = dict(pipeline.load_examples(run_dir))
+    assert mine.keys() == theirs.keys()
+    for eid, ex in mine.items():
+        assert ex.tokens.tolist() == theirs[eid].tokens.tolist() and ex.mask.tolist() == theirs[eid].mask.tolist()
+        np.testing.assert_allclose(ex.features.astype(np.float32), theirs[eid].features.astype(np.float32), rtol=2e-3, atol=2e-3)
+    assert pipeline.stage_features(run) == len(mine)  # nothing left to do
+    assert not (run / "features" / "report.json").exists()
+
+
+def test_fit_can_start_from_a_checkpoint(run_dir, tmp_path):
+    """`fit --init`: the head starts as the checkpoint (a Lyanna head keeps its draft vocabulary
+    and rank, whatever the flags say) and the model card names where it came from."""
+    pipeline.stage_fit(run_dir, "lyanna", steps=4, batch=2, lr=2e-3, depth=2, rank=4, draft_vocab=150, eval_every=4,
+                       name="base", row_len=64)
+    base = tmp_path / "base"
+    pipeline.stage_export(run_dir, "lyanna", base, name="base", hot=32)
+    # lr 0: one step changes nothing, so the continued head must be the checkpoint exactly
+    state = pipeline.stage_fit(run_dir, "lyanna", steps=1, batch=2, lr=0.0, depth=2, rank=8, draft_vocab=200,
+                               eval_every=1, name="cont", row_len=64, init=base)
+    assert state["settings"]["rank"] == 4 and state["settings"]["draft_vocab"] == 150
+    assert state["init"]["path"] == str(base) and state["init"]["settings"]["steps"] == 4
+    start = load_file(str(base / "model.safetensors"))
+    cont = load_file(str(run_dir / "fit" / "cont" / "state.safetensors"))
+    for k, v in start.items():
+        if k != "ti.hot":
+            np.testing.assert_array_equal(cont[f"head/{k}"], v, err_msg=k)
+    out = tmp_path / "cont"
+    pipeline.stage_export(run_dir, "lyanna", out, name="cont", hot=32)
+    card = (out / "README.md").read_text()
+    assert "initialized from `OUT`" not in card and "continued training" in card and str(tmp_path) not in card
+    assert json.loads((out / "config.json").read_text())["settings"]["init"]["settings"]["steps"] == 4
+    with pytest.raises(LyannaError, match="not 'eagle'"):
+        pipeline.stage_fit(run_dir, "eagle", steps=1, batch=2, name="wrong", row_len=64, init=base)

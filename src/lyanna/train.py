@@ -35,6 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--max-prompt-tokens", type=int, default=256)
     d.add_argument("--batch", type=int, default=8, help="self-distillation: replies generated together (continuous batching)")
     d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--device", default=None,
+                   help="self-distillation through the Hugging Face model on this device (cpu, cuda) in padded batches: "
+                        "much faster with a large --batch; default: this engine, each reply token-identical to decoding it alone")
 
     f = sub.add_parser("features", help="target hidden states of every example (fp16 shards), teacher-forced")
     f.add_argument("--run-dir", required=True, type=Path)
@@ -72,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--max-train-tokens", type=int, default=None,
                    help="train on the first examples holding this many assistant tokens (data-scaling runs)")
     t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--init", type=Path, default=None,
+                   help="start from this draft checkpoint (same arch) instead of the target's last layer: continued "
+                        "training on new data; a Lyanna head keeps its draft vocabulary and rank")
 
     e = sub.add_parser("export", help="write the draft checkpoint and model card")
     e.add_argument("--run-dir", required=True, type=Path)
@@ -97,7 +103,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise LyannaError("train data needs --source (a conversation corpus) or --prompts (self-distillation)")
             else:
                 pipeline.stage_data(args.run_dir, args.model, args.prompts, args.limit, args.max_new_tokens,
-                                    args.max_prompt_tokens, args.seed, args.batch)
+                                    args.max_prompt_tokens, args.seed, args.batch, args.device)
         elif args.stage == "features":
             pipeline.stage_features(args.run_dir, args.device)
         elif args.stage == "select":
@@ -106,7 +112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             pipeline.stage_fit(args.run_dir, args.arch, args.steps, args.batch, args.lr, args.depth, args.rank,
                                args.draft_vocab, args.selection, args.seed, args.eval_every, args.save_every, args.name,
                                args.row_len, args.warmup, args.labels, args.device, args.eval_run, args.max_train_tokens,
-                               args.eval_examples)
+                               args.eval_examples, args.init)
         else:
             decode = None
             if args.decode:

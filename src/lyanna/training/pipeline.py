@@ -18,7 +18,7 @@ import os
 import shlex
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
@@ -102,12 +102,103 @@ def _write_shards(run: Path, rows: list[str], first: int) -> None:
         os.replace(tmp, run / "data" / f"shard-{idx:05d}.jsonl")  # a shard appears whole or not at all
 
 
+def _hf_model(model_dir: Path, device: str):
+    """The Hugging Face model in fp32 on ``device`` (no TF32: the same function as the engine)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).to(device).eval()
+
+
+def _hf_replies(model, prompts: list[list[int]], max_new_tokens: int, eos: Sequence[int],
+                batch: int) -> list[tuple[list[int], np.ndarray]]:
+    """Greedy replies of the Hugging Face ``model`` (on its device) to ``prompts``, ``batch``
+    left-padded prompts of similar length at a time in a static cache, each reply ending at its
+    first end-of-sequence token (kept, as the engine keeps it), together with the final-norm
+    features of prompt + reply (fp16 [T, H]): the features stage's work comes free with the
+    generation, which computes them anyway. Padded batches may break a near-tie differently
+    from a reply generated alone: fine for training data, which is why the engine path stays
+    the default."""
+    import torch
+    from transformers import StaticCache
+
+    device = model.device
+    out: list[tuple[list[int], np.ndarray]] = [([], np.zeros((0, 0), np.float16))] * len(prompts)
+    order = np.argsort([len(p) for p in prompts], kind="stable")
+    stop = set(int(t) for t in eos)
+    with torch.no_grad():
+        for at in range(0, len(order), batch):
+            chunk = order[at:at + batch]
+            width = max(len(prompts[i]) for i in chunk)
+            ids = torch.full((len(chunk), width), int(eos[0]), dtype=torch.long)
+            att = torch.zeros(len(chunk), width, dtype=torch.long)
+            for r, i in enumerate(chunk):
+                ids[r, width - len(prompts[i]):] = torch.tensor(prompts[i])
+                att[r, width - len(prompts[i]):] = 1
+            ids, att = ids.to(device), att.to(device)
+            # a growing cache would copy itself every step; one column per step for every row
+            cache = StaticCache(config=model.config, max_cache_len=width + max_new_tokens)
+            pos = (att.cumsum(-1) - 1).clamp(min=0)
+            hidden = model.model(input_ids=ids, attention_mask=att, position_ids=pos, past_key_values=cache,
+                                 use_cache=True).last_hidden_state
+            feats, tokens = [hidden.to(torch.float16).cpu()], []
+            done = torch.zeros(len(chunk), dtype=torch.bool, device=device)
+            stop_ids = torch.tensor(sorted(stop), device=device)
+            for _ in range(max_new_tokens):
+                nxt = model.lm_head(hidden[:, -1]).argmax(-1)
+                tokens.append(nxt.cpu())
+                done |= torch.isin(nxt, stop_ids)
+                # one more pass for the feature after the newest token (the last one included)
+                att = torch.cat([att, torch.ones_like(att[:, :1])], 1)
+                pos = pos[:, -1:] + 1
+                hidden = model.model(input_ids=nxt[:, None], attention_mask=att, position_ids=pos,
+                                     past_key_values=cache, use_cache=True).last_hidden_state
+                feats.append(hidden.to(torch.float16).cpu())
+                if bool(done.all()):
+                    break
+            gen = torch.stack(tokens, 1).tolist()
+            every = torch.cat(feats, 1).numpy()
+            for r, i in enumerate(chunk):
+                reply = []
+                for t in gen[r]:
+                    reply.append(int(t))
+                    if t in stop:
+                        break
+                start = width - len(prompts[i])
+                out[i] = (reply, every[r, start : width + len(reply)].copy())
+    return out
+
+
+def _write_features(out: Path, k: int, shard: list[dict[str, Any]], feats: list[np.ndarray], tap: int) -> None:
+    """Features shard ``k``: tokens, fp16 features and assistant mask of each example, the
+    shard's example ids in its metadata (how a stale shard is recognized)."""
+    from safetensors.numpy import save_file
+
+    from .corpus import reply_mask
+
+    tensors: dict[str, np.ndarray] = {}
+    for r, f in zip(shard, feats):
+        ids, mask = reply_mask(r)
+        if len(f) != len(ids):
+            raise LyannaError(f"features of {r['id']} cover {len(f)} tokens, the example has {len(ids)}")
+        tensors[f"{r['id']}/tokens"] = ids.astype(np.int32)
+        tensors[f"{r['id']}/features"] = f.astype(np.float16)
+        tensors[f"{r['id']}/mask"] = mask.astype(np.uint8)
+    path = out / f"shard-{k:05d}.safetensors"
+    out.mkdir(exist_ok=True)
+    save_file(tensors, str(out / f".{path.name}.tmp"), metadata={"tap": str(tap), "ids": json.dumps([r["id"] for r in shard])})
+    os.replace(out / f".{path.name}.tmp", path)
+
+
 def stage_data(run: Path, model: str, prompts_file: Path, limit: int | None, max_new_tokens: int,
-               max_prompt_tokens: int, seed: int, batch: int = 8) -> int:
+               max_prompt_tokens: int, seed: int, batch: int = 8, device: str | None = None) -> int:
     """Self-distillation: the target answers training prompts greedily with its chat template,
-    ``batch`` replies sharing each forward pass (each token-identical to generating it alone)."""
+    ``batch`` replies sharing each forward pass (on this engine each is token-identical to
+    generating it alone; with ``device`` the Hugging Face model generates padded batches, much
+    faster for large batches)."""
     from ..decoding import Decoder, GenerationRequest
-    from ..loading import load_target
+    from ..loading import load_target, resolve_model
 
     if batch < 1:
         raise LyannaError(f"--batch must be >= 1, got {batch}")
@@ -115,29 +206,52 @@ def stage_data(run: Path, model: str, prompts_file: Path, limit: int | None, max
     if not prompts:  # checked before the run exists: an empty run would only fail later, less clearly
         raise LyannaError(f"{prompts_file} has no training prompts (empty, or every prompt is a benchmark question)")
     _start_run(run, {"model": model, "source": "self-distillation", "seed": seed, "prompts": Path(prompts_file).name,
-                     "max_new_tokens": max_new_tokens, "max_prompt_tokens": max_prompt_tokens})
+                     "max_new_tokens": max_new_tokens, "max_prompt_tokens": max_prompt_tokens,
+                     "generator": f"hf-{device}" if device else "engine"})
     done = {row["id"] for row in iter_data(run)}
     todo = [p for p in prompts if p["id"] not in done]
     decoder = Decoder(load_target(model))
+    hf = _hf_model(resolve_model(model), device) if device else None
     shard_idx = len(list((run / "data").glob("shard-*.jsonl")))
     bar = _progress(len(prompts), "data (self-distillation)", len(prompts) - len(todo))
     request = GenerationRequest(max_new_tokens=max_new_tokens)
     started, made = time.perf_counter(), 0
+    shard_started = started
     for first in range(0, len(todo), SHARD_EXAMPLES):  # one shard at a time: a shard is the unit of resumption
-        rows = []
+        rows: list[str] = []
+        feats: list[np.ndarray] = []
         chunk = todo[first : first + SHARD_EXAMPLES]
         for k in range(0, len(chunk), 4 * batch):  # progress every few batches
             part = chunk[k : k + 4 * batch]
             ids = [decoder.encode(p["prompt"])[:max_prompt_tokens] for p in part]
-            for p, pid, out in zip(part, ids, decoder.generate_batch(ids, request, max_batch=batch)):
-                rows.append(json.dumps({"id": p["id"], "prompt_ids": pid, "output_ids": out.tokens}))
+            if device:
+                got = _hf_replies(hf, ids, max_new_tokens, decoder.eos_token_ids, batch)
+                replies = [reply for reply, _ in got]
+                feats += [f for _, f in got]
+            else:
+                replies = [out.tokens for out in decoder.generate_batch(ids, request, max_batch=batch)]
+            for p, pid, reply in zip(part, ids, replies):
+                rows.append(json.dumps({"id": p["id"], "prompt_ids": pid, "output_ids": reply}))
             made += len(part)
             bar.update(len(part))
             bar.set_postfix(replies_per_s=f"{made / max(time.perf_counter() - started, 1e-9):.2f}", refresh=False)
+        if device:  # features before data: the data shard is what marks these prompts done
+            _write_features(run / "features", shard_idx, [json.loads(r) for r in rows], feats, decoder.engine.config.num_layers)
         _write_shards(run, rows, shard_idx)
         shard_idx += 1
+        _add_data_seconds(run, time.perf_counter() - shard_started, device)
+        shard_started = time.perf_counter()
     bar.close()
     return len(prompts)
+
+
+def _add_data_seconds(run: Path, seconds: float, device: str | None) -> None:
+    """Self-distillation's wall time, summed over resumed sessions (the model card's cost line)."""
+    f = run / "data" / "report.json"
+    report = json.loads(f.read_text()) if f.is_file() else {"seconds": 0.0}
+    report["seconds"] = round(report["seconds"] + seconds, 1)
+    report["device"] = f"hf-{device}, features included" if device else "engine"
+    f.write_text(json.dumps(report))
 
 
 def stage_corpus(run: Path, model: str, source: str, limit: int | None, reply_tokens: int | None,
@@ -175,10 +289,8 @@ def _hf_features(model_dir: Path, seqs: list[np.ndarray], device: str):
     """Final-norm features of each sequence from the Hugging Face model itself on ``device``
     (fp32, no TF32: the same function as the engine), batched by length."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    torch.backends.cuda.matmul.allow_tf32 = False
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).to(device).eval()
+    model = _hf_model(model_dir, device)
     out: list[np.ndarray | None] = [None] * len(seqs)
     order = np.argsort([-len(s) for s in seqs], kind="stable")
     budget = 65536  # tokens per forward: large enough to fill a GPU, small enough for its memory
@@ -207,7 +319,6 @@ def stage_features(run: Path, device: str | None = None) -> int:
     through the Hugging Face model in batches. A shard whose example ids no longer match the
     data (the data stage was rerun with more examples) is redone."""
     from safetensors import safe_open
-    from safetensors.numpy import save_file
 
     from ..loading import load_target, resolve_model
     from .corpus import reply_mask
@@ -252,15 +363,8 @@ def stage_features(run: Path, device: str | None = None) -> int:
             for i, (ids, _) in enumerate(seqs):
                 feats[i] = target_features(engine, [ids], tap)[0].features.astype(np.float16)
                 bar.update(len(ids))
-        tensors: dict[str, np.ndarray] = {}
-        for i, (r, (ids, mask)) in enumerate(zip(shard, seqs)):
-            tensors[f"{r['id']}/tokens"] = ids.astype(np.int32)
-            tensors[f"{r['id']}/features"] = feats[i].astype(np.float16)
-            tensors[f"{r['id']}/mask"] = mask.astype(np.uint8)
-            done_tokens += len(ids)
-        path = out / f"shard-{k:05d}.safetensors"
-        save_file(tensors, str(out / f".{path.name}.tmp"), metadata={"tap": str(tap), "ids": json.dumps([r["id"] for r in shard])})
-        os.replace(out / f".{path.name}.tmp", path)
+        _write_features(out, k, shard, [feats[i] for i in range(len(shard))], tap)
+        done_tokens += sum(len(ids) for ids, _ in seqs)
     bar.close()
     if done_tokens:
         rate = done_tokens / (time.perf_counter() - t0)
@@ -401,14 +505,18 @@ def stage_fit(run: Path, arch: str, steps: int, batch: int = 8, lr: float = 3e-4
               draft_vocab: int = 8192, selection: str | None = None, seed: int = 0, eval_every: int = 50,
               save_every: int = 50, name: str | None = None, row_len: int = 2048, warmup: int = 0,
               labels: str = "soft", device: str = "cpu", eval_run: Path | None = None, max_train_tokens: int | None = None,
-              eval_examples: int = 64) -> dict[str, Any]:
+              eval_examples: int = 64, init: Path | None = None) -> dict[str, Any]:
     """Train a draft head on packed batches of ``batch`` rows of ``row_len`` tokens;
     data-parallel under torchrun (every rank takes a slice of each batch's rows). Held-out
     agreement is measured on this run's held-out split, or on all of ``eval_run`` (for example
-    the target's own replies, when training on a corpus)."""
+    the target's own replies, when training on a corpus). ``init``, a draft checkpoint of the
+    same arch, is the starting point instead of the target's last layer (continued training on
+    new data, e.g. the target's own replies after a corpus); a Lyanna head keeps its draft
+    vocabulary and rank."""
     import torch
     from safetensors.torch import load_file, save_file
 
+    from ..drafters.checkpoint import load_head
     from ..loading import load_target
     from .fit import batch_agreement, batch_loss, init_eagle_head, init_lyanna_head, make_batch, pack, scored_counts
 
@@ -460,13 +568,22 @@ def stage_fit(run: Path, arch: str, steps: int, batch: int = 8, lr: float = 3e-4
     if state["arch"] != arch:
         raise LyannaError(f"{out} holds a {state['arch']} run; pass another --name")
     state["device"] = str(device)
+    start = None
+    if init is not None:
+        init_config, start = load_head(init, target, arch)
+        state.setdefault("init", {"path": str(init), "settings": init_config.get("settings", {})})
     counts = _token_frequencies(train, target.config.vocab_size)
     d2t = np.argsort(-counts, kind="stable")[: min(draft_vocab, target.config.vocab_size)]
     if arch == "lyanna":
+        if start is not None:  # the checkpoint's draft vocabulary and rank: its tables index them
+            d2t, rank = start["d2t"], int(start["ti.a"].shape[1])
+            state["settings"].update(rank=rank, draft_vocab=len(d2t))
         head = init_lyanna_head(engine, target.weights, d2t, rank=rank, seed=seed)
     else:
         head = init_eagle_head(engine, target.weights, seed=seed)
         head.restrict_loss_vocab(d2t)  # same frequent tokens as lyanna's draft vocabulary
+    if start is not None:
+        head.load_state_dict({k: torch.from_numpy(np.asarray(v)) for k, v in start.items() if k != "ti.hot"})
     head = head.to(device)
     if str(device).startswith("cuda"):
         torch.backends.cuda.matmul.allow_tf32 = True  # the head's matmuls; labels are computed from stored fp32-exact features
@@ -593,6 +710,14 @@ def _stage_costs(run: Path, fit_state: dict[str, Any]) -> str:
     return ", ".join(parts)
 
 
+def _init_line(init: dict[str, Any], shown) -> str:
+    """The model card's line on the checkpoint a continued fit started from (its own training)."""
+    st = init.get("settings", {})
+    return (f"- initialized from `{shown(init['path'])}` (continued training); that head: {st.get('source', '?')} data, "
+            f"{st.get('train_reply_tokens', '?')} assistant tokens, {st.get('steps', '?')} steps, {st.get('device', '?')}, "
+            f"held-out agreement {st.get('held_out_agreement')}")
+
+
 def stage_export(run: Path, arch: str, out_dir: Path, name: str | None = None, hot: int = 2048, command: str = "",
                  decode: dict[str, Any] | None = None) -> Path:
     """Write the draft checkpoint (and, for Lyanna, the hot-token list the table is built from)
@@ -631,6 +756,7 @@ def stage_export(run: Path, arch: str, out_dir: Path, name: str | None = None, h
                 "train_examples": state["train_examples"], "train_tokens": state["train_tokens"],
                 "train_reply_tokens": state.get("train_reply_tokens"), "source": info.get("source", "self-distillation"),
                 "held_out_agreement": last.get("agreement"), "selection": state.get("selection"),
+                "init": {**state["init"], "path": shown(state["init"]["path"])} if state.get("init") else None,
                 "hot_tokens": hot if arch == "lyanna" else None, "hot_coverage": coverage, "command": command,
                 **({"decode": decode} if decode else {})}
     save_head(out_dir, arch, weights, target, tap, settings)
@@ -653,6 +779,7 @@ def stage_export(run: Path, arch: str, out_dir: Path, name: str | None = None, h
         f"- data: {state['train_examples']} training examples, {state['train_tokens']} tokens of which "
         f"{state.get('train_reply_tokens', '?')} written by the assistant ({data}); {held_desc}; "
         f"selection: {state.get('selection') or 'all'}",
+        *([_init_line(state["init"], shown)] if state.get("init") else []),
         f"- steps: {state['step']} (batch {st['batch']} rows of {st.get('row_len', '-')} tokens, lr {st['lr']}, "
         f"warmup {st.get('warmup', 0)}, {st.get('labels', 'soft')} labels, unrolled depth {st['depth']})",
         f"- cost: {_stage_costs(run, state)}",

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lyanna.kernels import attention, linear
+from lyanna.kernels import AttentionSpan, attention, linear, ragged_attention
 
 
 @settings(max_examples=60, deadline=None)
@@ -122,3 +122,36 @@ def test_prefill_rows_get_the_same_numbers_alone_and_beside_other_rows():
     np.testing.assert_allclose(mixed, x @ w.T, rtol=1e-4, atol=1e-4)
     short = x[: BULK_MIN_ROWS - 1]
     assert np.array_equal(linear_rows(short, w, [(0, len(short))]), linear(short, w))
+
+
+@pytest.mark.parametrize("sequences", [2, 3, 5])
+def test_ragged_attention_gives_each_sequence_its_numbers_alone(sequences: int) -> None:
+    """One launch for several sequences (own caches, ends, masks or none): every row gets the
+    bits it gets alone, whatever the batch around it (3 and 5 spans pad the kernel's tuple of
+    caches); rows outside every span are left untouched."""
+    rng = np.random.default_rng(sequences)
+    kv, groups, hd = 3, 3, 64
+    spans, lo = [], 2  # rows 0..1 belong to nobody
+    for s in range(sequences):
+        rows, end = [1, 4, 2, 7, 1][s], [9, 30, 17, 64, 3][s]
+        k = rng.standard_normal((kv, end + 5, hd)).astype(np.float32)
+        v = rng.standard_normal((kv, end + 5, hd)).astype(np.float32)
+        bias = None
+        if rows > 1:
+            bias = np.where(rng.random((rows, end)) < 0.3, -np.inf, 0.0).astype(np.float32)
+            bias[:, 0] = 0.0  # every row sees at least one key
+        spans.append(AttentionSpan(lo, lo + rows, k, v, end, bias))
+        lo += rows
+    q = rng.standard_normal((lo, kv * groups, hd)).astype(np.float32)
+    out = np.full((lo, kv * groups * hd), 7.0, np.float32)
+    ragged_attention(q, spans, out)
+    assert np.all(out[:2] == 7.0)
+    for sp in spans:
+        alone = attention(q[sp.lo : sp.hi], sp.k_cache, sp.v_cache, sp.end, sp.bias)
+        assert np.array_equal(out[sp.lo : sp.hi], alone)
+        np.testing.assert_allclose(alone, reference_attention(q[sp.lo : sp.hi], sp.k_cache, sp.v_cache, sp.end, sp.bias),
+                                   rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="bias must be"):
+        ragged_attention(q, [spans[-1]._replace(bias=np.zeros((1, 2), np.float32))])
+    with pytest.raises(ValueError, match="do not fit"):
+        ragged_attention(q, [spans[0]._replace(end=10_000)])

@@ -18,10 +18,10 @@ import numpy as np
 
 from .config import ModelConfig, rope_inv_freq
 from .errors import LyannaError
-from .kernels import BULK_MIN_ROWS, attention, linear, linear_rows, prefill_attention
+from .kernels import BULK_MIN_ROWS, AttentionSpan, linear, linear_rows, prefill_attention, ragged_attention
 
 # Bumped whenever the forward pass's cost changes, so cached latency calibrations are redone.
-ENGINE_REVISION = 4
+ENGINE_REVISION = 5
 
 
 class KVCache:
@@ -227,16 +227,18 @@ def ragged_layer_forward(layer: LayerWeights, c: ModelConfig, x: np.ndarray, rot
     k = (np.ascontiguousarray(qkv[:, q_dim : q_dim + kv_dim]).view(np.complex64).reshape(n, nkv, hd // 2) * rot).view(np.float32)
     v = qkv[:, q_dim + kv_dim :].reshape(n, nkv, hd)
     q = (q * np.float32(1.0 / np.sqrt(hd))).reshape(n, nh, hd)
-    parts = []
+    o = np.empty((n, q_dim), np.float32)
+    small = []  # every span our kernel serves goes into one launch
     for span in spans:
         end = span.start + span.hi - span.lo
         span.k_cache[:, span.start : end] = k[span.lo : span.hi].transpose(1, 0, 2)
         span.v_cache[:, span.start : end] = v[span.lo : span.hi].transpose(1, 0, 2)
         if span.prefill and span.hi - span.lo >= BULK_MIN_ROWS:
-            parts.append(prefill_attention(q[span.lo : span.hi], span.k_cache, span.v_cache, span.bias))
+            o[span.lo : span.hi] = prefill_attention(q[span.lo : span.hi], span.k_cache, span.v_cache, span.bias)
         else:
-            parts.append(attention(q[span.lo : span.hi], span.k_cache, span.v_cache, end, span.bias))
-    o = parts[0] if len(parts) == 1 else np.concatenate(parts)
+            small.append(AttentionSpan(span.lo, span.hi, span.k_cache, span.v_cache, end, span.bias))
+    if small:
+        ragged_attention(q, small, o)
     x = x + linear_rows(o, layer.wo, bulk)
     h = rms_norm(x, layer.mlp_norm, c.rms_norm_eps)
     gu = linear_rows(h, layer.w_gate_up, bulk)

@@ -12,7 +12,7 @@ quiet machine, 2026-11-21), ms for 1 / 2 / 8 / 16 / 64 tokens: OpenBLAS 16.4 / 3
 from __future__ import annotations
 
 import threading
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 from numba import njit, prange
@@ -158,25 +158,35 @@ def prefill_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, b
 
 
 @njit(parallel=True, fastmath=_FAST, cache=True, nogil=True)
-def _attention_kernel(q: np.ndarray, k: np.ndarray, v: np.ndarray, end: int, bias: np.ndarray,
-                      out: np.ndarray) -> None:  # pragma: no cover - compiled
+def _attention_kernel(q: np.ndarray, ks, vs, span_of: np.ndarray, lo: np.ndarray, ends: np.ndarray,
+                      bias: np.ndarray, bias_at: np.ndarray, out: np.ndarray) -> None:  # pragma: no cover - compiled
+    """Row ``i`` of ``q`` belongs to span ``span_of[i]`` (-1: skipped) and attends to keys
+    [0, ends[s]) of that span's caches ``ks[s]``/``vs[s]`` (tuples: one launch for every
+    sequence of a batch), plus its row of the span's additive mask when ``bias_at[s] >= 0``."""
     n, heads, hd = q.shape
-    groups = heads // k.shape[0]
-    masked = bias.shape[0] > 0
+    groups = heads // ks[0].shape[0]
     for t in prange(n * heads):
         i = t // heads
+        s = span_of[i]
+        if s < 0:
+            continue
         h = t % heads
         g = h // groups
+        k = ks[s]
+        v = vs[s]
+        end = ends[s]
+        masked = bias_at[s] >= 0
+        row_bias = bias_at[s] + (i - lo[s]) * end
         scores = np.empty(end, np.float32)
         top = -np.inf
         for j in range(end):
-            s = np.float32(0.0)
+            sc = np.float32(0.0)
             for d in range(hd):
-                s += q[i, h, d] * k[g, j, d]
+                sc += q[i, h, d] * k[g, j, d]
             if masked:
-                s += bias[i, j]
-            scores[j] = s
-            top = max(top, s)
+                sc += bias[row_bias + j]
+            scores[j] = sc
+            top = max(top, sc)
         for j in range(end):
             # masked keys skip the (scalar, libm) exp: exp(-inf) is exactly 0
             scores[j] = np.float32(0.0) if scores[j] == -np.inf else np.exp(scores[j] - top)
@@ -198,24 +208,70 @@ def _attention_kernel(q: np.ndarray, k: np.ndarray, v: np.ndarray, end: int, bia
             out[i, h * hd + d] = acc[d] * inv
 
 
-def attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, end: int,
-              bias: np.ndarray | None) -> np.ndarray:
-    """Grouped-query softmax attention of n query rows over cache slots [0, end).
+class AttentionSpan(NamedTuple):
+    """Rows [lo, hi) of a block's queries, attending to keys [0, end) of these caches (one
+    layer's [kv_heads, capacity, head_dim]) with an additive [hi - lo, end] mask or none."""
 
-    ``q`` is [n, heads, head_dim], already scaled; ``k_cache``/``v_cache`` are one layer's
-    [kv_heads, capacity, head_dim]; ``bias`` is an additive [n, end] mask or None (no mask).
-    Returns [n, heads * head_dim]. One compiled kernel instead of BLAS batched matmuls: those
-    start OpenBLAS's thread pool beside numba's, and on two cores the pools fight (blocks of 12
-    tokens and more took 0.4 to 0.6 s instead of 0.03).
-    """
+    lo: int
+    hi: int
+    k_cache: np.ndarray
+    v_cache: np.ndarray
+    end: int
+    bias: np.ndarray | None
+
+
+def ragged_attention(q: np.ndarray, spans: Sequence[AttentionSpan], out: np.ndarray | None = None) -> np.ndarray:
+    """Grouped-query softmax attention of several sequences' query rows, each over its own cache,
+    in one kernel launch (a batch of 8 decoding sequences: 30 launches per pass instead of 240,
+    at ~60 us each). ``q`` is [n, heads, head_dim], already scaled; returns [n, heads * head_dim]
+    (rows outside every span are left as they are in ``out``). A row's numbers do not depend on
+    the other spans: the same kernel serves a sequence alone (``attention``) and in a batch.
+
+    One compiled kernel instead of BLAS batched matmuls: those start OpenBLAS's thread pool
+    beside numba's, and on two cores the pools fight (blocks of 12 tokens and more took 0.4 to
+    0.6 s instead of 0.03)."""
     q = np.ascontiguousarray(q, dtype=np.float32)
     n, heads, hd = q.shape
-    if k_cache.shape[0] == 0 or heads % k_cache.shape[0] or k_cache.shape[2] != hd or end > k_cache.shape[1] or end < 1:
-        raise ValueError(f"attention shapes do not fit: q {q.shape}, cache {k_cache.shape}, end {end}")
-    mask = np.zeros((0, 0), np.float32) if bias is None else np.ascontiguousarray(bias, dtype=np.float32)
-    if bias is not None and mask.shape != (n, end):
-        raise ValueError(f"attention bias must be [{n}, {end}], got {mask.shape}")
-    out = np.empty((n, heads * hd), np.float32)
+    span_of = np.full(n, -1, np.int64)
+    lo, ends, bias_at, biases, at = [], [], [], [], 0
+    for s, sp in enumerate(spans):
+        kv = sp.k_cache.shape
+        if kv[0] == 0 or heads % kv[0] or kv[2] != hd or sp.end > kv[1] or sp.end < 1 or not 0 <= sp.lo <= sp.hi <= n:
+            raise ValueError(f"attention shapes do not fit: q {q.shape}, rows [{sp.lo}, {sp.hi}), cache {kv}, end {sp.end}")
+        if kv[0] != spans[0].k_cache.shape[0] or sp.v_cache.shape != kv:
+            raise ValueError("every span's caches must have the same shape per slot")
+        span_of[sp.lo : sp.hi] = s
+        lo.append(sp.lo)
+        ends.append(sp.end)
+        if sp.bias is None:
+            bias_at.append(-1)
+        else:
+            b = np.asarray(sp.bias, np.float32)
+            if b.shape != (sp.hi - sp.lo, sp.end):
+                raise ValueError(f"attention bias must be [{sp.hi - sp.lo}, {sp.end}], got {b.shape}")
+            bias_at.append(at)
+            biases.append(b.reshape(-1))
+            at += b.size
+    # tuples are compiled per length: pad to a power of two (the last cache again, never read)
+    # so that batch sizes 1..N cost log2(N) compilations, not N
+    # (and one array type: a non-contiguous cache view is read through a contiguous copy)
+    width = 1 << max(len(spans) - 1, 0).bit_length()
+    ks = tuple(np.ascontiguousarray(sp.k_cache) for sp in spans)
+    vs = tuple(np.ascontiguousarray(sp.v_cache) for sp in spans)
+    ks, vs = ks + ks[-1:] * (width - len(spans)), vs + vs[-1:] * (width - len(spans))
+    bias = np.concatenate(biases) if biases else np.zeros(0, np.float32)
+    if out is None:
+        out = np.empty((n, heads * hd), np.float32)
     with _launch:
-        _attention_kernel(q, k_cache, v_cache, end, mask, out)
+        _attention_kernel(q, ks, vs, span_of, np.asarray(lo, np.int64), np.asarray(ends, np.int64), bias,
+                          np.asarray(bias_at, np.int64), out)
     return out
+
+
+def attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, end: int,
+              bias: np.ndarray | None) -> np.ndarray:
+    """Grouped-query softmax attention of n query rows over cache slots [0, end): ``q`` is
+    [n, heads, head_dim], already scaled; ``k_cache``/``v_cache`` are one layer's
+    [kv_heads, capacity, head_dim]; ``bias`` is an additive [n, end] mask or None (no mask).
+    Returns [n, heads * head_dim]: ``ragged_attention`` of one span."""
+    return ragged_attention(q, [AttentionSpan(0, len(q), k_cache, v_cache, end, bias)])

@@ -187,6 +187,9 @@ def test_fit_can_start_from_a_checkpoint(run_dir, tmp_path):
     state = pipeline.stage_fit(run_dir, "lyanna", steps=1, batch=2, lr=0.0, depth=2, rank=8, draft_vocab=200,
                                eval_every=1, name="cont", row_len=64, init=base)
     assert state["settings"]["rank"] == 4 and state["settings"]["draft_vocab"] == 150
+    # the history starts with the checkpoint's own agreement, which a step at lr 0 keeps
+    assert [h["step"] for h in state["history"]] == [0, 1]
+    assert state["history"][0]["agreement"] == state["history"][1]["agreement"]
     assert state["init"]["path"] == str(base) and state["init"]["settings"]["steps"] == 4
     start = load_file(str(base / "model.safetensors"))
     cont = load_file(str(run_dir / "fit" / "cont" / "state.safetensors"))

@@ -644,6 +644,9 @@ def stage_fit(run: Path, arch: str, steps: int, batch: int = 8, lr: float = 3e-4
     epoch, epoch_start = 0, 0
     epoch_batches = _batches(train_ex, row_len, batch, seed, 0)
     positions = 0
+    if start is not None and state["step"] == 0 and rank_id == 0:  # where the continued head starts
+        state["history"].append({"step": 0, "epoch": 0.0, "loss": None, "agreement": evaluate(), "seconds": 0.0})
+        bar.write(f"step 0 (from {init}): held-out agreement by depth {state['history'][-1]['agreement']}")
     while state["step"] < steps:
         step = state["step"]
         while step - epoch_start >= len(epoch_batches):

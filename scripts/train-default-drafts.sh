@@ -31,5 +31,21 @@ COMMON=(--run-dir "$ROOT/sharegpt" --batch 8 --row-len 2048 --depth 4 --draft-vo
         --eval-run "$ROOT/sd" --eval-every 200 --save-every 200 --warmup 100 --steps "$STEPS")
 $L train fit "${COMMON[@]}" --arch lyanna --rank 32 --lr 2e-3 --name lyanna-main
 $L train fit "${COMMON[@]}" --arch eagle --lr 1e-3 --name eagle-main
-$L train export --run-dir "$ROOT/sharegpt" --arch lyanna --name lyanna-main --out "$OUT/lyanna" --hot 2048
-$L train export --run-dir "$ROOT/sharegpt" --arch eagle --name eagle-main --out "$OUT/eagle"
+$L train export --run-dir "$ROOT/sharegpt" --arch lyanna --name lyanna-main --out "$ROOT/stage1/lyanna" --hot 2048
+$L train export --run-dir "$ROOT/sharegpt" --arch eagle --name eagle-main --out "$ROOT/stage1/eagle"
+
+# Stage 2: continued training on the target's own replies (what decoding sees), self-distilled
+# through the Hugging Face model in batches with their features (`train data --device`), from the
+# training prompts minus the held-out ones. The shipped heads ran this stage on the 2-core CPU.
+SD_DEVICE=${SD_DEVICE:-$DEVICE}
+SD_LIMIT=${SD_LIMIT:-SD_LIMIT_PLACEHOLDER}
+SD_STEPS=${SD_STEPS:-SD_STEPS_PLACEHOLDER}
+grep -vxFf "$ROOT/heldout-prompts.jsonl" "${PROMPTS:-../shared/data/train/prompts.jsonl}" > "$ROOT/train-prompts.jsonl"
+$L train data --run-dir "$ROOT/sd-train" --prompts "$ROOT/train-prompts.jsonl" --limit "$SD_LIMIT" --max-new-tokens 128 \
+  --seed 3 --batch 64 --device "$SD_DEVICE"
+SD=(--run-dir "$ROOT/sd-train" --batch 4 --row-len 1024 --lr 3e-4 --warmup 10 --device "$DEVICE"
+    --eval-run "$ROOT/sd" --eval-every 25 --save-every 25 --steps "$SD_STEPS")
+$L train fit "${SD[@]}" --arch lyanna --init "$ROOT/stage1/lyanna" --name lyanna-sd
+$L train fit "${SD[@]}" --arch eagle --init "$ROOT/stage1/eagle" --name eagle-sd
+$L train export --run-dir "$ROOT/sd-train" --arch lyanna --name lyanna-sd --out "$OUT/lyanna" --hot 2048
+$L train export --run-dir "$ROOT/sd-train" --arch eagle --name eagle-sd --out "$OUT/eagle"

@@ -84,7 +84,10 @@ def test_fit_lowers_loss_resumes_and_exports_a_lossless_draft(run_dir, tiny_mode
     assert all(0 <= a <= 1 for a in state["history"][-1]["agreement"])
     first = json.loads((run_dir / "fit" / f"{arch}-t" / "state.json").read_text())
     state = pipeline.stage_fit(run_dir, arch, steps=30, batch=2, lr=2e-3, depth=3, rank=8, draft_vocab=200,
-                               eval_every=6, name=f"{arch}-t")  # resumes at step 12
+                               eval_every=6, name=f"{arch}-t", until=17)  # resumes at step 12, stops at 17
+    assert state["step"] == 17 and state["history"][-1]["step"] == 17  # judged and saved where it stopped
+    state = pipeline.stage_fit(run_dir, arch, steps=30, batch=2, lr=2e-3, depth=3, rank=8, draft_vocab=200,
+                               eval_every=6, name=f"{arch}-t")  # goes on to the end of the schedule
     assert state["step"] == 30 and state["history"][:2] == first["history"]
     assert state["history"][-1]["loss"] < state["history"][0]["loss"]
     out = tmp_path / arch

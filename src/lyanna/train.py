@@ -75,6 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--max-train-tokens", type=int, default=None,
                    help="train on the first examples holding this many assistant tokens (data-scaling runs)")
     t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--until", type=int, default=None,
+                   help="stop after this step; the learning-rate schedule still spans --steps (rerun to go on)")
     t.add_argument("--init", type=Path, default=None,
                    help="start from this draft checkpoint (same arch) instead of the target's last layer: continued "
                         "training on new data; a Lyanna head keeps its draft vocabulary and rank")
@@ -112,7 +114,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             pipeline.stage_fit(args.run_dir, args.arch, args.steps, args.batch, args.lr, args.depth, args.rank,
                                args.draft_vocab, args.selection, args.seed, args.eval_every, args.save_every, args.name,
                                args.row_len, args.warmup, args.labels, args.device, args.eval_run, args.max_train_tokens,
-                               args.eval_examples, args.init)
+                               args.eval_examples, args.init, args.until)
         else:
             decode = None
             if args.decode:

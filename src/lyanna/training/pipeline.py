@@ -505,14 +505,15 @@ def stage_fit(run: Path, arch: str, steps: int, batch: int = 8, lr: float = 3e-4
               draft_vocab: int = 8192, selection: str | None = None, seed: int = 0, eval_every: int = 50,
               save_every: int = 50, name: str | None = None, row_len: int = 2048, warmup: int = 0,
               labels: str = "soft", device: str = "cpu", eval_run: Path | None = None, max_train_tokens: int | None = None,
-              eval_examples: int = 64, init: Path | None = None) -> dict[str, Any]:
+              eval_examples: int = 64, init: Path | None = None, until: int | None = None) -> dict[str, Any]:
     """Train a draft head on packed batches of ``batch`` rows of ``row_len`` tokens;
     data-parallel under torchrun (every rank takes a slice of each batch's rows). Held-out
     agreement is measured on this run's held-out split, or on all of ``eval_run`` (for example
     the target's own replies, when training on a corpus). ``init``, a draft checkpoint of the
     same arch, is the starting point instead of the target's last layer (continued training on
     new data, e.g. the target's own replies after a corpus); a Lyanna head keeps its draft
-    vocabulary and rank."""
+    vocabulary and rank. ``until`` stops after that step while the learning-rate schedule still
+    spans ``steps`` (a long fit in sessions: rerun with a later ``until``, or none, to go on)."""
     import torch
     from safetensors.torch import load_file, save_file
 
@@ -647,7 +648,8 @@ def stage_fit(run: Path, arch: str, steps: int, batch: int = 8, lr: float = 3e-4
     if start is not None and state["step"] == 0 and rank_id == 0:  # where the continued head starts
         state["history"].append({"step": 0, "epoch": 0.0, "loss": None, "agreement": evaluate(), "seconds": 0.0})
         bar.write(f"step 0 (from {init}): held-out agreement by depth {state['history'][-1]['agreement']}")
-    while state["step"] < steps:
+    last = steps if until is None else min(until, steps)
+    while state["step"] < last:
         step = state["step"]
         while step - epoch_start >= len(epoch_batches):
             epoch_start += len(epoch_batches)
@@ -673,7 +675,7 @@ def stage_fit(run: Path, arch: str, steps: int, batch: int = 8, lr: float = 3e-4
         bar.update(1)
         elapsed = state["seconds"] + time.perf_counter() - t0
         bar.set_postfix(loss=f"{float(loss.detach()):.3f}", pos_s=f"{positions / max(time.perf_counter() - t0, 1e-9):.0f}")
-        done = state["step"] == steps
+        done = state["step"] == last
         if rank_id == 0 and (state["step"] % eval_every == 0 or done):
             acc = evaluate()
             state["history"].append({"step": state["step"], "epoch": round(epoch + (step - epoch_start) / per_epoch, 3), "loss": round(float(loss.detach()), 4),

@@ -38,13 +38,13 @@ $L train export --run-dir "$ROOT/sharegpt" --arch eagle --name eagle-main --out 
 # through the Hugging Face model in batches with their features (`train data --device`), from the
 # training prompts minus the held-out ones. The shipped heads ran this stage on the 2-core CPU.
 SD_DEVICE=${SD_DEVICE:-$DEVICE}
-SD_LIMIT=${SD_LIMIT:-SD_LIMIT_PLACEHOLDER}
-SD_STEPS=${SD_STEPS:-SD_STEPS_PLACEHOLDER}
+SD_LIMIT=${SD_LIMIT:-2560}
+SD_STEPS=${SD_STEPS:-150}
 grep -vxFf "$ROOT/heldout-prompts.jsonl" "${PROMPTS:-../shared/data/train/prompts.jsonl}" > "$ROOT/train-prompts.jsonl"
 $L train data --run-dir "$ROOT/sd-train" --prompts "$ROOT/train-prompts.jsonl" --limit "$SD_LIMIT" --max-new-tokens 128 \
   --seed 3 --batch 64 --device "$SD_DEVICE"
 SD=(--run-dir "$ROOT/sd-train" --batch 4 --row-len 1024 --lr 3e-4 --warmup 10 --device "$DEVICE"
-    --eval-run "$ROOT/sd" --eval-every 25 --save-every 25 --steps "$SD_STEPS")
+    --eval-run "$ROOT/sd" --eval-every 30 --save-every 10 --steps "$SD_STEPS" --until 90)
 $L train fit "${SD[@]}" --arch lyanna --init "$ROOT/stage1/lyanna" --name lyanna-sd
 $L train fit "${SD[@]}" --arch eagle --init "$ROOT/stage1/eagle" --name eagle-sd
 $L train export --run-dir "$ROOT/sd-train" --arch lyanna --name lyanna-sd --out "$OUT/lyanna" --hot 2048

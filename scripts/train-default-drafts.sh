@@ -7,10 +7,13 @@
 #             (self-distillation) that nothing is trained on: the held-out set.
 #   features  teacher-forced final-norm features, fp16 (~1.15 KB per token: ~12 GB here)
 #   fit       packed rows of 2048 tokens, 1900 steps of 8 rows, warmup 100 + cosine decay
+#   stage 2   2,560 replies of the target itself with their features (train data --device), then
+#             both heads continued from stage 1 (fit --init) for 90 steps of 4 rows x 1024
 #
-# The shipped heads were trained with DEVICE=cuda on one H100 (data 1.2 min, features 3.0 min,
-# each fit ~8 min, the two fits side by side). On a CPU the same commands work with DEVICE=cpu,
-# but the features and fits take days at this size: lower REPLY_TOKENS and STEPS.
+# Stage 1 of the shipped heads ran with DEVICE=cuda on one H100 (data 1.2 min, features 3.0 min,
+# each fit ~8 min, the two fits side by side); stage 2 with DEVICE=cpu on the 2-core CPU (data
+# with features 33 min, each fit 27 min, side by side). On a CPU stage 1 takes days at this size:
+# lower REPLY_TOKENS and STEPS.
 # Usage: scripts/train-default-drafts.sh [RUN_ROOT]   (default runs)
 set -euo pipefail
 cd "$(dirname "$0")/.."

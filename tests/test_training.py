@@ -204,5 +204,12 @@ def test_fit_can_start_from_a_checkpoint(run_dir, tmp_path):
     card = (out / "README.md").read_text()
     assert "initialized from `OUT`" not in card and "continued training" in card and str(tmp_path) not in card
     assert json.loads((out / "config.json").read_text())["settings"]["init"]["settings"]["steps"] == 4
+    # a second continuation: the card shows the whole lineage, newest first
+    pipeline.stage_fit(run_dir, "lyanna", steps=1, batch=2, lr=0.0, depth=2, eval_every=1, name="cont2", row_len=64,
+                       init=out)
+    pipeline.stage_export(run_dir, "lyanna", tmp_path / "cont2", name="cont2", hot=32)
+    lineage = [line for line in (tmp_path / "cont2" / "README.md").read_text().splitlines() if "initialized from" in line]
+    assert [line.split("`")[1] for line in lineage] == ["cont", "base"], lineage
+    assert "1 steps" in lineage[0] and "4 steps" in lineage[1]
     with pytest.raises(LyannaError, match="not 'eagle'"):
         pipeline.stage_fit(run_dir, "eagle", steps=1, batch=2, name="wrong", row_len=64, init=base)

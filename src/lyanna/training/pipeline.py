@@ -715,12 +715,20 @@ def _stage_costs(run: Path, fit_state: dict[str, Any]) -> str:
     return ", ".join(parts)
 
 
-def _init_line(init: dict[str, Any], shown) -> str:
-    """The model card's line on the checkpoint a continued fit started from (its own training)."""
-    st = init.get("settings", {})
-    return (f"- initialized from `{shown(init['path'])}` (continued training); that head: {st.get('source', '?')} data, "
-            f"{st.get('train_reply_tokens', '?')} assistant tokens, {st.get('steps', '?')} steps, {st.get('device', '?')}, "
-            f"held-out agreement {st.get('held_out_agreement')}")
+def _init_lines(init: dict[str, Any] | None, shown) -> list[str]:
+    """The model card's lines on the checkpoints a continued fit descends from, newest first, each
+    with its own training: a head continued in several stages shows all of them (and their cost)."""
+    lines, first = [], True
+    while init:
+        st = init.get("settings", {})
+        fit = f"fit {st['train_seconds'] / 60:.1f} min" + (f" ({st['device']})" if st.get("device") else "") \
+            if st.get("train_seconds") is not None else "fit time not recorded"
+        lead = "- initialized from" if first else "  - which was initialized from"
+        lines.append(f"{lead} `{shown(init['path'])}`{' (continued training)' if first else ''}; that head: "
+                     f"{st.get('source', '?')} data, {st.get('train_reply_tokens', '?')} assistant tokens, "
+                     f"{st.get('steps', '?')} steps, {fit}, held-out agreement {st.get('held_out_agreement')}")
+        init, first = st.get("init"), False
+    return lines
 
 
 def stage_export(run: Path, arch: str, out_dir: Path, name: str | None = None, hot: int = 2048, command: str = "",
@@ -763,6 +771,7 @@ def stage_export(run: Path, arch: str, out_dir: Path, name: str | None = None, h
                 "held_out_agreement": last.get("agreement"), "selection": state.get("selection"),
                 "init": {**state["init"], "path": shown(state["init"]["path"])} if state.get("init") else None,
                 "hot_tokens": hot if arch == "lyanna" else None, "hot_coverage": coverage, "command": command,
+                "device": state.get("device"),
                 **({"decode": decode} if decode else {})}
     save_head(out_dir, arch, weights, target, tap, settings)
     source = info.get("source", "self-distillation")
@@ -784,7 +793,7 @@ def stage_export(run: Path, arch: str, out_dir: Path, name: str | None = None, h
         f"- data: {state['train_examples']} training examples, {state['train_tokens']} tokens of which "
         f"{state.get('train_reply_tokens', '?')} written by the assistant ({data}); {held_desc}; "
         f"selection: {state.get('selection') or 'all'}",
-        *([_init_line(state["init"], shown)] if state.get("init") else []),
+        *_init_lines(state.get("init"), shown),
         f"- steps: {state['step']} (batch {st['batch']} rows of {st.get('row_len', '-')} tokens, lr {st['lr']}, "
         f"warmup {st.get('warmup', 0)}, {st.get('labels', 'soft')} labels, unrolled depth {st['depth']})",
         f"- cost: {_stage_costs(run, state)}",

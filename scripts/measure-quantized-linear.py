@@ -12,7 +12,7 @@ First result (docs/bench/quantized-linear.json, 2-core Intel Xeon, 2026-11-23, n
 running): one layer's four matmuls take 0.55 / 0.53 / 0.94 / 1.39 / 4.08 ms in fp32 for 1 / 2 / 8 /
 16 / 64 rows and 1.76 / 1.99 / 2.69 / 4.00 / 9.75 ms in this prototype (0.27x-0.42x); every row
 equals its own single-row call, and the result is within 7e-6 of fp32 over the dequantized weights
-(the sums are chunked differently). Here the fp32 kernel streams ~40 GB/s and is not purely
+(the sums are chunked differently). Here the fp32 kernel streams ~26 GB/s and is not purely
 bound by memory, so the scalar nibble unpacking costs more than the bytes it saves: the route
 needs a vectorized unpack (or one byte per weight) before it can pay.
 

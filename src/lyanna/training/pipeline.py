@@ -718,16 +718,17 @@ def _stage_costs(run: Path, fit_state: dict[str, Any]) -> str:
 def _init_lines(init: dict[str, Any] | None, shown) -> list[str]:
     """The model card's lines on the checkpoints a continued fit descends from, newest first, each
     with its own training: a head continued in several stages shows all of them (and their cost)."""
-    lines, first = [], True
+    lines, lead = [], "- initialized from `{}` (continued training)"
     while init:
         st = init.get("settings", {})
-        fit = f"fit {st['train_seconds'] / 60:.1f} min" + (f" ({st['device']})" if st.get("device") else "") \
-            if st.get("train_seconds") is not None else "fit time not recorded"
-        lead = "- initialized from" if first else "  - which was initialized from"
-        lines.append(f"{lead} `{shown(init['path'])}`{' (continued training)' if first else ''}; that head: "
-                     f"{st.get('source', '?')} data, {st.get('train_reply_tokens', '?')} assistant tokens, "
-                     f"{st.get('steps', '?')} steps, {fit}, held-out agreement {st.get('held_out_agreement')}")
-        init, first = st.get("init"), False
+        if st.get("train_seconds") is None:
+            fit = "fit time not recorded"
+        else:
+            fit = f"fit {st['train_seconds'] / 60:.1f} min" + (f" ({st['device']})" if st.get("device") else "")
+        lines.append(f"{lead.format(shown(init['path']))}; that head: {st.get('source', '?')} data, "
+                     f"{st.get('train_reply_tokens', '?')} assistant tokens, {st.get('steps', '?')} steps, {fit}, "
+                     f"held-out agreement {st.get('held_out_agreement')}")
+        init, lead = st.get("init"), "  - which was initialized from `{}`"
     return lines
 
 

@@ -3,7 +3,7 @@
 The engine is numpy on purpose: on this class of CPU, numpy's per-op overhead is lower than
 PyTorch's, and its matmuls go through ``kernels.linear``, which keeps a block of 2 to 64
 tokens nearly as cheap as one (BLAS sgemm does not, see that module). A prompt's prefill, where
-a GEMM's blocking pays, goes through PyTorch's sgemm and fused attention instead
+a GEMM's blocking pays, goes through PyTorch's sgemm and batched attention GEMMs instead
 (``Block.prefill``; ``kernels.linear_rows``). It takes a block of new tokens with explicit
 positions and an explicit within-block attention mask (tree verification), appends their
 keys/values to a preallocated cache, and can later keep only a chosen subset of the block
@@ -21,7 +21,7 @@ from .errors import LyannaError
 from .kernels import BULK_MIN_ROWS, AttentionSpan, linear, linear_rows, prefill_attention, ragged_attention
 
 # Bumped whenever the forward pass's cost changes, so cached latency calibrations are redone.
-ENGINE_REVISION = 5
+ENGINE_REVISION = 6
 
 
 class KVCache:

@@ -192,3 +192,34 @@ def test_ragged_attention_gives_each_sequence_its_numbers_alone(sequences: int) 
         ragged_attention(q, [spans[-1]._replace(bias=np.zeros((1, 2), np.float32))])
     with pytest.raises(ValueError, match="do not fit"):
         ragged_attention(q, [spans[0]._replace(end=10_000)])
+
+
+def test_rms_norm_matches_numpy_and_a_row_keeps_its_bits() -> None:
+    from lyanna.kernels import rms_norm
+
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((9, 576), dtype=np.float32) * 3
+    w = rng.standard_normal(576, dtype=np.float32)
+    x64 = x.astype(np.float64)
+    want = x64 / np.sqrt((x64 * x64).mean(-1, keepdims=True) + 1e-5) * w
+    got = rms_norm(x, w, 1e-5)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert np.array_equal(rms_norm(x[3], w, 1e-5), got[3])  # a vector, and a row alone
+    assert all(np.array_equal(rms_norm(x[i:i + 1], w, 1e-5)[0], got[i]) for i in range(9))
+
+
+def test_silu_mul_matches_numpy_over_the_whole_range() -> None:
+    from lyanna.kernels import silu_mul
+
+    rng = np.random.default_rng(5)
+    gate = np.concatenate([rng.standard_normal((3, 40)) * 4, np.array([[-1e4, -100.0, -88.0, -20.0, -1e-3, 0.0,
+                                                                          1e-3, 20.0, 88.0, 100.0] * 4])]).astype(np.float32)
+    up = rng.standard_normal(gate.shape, dtype=np.float32)
+    g64 = gate.astype(np.float64)
+    with np.errstate(over="ignore"):  # exp(1e4) is inf in float64 too: silu(-1e4) is then -0
+        want = g64 / (1.0 + np.exp(-g64)) * up
+    got = silu_mul(np.concatenate([gate, up], axis=1))
+    np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-30)
+    assert np.all(np.isfinite(got))
+    with pytest.raises(ValueError, match="silu_mul needs"):
+        silu_mul(np.zeros((2, 5), np.float32))

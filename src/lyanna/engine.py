@@ -18,7 +18,8 @@ import numpy as np
 
 from .config import ModelConfig, rope_inv_freq
 from .errors import LyannaError
-from .kernels import BULK_MIN_ROWS, AttentionSpan, linear, linear_rows, prefill_attention, ragged_attention
+from .kernels import (BULK_MIN_ROWS, AttentionSpan, linear, linear_rows, prefill_attention, ragged_attention,
+                      rms_norm, silu_mul)
 
 # Bumped whenever the forward pass's cost changes, so cached latency calibrations are redone.
 ENGINE_REVISION = 6
@@ -156,11 +157,6 @@ class LayerWeights:
         )
 
 
-def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
-    var = np.mean(x * x, axis=-1, keepdims=True)
-    return (x * (1.0 / np.sqrt(var + eps))) * weight
-
-
 def rotation(inv_freq: np.ndarray, positions: np.ndarray) -> np.ndarray:
     """RoPE as complex unit factors, [n, 1, head_dim / 2]."""
     angles = np.outer(np.asarray(positions).astype(np.float32), inv_freq).astype(np.float32)
@@ -241,10 +237,7 @@ def ragged_layer_forward(layer: LayerWeights, c: ModelConfig, x: np.ndarray, rot
         ragged_attention(q, small, o)
     x = x + linear_rows(o, layer.wo, bulk)
     h = rms_norm(x, layer.mlp_norm, c.rms_norm_eps)
-    gu = linear_rows(h, layer.w_gate_up, bulk)
-    gate, up = gu[:, : c.intermediate_size], gu[:, c.intermediate_size :]
-    with np.errstate(over="ignore"):  # exp(-gate) may overflow to inf: silu is then exactly 0
-        return x + linear_rows((gate / (1.0 + np.exp(-gate))) * up, layer.w_down, bulk)
+    return x + linear_rows(silu_mul(linear_rows(h, layer.w_gate_up, bulk)), layer.w_down, bulk)
 
 
 def _interleave_rows(w: np.ndarray, heads: int, head_dim: int) -> np.ndarray:

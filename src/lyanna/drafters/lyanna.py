@@ -26,9 +26,9 @@ from typing import Sequence
 
 import numpy as np
 
-from ..engine import TargetEngine, layer_forward, rms_norm, rotation
+from ..engine import TargetEngine, layer_forward, rotation
 from ..errors import LyannaError
-from ..kernels import linear
+from ..kernels import linear, rms_norm
 from ..loading import Target
 from ..tree import DraftTree
 from .checkpoint import decode_settings, load_head

@@ -11,6 +11,7 @@ import torch
 from lyanna.decoding import GenerationRequest
 from lyanna.drafters.checkpoint import save_head
 from lyanna.drafters.lyanna import ChainHead, LyannaDrafter, TokenInfo, token_info_tree
+from lyanna.tree import DraftTree
 from lyanna.training.fit import fit, init_lyanna_head, target_features
 
 from .conftest import draft_loaded
@@ -86,9 +87,51 @@ def test_token_info_table_equals_low_rank_product():
     ti = TokenInfo(a, b, hot)
     for t in hot:
         np.testing.assert_allclose(ti(t), a[t] @ b, rtol=1e-5, atol=1e-6)
-    assert ti.table.shape == (4, 30)
+    assert ti.filled[0] == 4 and ti.table.shape[1] == 30  # four hot rows in use, spare rows for cold parents
     np.testing.assert_allclose(ti(5), a[5] @ b, rtol=1e-5)  # cold: computed on the fly
     assert not TokenInfo(a, b, hot, fallback="none")(5).any()  # cold: no token info
+
+
+def reference_tree(raw, root, ti, d2t, topk, width, max_nodes):
+    """The token-info tree spelled out in numpy: per depth, each frontier branch's top-k children
+    under log_softmax(raw[d] + TI(parent)), the ``width`` best by joint log-probability go on."""
+    tokens, parents, scores = [], [], []
+    frontier = [(-1, root, 0.0)]
+    for row in raw.astype(np.float64):
+        children = []
+        for node, tok, score in frontier:
+            x = row + ti(tok)
+            logp = x - x.max() - np.log(np.exp(x - x.max()).sum())
+            for j in np.argsort(-logp, kind="stable")[:topk]:
+                tokens.append(int(d2t[j]))
+                parents.append(node)
+                scores.append(score + float(logp[j]))
+                children.append((len(tokens) - 1, int(d2t[j]), scores[-1]))
+        frontier = sorted(children, key=lambda c: -c[2])[:width]
+    return DraftTree.best_of(tokens, parents, scores, max_nodes)
+
+
+@pytest.mark.parametrize("fallback", ["lowrank", "none"])
+@pytest.mark.parametrize("topk,width,max_nodes", [(1, 1, 8), (4, 4, 64), (3, 2, 10), (5, 3, 200)])
+def test_compiled_tree_builder_matches_reference(fallback, topk, width, max_nodes):
+    rng = np.random.default_rng(topk * 10 + width)
+    vocab, draft_vocab = 40, 30
+    a, b = rng.normal(size=(vocab, 4)).astype(np.float32), rng.normal(size=(4, draft_vocab)).astype(np.float32)
+    d2t = rng.permutation(vocab)[:draft_vocab]
+    ti = TokenInfo(a, b, hot=d2t[::2], fallback=fallback)  # half the draft tokens hot, the rest cold
+    raw = (3 * rng.normal(size=(5, draft_vocab))).astype(np.float32)
+    ref = reference_tree(raw, int(d2t[1]), ti, d2t, topk, width, max_nodes)
+    for _ in range(2):  # the second time, cold parents met the first time have rows in the table
+        tree = token_info_tree(raw, int(d2t[1]), ti, d2t, topk, width, max_nodes)
+        assert np.array_equal(tree.tokens, ref.tokens) and np.array_equal(tree.parents, ref.parents)
+        np.testing.assert_allclose(tree.scores, ref.scores, rtol=1e-5)
+    assert len(tree) == min(max_nodes, topk + 4 * width * topk)
+    hot = d2t[::2].size
+    cold = np.flatnonzero(ti.row_of >= hot)
+    assert cold.size == (ti.filled[0] - hot if fallback == "lowrank" else 0)
+    assert cold.size or fallback == "none" or width == 1  # cold rows were really materialized
+    for t in cold:
+        np.testing.assert_allclose(ti.table[ti.row_of[t]], a[t] @ b, rtol=1e-5, atol=1e-5)
 
 
 def test_resampled_tree_needs_zero_draft_passes(tiny_decoder, fitted):

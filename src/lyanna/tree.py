@@ -12,6 +12,7 @@ merged by value, which would bias the verifier's sampling rule.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 
@@ -156,9 +157,9 @@ class DraftTree:
             return self
         if self.sampled_from:
             raise ValueError("choosing among sampled children by score is not lossless; cut the tree with shallowest()")
-        s, d = self.closed_scores() if closed is None else closed, self.depths
-        chosen = sorted(range(len(self)), key=lambda i: (-s[i], d[i], i))[:max(n, 0)]
-        return self._subset(np.array(sorted(chosen), np.int64))
+        s = self.closed_scores() if closed is None else closed
+        order = np.lexsort((np.arange(len(self)), self.depths, -s))  # by score, then depth, then order
+        return self._subset(np.sort(order[:max(n, 0)]))
 
     def shallowest(self, n: int) -> "DraftTree":
         """The first ``n`` nodes by depth, then tree order, scores unseen (for trees of i.i.d.
@@ -169,22 +170,26 @@ class DraftTree:
 
     def _subset(self, keep: np.ndarray) -> "DraftTree":
         """The nodes ``keep`` (ancestor-closed, increasing), renumbered."""
-        remap = {-1: -1, **{int(old): new for new, old in enumerate(keep)}}
+        remap = np.full(len(self) + 1, -1, np.int64)  # index -1 (the root) stays -1
+        remap[keep] = np.arange(keep.size)
+        kept = set(keep.tolist())
         return DraftTree(
-            self.tokens[keep], np.array([remap[int(p)] for p in self.parents[keep]], np.int64), self.scores[keep],
-            {remap[p]: q for p, q in self.sampled_from.items() if p in remap}, self.origin[keep],
+            self.tokens[keep], remap[self.parents[keep]], self.scores[keep],
+            {int(remap[p]): q for p, q in self.sampled_from.items() if p == -1 or p in kept}, self.origin[keep],
         )
 
     def __len__(self) -> int:
         return int(self.tokens.size)
 
-    @property
+    @cached_property
     def depths(self) -> np.ndarray:
-        """Depth of each node, 1 for children of the committed context."""
-        d = np.zeros(len(self), np.int64)
-        for i, p in enumerate(self.parents):
-            d[i] = 1 if p < 0 else d[p] + 1
-        return d
+        """Depth of each node, 1 for children of the committed context (read-only: computed once)."""
+        d: list[int] = []
+        for p in self.parents.tolist():
+            d.append(1 if p < 0 else d[p] + 1)
+        out = np.asarray(d, np.int64)
+        out.flags.writeable = False
+        return out
 
     def positions(self, prefix_len: int) -> np.ndarray:
         """Position ids: the committed prefix length plus depth - 1 (never the node index)."""

@@ -25,10 +25,11 @@ from pathlib import Path
 from typing import Sequence
 
 import numpy as np
+from numba import njit
 
 from ..engine import TargetEngine, layer_forward, rotation
 from ..errors import LyannaError
-from ..kernels import linear, rms_norm
+from ..kernels import exp_nonpositive, linear, rms_norm
 from ..loading import Target
 from ..tree import DraftTree
 from .checkpoint import decode_settings, load_head
@@ -41,17 +42,29 @@ POLICIES = ("fuse", "reuse", "off")
 DECODE_DEFAULTS = {"depth": 6, "topk": 4, "width": 4, "max_nodes": 64, "ti_fallback": "lowrank"}
 
 
+# Cold parents whose token-info rows the tree builder keeps once computed (32 KB each for an
+# 8192-token draft vocabulary): a cold row costs ~50 us to form, a tree meets about ten, and the
+# same cold tokens come back round after round. Pages are committed only when a row is written.
+COLD_ROWS = 1024
+
+
 class TokenInfo:
-    """``TI(y) = A[y] @ B`` over the draft vocabulary, with hot parents' rows materialized."""
+    """``TI(y) = A[y] @ B`` over the draft vocabulary, with hot parents' rows materialized and
+    cold parents' rows materialized the first time a tree meets them (up to ``COLD_ROWS``)."""
 
     def __init__(self, a: np.ndarray, b: np.ndarray, hot: np.ndarray, fallback: str = "lowrank"):
         if fallback not in ("lowrank", "none"):
             raise LyannaError(f"token-info fallback must be 'lowrank' or 'none', got {fallback!r}")
-        self.a, self.b, self.fallback = np.asarray(a, np.float32), np.asarray(b, np.float32), fallback
+        self.a = np.ascontiguousarray(a, np.float32)
+        self.b = np.ascontiguousarray(b, np.float32)
+        self.fallback = fallback
         hot = np.asarray(hot, np.int64)
         self.row_of = np.full(self.a.shape[0], -1, np.int64)
         self.row_of[hot] = np.arange(hot.size)
-        self.table = self.a[hot] @ self.b  # [hot, draft vocab]: injection is a row read
+        spare = COLD_ROWS if fallback == "lowrank" else 0
+        self.table = np.zeros((hot.size + spare, self.b.shape[1]), np.float32)  # injection is a row read
+        self.table[: hot.size] = self.a[hot] @ self.b
+        self.filled = np.array([hot.size], np.int64)  # rows of ``table`` in use
         self._zero = np.zeros(self.b.shape[1], np.float32)
 
     def __call__(self, token: int) -> np.ndarray:
@@ -84,31 +97,92 @@ class ChainHead(DraftHead):
         return linear(rms_norm(features, self.norm, self.config.rms_norm_eps), self.draft_lm_head)
 
 
-def _log_softmax(x: np.ndarray) -> np.ndarray:
-    x = x - x.max(axis=-1, keepdims=True)
-    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+# Reassociation lets LLVM vectorize the softmax sums (a draft tree needs no fixed rounding). The GIL
+# stays held: the kernel writes new cold rows into the token-info table every fork shares.
+@njit(cache=True, fastmath={"reassoc", "contract", "nsz", "arcp"})
+def _tree_candidates(raw: np.ndarray, root: int, table: np.ndarray, row_of: np.ndarray, filled: np.ndarray,
+                     a: np.ndarray, b: np.ndarray, lowrank: bool, d2t: np.ndarray, topk: int,
+                     width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # pragma: no cover - compiled
+    """Every candidate node of a token-info tree: per depth, each frontier branch's top-k children
+    under ``log_softmax(raw[d] + TI(parent))``, then the ``width`` best by joint log-probability
+    (ties to the earlier child) form the next frontier. Compiled because in numpy this took as
+    long as the draft forward passes themselves (2.7 ms a tree, 24 softmaxes over 8192 columns)."""
+    depth, v = raw.shape
+    k = min(topk, v)
+    cap = depth * width * k
+    tokens = np.empty(cap, np.int64)
+    parents = np.empty(cap, np.int64)
+    scores = np.empty(cap, np.float64)
+    f_node = np.full(width, -1, np.int64)
+    f_tok = np.full(width, root, np.int64)
+    f_score = np.zeros(width, np.float64)
+    nf, n = 1, 0
+    x = np.empty(v, np.float32)
+    top_i = np.empty(k, np.int64)
+    top_v = np.empty(k, np.float32)
+    for d in range(depth):
+        start = n
+        for f in range(nf):
+            tok = f_tok[f]
+            r = row_of[tok]
+            if r < 0 and lowrank and filled[0] < table.shape[0]:  # a cold parent: form its row once
+                r = filled[0]
+                table[r] = 0.0
+                for q in range(a.shape[1]):
+                    aq = a[tok, q]
+                    for j in range(v):
+                        table[r, j] += aq * b[q, j]
+                row_of[tok] = r
+                filled[0] += 1
+            if r >= 0:
+                for j in range(v):
+                    x[j] = raw[d, j] + table[r, j]
+            else:
+                for j in range(v):
+                    x[j] = raw[d, j]
+                if lowrank:
+                    for q in range(a.shape[1]):
+                        aq = a[tok, q]
+                        for j in range(v):
+                            x[j] += aq * b[q, j]
+            top_v[:] = -np.inf
+            top_i[:] = -1
+            for j in range(v):  # the k largest, earlier columns first among equals
+                if x[j] > top_v[k - 1]:
+                    p = k - 1
+                    while p > 0 and x[j] > top_v[p - 1]:
+                        top_v[p] = top_v[p - 1]
+                        top_i[p] = top_i[p - 1]
+                        p -= 1
+                    top_v[p] = x[j]
+                    top_i[p] = j
+            mx = top_v[0]
+            total = np.float32(0.0)
+            for j in range(v):
+                total += exp_nonpositive(x[j] - mx)
+            lse = mx + np.log(total)
+            for c in range(k):
+                tokens[n] = d2t[top_i[c]]
+                parents[n] = f_node[f]
+                scores[n] = f_score[f] + (top_v[c] - lse)
+                n += 1
+        order = np.argsort(-scores[start:n], kind="mergesort")[:width]
+        nf = order.size
+        for f in range(nf):
+            f_node[f] = start + order[f]
+            f_tok[f] = tokens[start + order[f]]
+            f_score[f] = scores[start + order[f]]
+    return tokens[:n], parents[:n], scores[:n]
 
 
 def token_info_tree(raw: np.ndarray, root: int, ti: TokenInfo, d2t: np.ndarray, topk: int, width: int,
                     max_nodes: int, origin: int = 0) -> DraftTree:
     """A tree rooted at ``root`` from one raw-logit row per depth; no draft forward pass."""
-    tokens: list[int] = []
-    parents: list[int] = []
-    scores: list[float] = []
-    frontier = [(-1, root, 0.0)]
-    k = min(topk, raw.shape[1])
-    for row in raw:
-        logp = _log_softmax(row[None] + np.stack([ti(tok) for _, tok, _ in frontier]))
-        children = []
-        for (node, _, score), lp in zip(frontier, logp):
-            top = np.argpartition(-lp, k - 1)[:k]
-            for j in top[np.argsort(-lp[top])]:
-                tokens.append(int(d2t[j]))
-                parents.append(node)
-                scores.append(score + float(lp[j]))
-                children.append((len(tokens) - 1, int(d2t[j]), scores[-1]))
-        frontier = sorted(children, key=lambda c: -c[2])[:width]
-    return DraftTree.best_of(tokens, parents, scores, max_nodes, [origin] * len(tokens))
+    if raw.shape[0] == 0 or width < 1 or topk < 1:
+        return DraftTree.empty()
+    tokens, parents, scores = _tree_candidates(np.ascontiguousarray(raw, np.float32), int(root), ti.table, ti.row_of,
+                                               ti.filled, ti.a, ti.b, ti.fallback == "lowrank", d2t, topk, width)
+    return DraftTree.best_of(tokens, parents, scores, max_nodes, np.full(tokens.size, origin))
 
 
 class LyannaDrafter:

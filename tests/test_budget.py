@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from lyanna import budget as budget_module
 from lyanna.bench import health, make_runners, split_budget
-from lyanna.budget import PROBE_EVERY, Budget, LatencyCurve, calibrate, calibration_path, load_curve, model_key, parse_budget, save_curve
+from lyanna.budget import DEPTH_WINDOW, PROBE_EVERY, Budget, LatencyCurve, calibrate, calibration_path, load_curve, model_key, parse_budget, save_curve
 from lyanna.cli import main
 from lyanna.decoding import Decoder, GenerationRequest
 from lyanna.drafters.eagle import EagleDrafter
@@ -443,3 +443,20 @@ def test_cli_rejects_a_bad_budget(capsys, command, value):
         main([*command, "--budget", value])
     assert e.value.code == 2
     assert "budget must be 'auto' or a number" in capsys.readouterr().err
+
+
+def test_auto_budget_drafts_one_level_deeper_than_it_kept_lately():
+    budget = Budget("auto", FLAT_THEN_STEEP)
+    assert budget.limit_depth(100) == 100  # nothing kept yet: draft as deep as there is room
+    chosen = budget.choose(binary_tree(20, 0.9), 0.0)
+    assert len(chosen) == 7 and chosen.depths.max() == 3
+    assert budget.limit_depth(100) == 4 and budget.limit_depth(2) == 2
+    star = DraftTree(np.arange(NODE0, NODE0 + 5), np.full(5, -1), np.full(5, 0.9))  # depth 1
+    for _ in range(DEPTH_WINDOW - 1):
+        budget.choose(star, 0.0)
+    assert budget.limit_depth(100) == 4  # the deep tree is still in the window
+    budget.choose(star, 0.0)
+    assert budget.limit_depth(100) == 2  # it left the window
+    fixed = Budget(4)
+    fixed.choose(binary_tree(20, 0.9), 0.0)
+    assert fixed.limit_depth(100) == 100  # a fixed budget never limits the depth

@@ -13,6 +13,11 @@ of being accepted, in [0, 1], so their sum is the expected number of accepted dr
 ``c`` an online correction (accepted over predicted, recent rounds weighted most; each term
 ``c * p`` is capped at 1), so a miscalibrated draft still gets a sensible size. ``Budget(n)`` is
 the fixed alternative.
+
+Under ``auto`` the budget also bounds how deep the next tree is drafted (``limit_depth``): one
+level deeper than the deepest tree it kept in recent rounds. Levels it would cut anyway cost draft
+passes for nothing: on the 2-core CPU it keeps 3-5 nodes, and a Lyanna chain drafted 6 levels
+deep had the same tau as one drafted 3 deep (1.81 vs 1.79) at 1.6x the drafting time.
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ import json
 import os
 import platform
 import time
+from collections import deque
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Sequence
@@ -153,6 +159,9 @@ def parse_budget(text: str | int) -> int | str:
 # In a loaded batch, after a round whose tree the budget cut to nothing, one round in this many
 # drafts again to see whether the load or the drafter's estimates changed.
 PROBE_EVERY = 8
+# Rounds whose kept trees set the next drafting depth: long enough to ride out one short tree, short
+# enough to follow the text into a more predictable stretch within a few rounds.
+DEPTH_WINDOW = 8
 
 
 class Budget:
@@ -171,6 +180,7 @@ class Budget:
         self._accepted = 0.0
         self._draft_seconds: float | None = None
         self._skip_left = 0  # rounds still to go without drafting (a loaded batch, see wants_drafts)
+        self._kept_depths: deque[int] = deque(maxlen=DEPTH_WINDOW)  # depth of each recent auto-sized tree
 
     @property
     def correction(self) -> float:
@@ -207,7 +217,17 @@ class Budget:
         keep = int(np.argmax(gain / cost))
         if keep == 0 and others:
             self._skip_left = PROBE_EVERY - 1
-        return tree.best(keep, closed)
+        chosen = tree.best(keep, closed)
+        self._kept_depths.append(int(chosen.depths.max()) if len(chosen) else 0)
+        return chosen
+
+    def limit_depth(self, room: int) -> int:
+        """How deep to draft this round, at most ``room``: under ``auto``, one level deeper than
+        the deepest tree kept in the last ``DEPTH_WINDOW`` rounds (so a tree that fills its depth
+        lets the next one grow a level); a fixed budget and the first round draft to ``room``."""
+        if self.spec != "auto" or not self._kept_depths:
+            return room
+        return min(room, max(self._kept_depths) + 1)
 
     def wants_drafts(self) -> bool:
         """Whether to propose a tree this round. In a batch where the last tree was cut to nothing

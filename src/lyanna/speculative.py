@@ -223,6 +223,8 @@ def rounds(state: DecodeState, drafter: Drafter, budget: Budget | None = None,
         tree = empty
         if drafting and (budget is None or budget.wants_drafts()):
             depth = tracker.max_new_tokens - len(tracker.tokens) - 1  # room left after the bonus token
+            if budget is not None:
+                depth = budget.limit_depth(depth)
             tree = drafter.propose(context, depth).prune_depth(depth)
         elif drafting and callable(getattr(drafter, "skip", None)):
             drafter.skip()  # this round verifies no draft: per-round speculative state is stale

@@ -223,3 +223,26 @@ def test_silu_mul_matches_numpy_over_the_whole_range() -> None:
     assert np.all(np.isfinite(got))
     with pytest.raises(ValueError, match="silu_mul needs"):
         silu_mul(np.zeros((2, 5), np.float32))
+
+
+@pytest.mark.parametrize("n", [1, 5, 70])
+def test_rope_qk_matches_complex_rotation_and_a_row_keeps_its_bits(n: int) -> None:
+    from lyanna.engine import rotation
+    from lyanna.kernels import rope_qk
+
+    rng = np.random.default_rng(n)
+    heads, kv_heads, hd = 6, 2, 16
+    inv_freq = (1.0 / 10000 ** (np.arange(0, hd, 2) / hd)).astype(np.float32)
+    qkv = rng.normal(size=(n, (heads + 2 * kv_heads) * hd)).astype(np.float32)
+    rot = rotation(inv_freq, rng.integers(0, 4000, n))
+    q, k = rope_qk(qkv, rot, heads, kv_heads, hd)
+    # reference: adjacent pairs as complex numbers times the unit factors, in float64
+    z = qkv[:, : (heads + kv_heads) * hd].astype(np.float64).reshape(n, heads + kv_heads, hd // 2, 2)
+    turned = (z[..., 0] + 1j * z[..., 1]) * rot.astype(np.complex128)[:, None, :]
+    ref = np.stack([turned.real, turned.imag], -1).reshape(n, heads + kv_heads, hd)
+    np.testing.assert_allclose(q, ref[:, :heads] / np.sqrt(hd), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(k, ref[:, heads:], rtol=1e-5, atol=1e-6)
+    q1, k1 = rope_qk(qkv[-1:].copy(), rot[-1:].copy(), heads, kv_heads, hd)
+    assert np.array_equal(q1[0], q[-1]) and np.array_equal(k1[0], k[-1])
+    with pytest.raises(ValueError, match="rope_qk"):
+        rope_qk(qkv, rot[:, :-1], heads, kv_heads, hd)

@@ -19,10 +19,10 @@ import numpy as np
 from .config import ModelConfig, rope_inv_freq
 from .errors import LyannaError
 from .kernels import (BULK_MIN_ROWS, AttentionSpan, linear, linear_rows, prefill_attention, ragged_attention,
-                      rms_norm, silu_mul)
+                      rms_norm, rope_qk, silu_mul)
 
 # Bumped whenever the forward pass's cost changes, so cached latency calibrations are redone.
-ENGINE_REVISION = 6
+ENGINE_REVISION = 7
 
 
 class KVCache:
@@ -158,9 +158,9 @@ class LayerWeights:
 
 
 def rotation(inv_freq: np.ndarray, positions: np.ndarray) -> np.ndarray:
-    """RoPE as complex unit factors, [n, 1, head_dim / 2]."""
+    """RoPE as complex unit factors, [n, head_dim / 2]."""
     angles = np.outer(np.asarray(positions).astype(np.float32), inv_freq).astype(np.float32)
-    return (np.cos(angles) + 1j * np.sin(angles)).astype(np.complex64)[:, None, :]
+    return (np.cos(angles) + 1j * np.sin(angles)).astype(np.complex64)
 
 
 def attention_bias(start: int, within: np.ndarray) -> np.ndarray:
@@ -219,10 +219,8 @@ def ragged_layer_forward(layer: LayerWeights, c: ModelConfig, x: np.ndarray, rot
     qkv = linear_rows(h, layer.wqkv, bulk)
     if layer.bqkv is not None:
         qkv += layer.bqkv
-    q = (np.ascontiguousarray(qkv[:, :q_dim]).view(np.complex64).reshape(n, nh, hd // 2) * rot).view(np.float32)
-    k = (np.ascontiguousarray(qkv[:, q_dim : q_dim + kv_dim]).view(np.complex64).reshape(n, nkv, hd // 2) * rot).view(np.float32)
+    q, k = rope_qk(qkv, rot, nh, nkv, hd)
     v = qkv[:, q_dim + kv_dim :].reshape(n, nkv, hd)
-    q = (q * np.float32(1.0 / np.sqrt(hd))).reshape(n, nh, hd)
     o = np.empty((n, q_dim), np.float32)
     small = []  # every span our kernel serves goes into one launch
     for span in spans:

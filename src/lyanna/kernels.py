@@ -208,6 +208,42 @@ def silu_mul(gate_up: np.ndarray) -> np.ndarray:
     return out
 
 
+@njit(cache=True, nogil=True)
+def _rope_kernel(qkv: np.ndarray, rot: np.ndarray, heads: int, kv_heads: int, head_dim: int, scale: np.float32,
+                 q_out: np.ndarray, k_out: np.ndarray) -> None:  # pragma: no cover - compiled
+    n = qkv.shape[0]
+    for i in range(n):
+        for h in range(heads + kv_heads):
+            base = h * head_dim
+            for p in range(head_dim // 2):
+                re = qkv[i, base + 2 * p]
+                im = qkv[i, base + 2 * p + 1]
+                c = rot[i, p].real
+                s = rot[i, p].imag
+                a = re * c - im * s
+                b = re * s + im * c
+                if h < heads:
+                    q_out[i, h, 2 * p] = a * scale
+                    q_out[i, h, 2 * p + 1] = b * scale
+                else:
+                    k_out[i, h - heads, 2 * p] = a
+                    k_out[i, h - heads, 2 * p + 1] = b
+
+
+def rope_qk(qkv: np.ndarray, rot: np.ndarray, heads: int, kv_heads: int, head_dim: int) -> tuple[np.ndarray, np.ndarray]:
+    """Queries [n, heads, head_dim] (rotated and scaled by 1 / sqrt(head_dim)) and keys
+    [n, kv_heads, head_dim] (rotated) from the fused projection rows ``qkv`` (rotary pairs
+    adjacent) and the rotations ``rot`` [n, head_dim / 2] (complex unit factors). One compiled
+    pass instead of numpy's nine small operations per layer: ~30 us of a one-token layer's ~500."""
+    n = qkv.shape[0]
+    if qkv.ndim != 2 or qkv.shape[1] < (heads + kv_heads) * head_dim or rot.shape != (n, head_dim // 2):
+        raise ValueError(f"rope_qk shapes do not fit: qkv {qkv.shape}, rot {rot.shape}")
+    q = np.empty((n, heads, head_dim), np.float32)
+    k = np.empty((n, kv_heads, head_dim), np.float32)
+    _rope_kernel(qkv, rot, heads, kv_heads, head_dim, np.float32(1.0 / np.sqrt(head_dim)), q, k)
+    return q, k
+
+
 # Rows from which a prompt's prefill goes through PyTorch's kernels (``linear_rows``,
 # ``prefill_attention``): from here on its sgemm outruns ``linear`` on the 2-core Xeon for every
 # weight shape of the default model (GFLOP/s at 48 rows: 178-229 against 125-150; at 32 rows it

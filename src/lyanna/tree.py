@@ -172,10 +172,9 @@ class DraftTree:
         """The nodes ``keep`` (ancestor-closed, increasing), renumbered."""
         remap = np.full(len(self) + 1, -1, np.int64)  # index -1 (the root) stays -1
         remap[keep] = np.arange(keep.size)
-        kept = set(keep.tolist())
         return DraftTree(
             self.tokens[keep], remap[self.parents[keep]], self.scores[keep],
-            {int(remap[p]): q for p, q in self.sampled_from.items() if p == -1 or p in kept}, self.origin[keep],
+            {int(remap[p]): q for p, q in self.sampled_from.items() if p == -1 or remap[p] >= 0}, self.origin[keep],
         )
 
     def __len__(self) -> int:

@@ -98,6 +98,15 @@ class ChainHead(DraftHead):
         return linear(rms_norm(features, self.norm, self.config.rms_norm_eps), self.draft_lm_head)
 
 
+@njit(cache=True, fastmath={"reassoc", "contract", "nsz", "arcp"})
+def _add_low_rank(a: np.ndarray, b: np.ndarray, token: int, out: np.ndarray) -> None:  # pragma: no cover - compiled
+    """``out += A[token] @ B``, one row of B at a time (vectorized over the draft vocabulary)."""
+    for q in range(a.shape[1]):
+        aq = a[token, q]
+        for j in range(out.shape[0]):
+            out[j] += aq * b[q, j]
+
+
 # Reassociation lets LLVM vectorize the softmax sums (a draft tree needs no fixed rounding). The GIL
 # stays held: the kernel writes new cold rows into the token-info table every fork shares.
 @njit(cache=True, fastmath={"reassoc", "contract", "nsz", "arcp"})
@@ -130,23 +139,16 @@ def _tree_candidates(raw: np.ndarray, root: int, table: np.ndarray, row_of: np.n
             if r < 0 and lowrank and filled[0] < table.shape[0]:  # a cold parent: form its row once
                 r = filled[0]
                 table[r] = 0.0
-                for q in range(a.shape[1]):
-                    aq = a[tok, q]
-                    for j in range(v):
-                        table[r, j] += aq * b[q, j]
+                _add_low_rank(a, b, tok, table[r])
                 row_of[tok] = r
                 filled[0] += 1
             if r >= 0:
                 for j in range(v):
                     x[j] = raw[d, j] + table[r, j]
-            else:
-                for j in range(v):
-                    x[j] = raw[d, j]
+            else:  # the table is full: this cold row is formed on the fly
+                x[:] = raw[d]
                 if lowrank:
-                    for q in range(a.shape[1]):
-                        aq = a[tok, q]
-                        for j in range(v):
-                            x[j] += aq * b[q, j]
+                    _add_low_rank(a, b, tok, x)
             top_v[:] = -np.inf
             top_i[:] = -1
             for j in range(v):  # the k largest, earlier columns first among equals

@@ -53,6 +53,8 @@ def test_bad_arguments_exit_2(capsys, args, needle):
         (["generate", "hi", "--method", "nope"], "unknown method"),
         (["bench", "--methods", "ar,nope", "--limit", "1"], "unknown method"),
         (["bench", "--questions", "/no/file.jsonl"], "not found"),
+        (["--weights", "gguf", "generate", "hi"], "not a .gguf file"),
+        (["--backend", "torch", "--weights", "gguf", "generate", "hi"], "numpy-backend engine"),
     ],
 )
 def test_bad_values_give_one_line_error(capsys, tiny_model_dir, args, needle):

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Sequence
 
 from .errors import LyannaError
-from .loading import DEFAULT_MODEL
+from .loading import DEFAULT_MODEL, WEIGHT_FORMATS
 
 DEMO_PROMPT = "Explain in a few sentences why the sky is blue."
 
@@ -76,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--backend", choices=("numpy", "torch"), default="numpy",
                         help="what computes the target: our numpy engine (default, the faster one on a CPU) or "
                              "the Hugging Face model in PyTorch (any device)")
+    parser.add_argument("--weights", choices=WEIGHT_FORMATS, default="fp32",
+                        help="numpy backend: fp32 (default) streams the weights dequantized to fp32; gguf computes "
+                             "on a GGUF target's quantized blocks (the same weights, fewer bytes per token)")
     parser.add_argument("--device", default=None, help="torch backend: cpu (default), cuda, cuda:1, ...")
     parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                         help="torch backend: the model's dtype (default float32; greedy output equals ar only in float32)")
@@ -164,6 +167,8 @@ def _decoder(args: argparse.Namespace):
     from .decoding import Decoder
     from .loading import load_target
 
+    if args.backend == "torch" and args.weights != "fp32":
+        raise LyannaError("--weights gguf is a numpy-backend engine: drop --backend torch or --weights")
     if args.backend == "torch":
         from .torch_engine import load_torch_target
 
@@ -172,7 +177,7 @@ def _decoder(args: argparse.Namespace):
     elif args.device or args.dtype:
         raise LyannaError("--device and --dtype choose where the torch backend runs: add --backend torch")
     else:
-        decoder = Decoder(load_target(args.model))
+        decoder = Decoder(load_target(args.model, weight_format=args.weights))
     for path in args.draft:
         decoder.load_draft(path)
     return decoder

@@ -20,6 +20,9 @@ from .config import ModelConfig, rope_inv_freq
 from .errors import LyannaError
 from .kernels import (BULK_MIN_ROWS, AttentionSpan, linear, linear_rows, prefill_attention, ragged_attention,
                       rms_norm, rope_qk, silu_mul)
+from .quant import QuantMatrix
+
+Weight = np.ndarray | QuantMatrix  # a matrix in fp32, or computed on a GGUF's blocks (``quant``)
 
 # Bumped whenever the forward pass's cost changes, so cached latency calibrations are redone.
 ENGINE_REVISION = 7
@@ -127,18 +130,19 @@ class LayerWeights:
     """One decoder layer, fused and permuted for the numpy forward."""
 
     attn_norm: np.ndarray
-    wqkv: np.ndarray  # [q+k+v, hidden]; q/k rows permuted so RoPE pairs are adjacent
+    wqkv: Weight  # [q+k+v, hidden]; q/k rows permuted so RoPE pairs are adjacent
     bqkv: np.ndarray | None
-    wo: np.ndarray
+    wo: Weight
     mlp_norm: np.ndarray
-    w_gate_up: np.ndarray  # [2 * intermediate, hidden]
-    w_down: np.ndarray
+    w_gate_up: Weight  # [2 * intermediate, hidden]
+    w_down: Weight
 
     @classmethod
-    def from_hf(cls, get: Callable[[str], np.ndarray], prefix: str, c: ModelConfig) -> "LayerWeights":
+    def from_hf(cls, get: Callable[[str], Weight], prefix: str, c: ModelConfig) -> "LayerWeights":
         """Build from Hugging Face names under ``prefix`` (e.g. ``model.layers.3.``)."""
         q = _interleave_rows(get(prefix + "self_attn.q_proj.weight"), c.num_heads, c.head_dim)
         k = _interleave_rows(get(prefix + "self_attn.k_proj.weight"), c.num_kv_heads, c.head_dim)
+        v = get(prefix + "self_attn.v_proj.weight")
         bias = None
         if c.attention_bias:
             bias = np.concatenate([
@@ -148,11 +152,11 @@ class LayerWeights:
             ])
         return cls(
             attn_norm=get(prefix + "input_layernorm.weight"),
-            wqkv=np.ascontiguousarray(np.concatenate([q, k, get(prefix + "self_attn.v_proj.weight")])),
+            wqkv=_stack_rows([q, k, v]),
             bqkv=bias,
             wo=get(prefix + "self_attn.o_proj.weight"),
             mlp_norm=get(prefix + "post_attention_layernorm.weight"),
-            w_gate_up=np.ascontiguousarray(np.concatenate([get(prefix + "mlp.gate_proj.weight"), get(prefix + "mlp.up_proj.weight")])),
+            w_gate_up=_stack_rows([get(prefix + "mlp.gate_proj.weight"), get(prefix + "mlp.up_proj.weight")]),
             w_down=get(prefix + "mlp.down_proj.weight"),
         )
 
@@ -245,7 +249,15 @@ def _interleave_rows(w: np.ndarray, heads: int, head_dim: int) -> np.ndarray:
     and adjacent pairs let RoPE be one complex multiplication.
     """
     perm = np.stack([np.arange(head_dim // 2), np.arange(head_dim // 2) + head_dim // 2], 1).reshape(-1)
-    return w.reshape(heads, head_dim, *w.shape[1:])[:, perm].reshape(w.shape)
+    return w.take((np.arange(heads)[:, None] * head_dim + perm).reshape(-1), axis=0)
+
+
+def _stack_rows(parts: Sequence[Weight]) -> Weight:
+    """Matrices stacked by rows into one fused matrix (its linear layer streams them in one call);
+    quantized if every part is, else fp32."""
+    if all(isinstance(p, QuantMatrix) for p in parts):
+        return QuantMatrix.concat(parts)
+    return np.ascontiguousarray(np.concatenate([p.dense() if isinstance(p, QuantMatrix) else p for p in parts]))
 
 
 class Transformer(TargetEngine):
@@ -253,13 +265,14 @@ class Transformer(TargetEngine):
 
     name = "numpy"
 
-    def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray]):
+    def __init__(self, config: ModelConfig, weights: dict[str, Weight]):
         self.config = config
         c = config
 
-        def get(name: str) -> np.ndarray:
+        def get(name: str) -> Weight:
             try:
-                return np.ascontiguousarray(weights[name], dtype=np.float32)
+                w = weights[name]
+                return w if isinstance(w, QuantMatrix) else np.ascontiguousarray(w, dtype=np.float32)
             except KeyError:
                 raise LyannaError(f"weight {name!r} is missing from the checkpoint; is it a complete {c.architecture}?") from None
 
@@ -270,6 +283,9 @@ class Transformer(TargetEngine):
         self.lm_head = self.embed if c.tie_word_embeddings or "lm_head.weight" not in weights else get("lm_head.weight")
         self.layers = [LayerWeights.from_hf(get, f"model.layers.{i}.", c) for i in range(c.num_layers)]
         self.inv_freq = rope_inv_freq(c)
+        # Calibrations are cached per engine name: computing on blocks has another latency curve.
+        if any(isinstance(w, QuantMatrix) for w in weights.values()):
+            self.name = "numpy-gguf"
 
     def new_cache(self, capacity: int) -> KVCache:
         c = self.config

@@ -12,7 +12,7 @@ quiet machine, 2026-11-21), ms for 1 / 2 / 8 / 16 / 64 tokens: OpenBLAS 16.4 / 3
 from __future__ import annotations
 
 import threading
-from typing import NamedTuple, Sequence
+from typing import TYPE_CHECKING, NamedTuple, Sequence
 
 import numpy as np
 from llvmlite import ir
@@ -20,6 +20,9 @@ from numba import njit, prange, types
 from numba.core import config as numba_config
 from numba.core.codegen import get_host_cpu_features
 from numba.extending import intrinsic
+
+if TYPE_CHECKING:
+    from .quant import QuantMatrix
 
 
 def _prefer_full_vectors() -> None:
@@ -101,17 +104,23 @@ def _linear_kernel(x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:  # pr
             out[i1, j + 4], out[i1, j + 5], out[i1, j + 6], out[i1, j + 7] = b4, b5, b6, b7
 
 
-def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """``x @ w.T`` in fp32 for ``x`` [m, k] or [k] and a row-major weight ``w`` [n, k]."""
+def linear(x: np.ndarray, w: "np.ndarray | QuantMatrix") -> np.ndarray:
+    """``x @ w.T`` in fp32 for ``x`` [m, k] or [k] and a row-major weight ``w`` [n, k] (fp32, or
+    a ``quant.QuantMatrix``, which computes on its blocks)."""
     x = np.ascontiguousarray(x, dtype=np.float32)
-    w = np.ascontiguousarray(w, dtype=np.float32)
-    if x.ndim not in (1, 2) or w.ndim != 2 or x.shape[-1] != w.shape[1]:
+    dense = not hasattr(w, "dense")
+    if dense:
+        w = np.ascontiguousarray(w, dtype=np.float32)
+    if x.ndim not in (1, 2) or len(w.shape) != 2 or x.shape[-1] != w.shape[1]:
         raise ValueError(f"linear needs x [m, k] or [k] and w [n, k], got {x.shape} and {w.shape}")
     rows = x.reshape(-1, w.shape[1])
-    out = np.empty((rows.shape[0], w.shape[0]), np.float32)
-    if out.size:
-        with _launch:
-            _linear_kernel(rows, w, out)
+    if not dense:
+        out = w.linear(rows)
+    else:
+        out = np.empty((rows.shape[0], w.shape[0]), np.float32)
+        if out.size:
+            with _launch:
+                _linear_kernel(rows, w, out)
     return out if x.ndim == 2 else out[0]
 
 
@@ -253,7 +262,7 @@ def rope_qk(qkv: np.ndarray, rot: np.ndarray, heads: int, kv_heads: int, head_di
 BULK_MIN_ROWS = 48
 
 
-def linear_rows(x: np.ndarray, w: np.ndarray, bulk: Sequence[tuple[int, int]] = ()) -> np.ndarray:
+def linear_rows(x: np.ndarray, w: "np.ndarray | QuantMatrix", bulk: Sequence[tuple[int, int]] = ()) -> np.ndarray:
     """``x @ w.T`` where each row range ``[lo, hi)`` of ``bulk`` (a prompt's prefill) of at least
     ``BULK_MIN_ROWS`` rows goes through one GEMM call of its own and every other row through
     ``linear``. A GEMM's rows can depend on the block they come in, so only prefill goes that way:
@@ -262,12 +271,15 @@ def linear_rows(x: np.ndarray, w: np.ndarray, bulk: Sequence[tuple[int, int]] = 
     ranges = [(lo, hi) for lo, hi in bulk if hi - lo >= BULK_MIN_ROWS]
     if not ranges:
         return linear(x, w)
+    # A quantized matrix's prompt rows go through a GEMM over its weights dequantized for the call
+    # (about 2 ms a layer here): a prompt's rows are many, and a GEMM beats any few-row kernel.
+    full = w.dense() if hasattr(w, "dense") else w
     if ranges == [(0, x.shape[0])]:  # a prompt alone: its GEMM's output is the answer
-        return _gemm(x, w)
+        return _gemm(x, full)
     out = np.empty((x.shape[0], w.shape[0]), np.float32)
     rest = np.ones(x.shape[0], bool)
     for lo, hi in ranges:
-        out[lo:hi] = _gemm(x[lo:hi], w)
+        out[lo:hi] = _gemm(x[lo:hi], full)
         rest[lo:hi] = False
     if rest.any():
         out[rest] = linear(x[rest], w)

@@ -10,6 +10,7 @@ import importlib.util
 import json
 import os
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Collection
@@ -30,7 +31,8 @@ def cache_dir() -> Path:
 
 @dataclass
 class Target:
-    """A loaded target model: its config, fp32 weights by Hugging Face name, and tokenizer."""
+    """A loaded target model: its config, weights by Hugging Face name (fp32 arrays, or
+    ``quant.QuantMatrix`` blocks for ``--weights gguf``), and tokenizer."""
 
     name: str
     path: Path
@@ -177,12 +179,28 @@ def load_tokenizer(model_dir: Path) -> Any:
         raise LyannaError(f"cannot load the tokenizer in {model_dir}: {type(e).__name__}: {str(e).splitlines()[0]}") from None
 
 
-def load_target(name_or_path: str | os.PathLike = DEFAULT_MODEL, weights: bool = True) -> Target:
+WEIGHT_FORMATS = ("fp32", "gguf")
+
+
+def load_target(name_or_path: str | os.PathLike = DEFAULT_MODEL, weights: bool = True,
+                weight_format: str = "fp32") -> Target:
     """Load a target model by alias, GGUF file or Hugging Face directory, ready for the engine
-    (``weights=False``: everything but the weights, for an engine that loads its own)."""
+    (``weights=False``: everything but the weights, for an engine that loads its own;
+    ``weight_format="gguf"``: the weight matrices as the GGUF file's quantized blocks, see ``quant``)."""
+    if weight_format not in WEIGHT_FORMATS:
+        raise LyannaError(f"weight format {weight_format!r}: choose one of {', '.join(WEIGHT_FORMATS)}")
     model_dir = resolve_model(name_or_path)
     config = ModelConfig.from_pretrained(model_dir)
-    arrays = load_weights(model_dir) if weights else {}
+    if not weights:
+        arrays = {}
+    elif weight_format == "gguf":
+        gguf = source_gguf(name_or_path)
+        if gguf is None:
+            raise LyannaError(f"--weights gguf computes on a GGUF file's blocks; {name_or_path} is not a .gguf file "
+                              "or an alias of one: use --weights fp32")
+        arrays = _load_gguf_blocks(gguf, model_dir, config)
+    else:
+        arrays = load_weights(model_dir)
     tokenizer = load_tokenizer(model_dir)
     eos = set(config.eos_token_ids)
     gen_cfg = model_dir / "generation_config.json"
@@ -199,3 +217,82 @@ def _with_eos(config: ModelConfig, eos: tuple[int, ...]) -> ModelConfig:
     from dataclasses import replace
 
     return replace(config, eos_token_ids=eos)
+
+
+def _gguf_row_orders(name: str, n: int, config: ModelConfig) -> list[np.ndarray]:
+    """Candidate maps from a GGUF matrix's rows to the Hugging Face checkpoint's: the same order,
+    or (q and k of Llama-family files) llama.cpp's RoPE row interleaving undone per head."""
+    orders = [np.arange(n)]
+    heads = {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}.get(name.split(".")[-2])
+    if heads and n == heads * config.head_dim:
+        orders.append(np.arange(n).reshape(heads, config.head_dim // 2, 2).transpose(0, 2, 1).reshape(-1))
+    return orders
+
+
+def _load_gguf_blocks(gguf: Path, model_dir: Path, config: ModelConfig) -> dict[str, Any]:
+    """The checkpoint's weights with every matrix the GGUF file holds in a supported block type as
+    those blocks (``quant.QuantMatrix``), the rest (norms, unsupported types) fp32. The blocks are
+    checked once against the fp32 checkpoint, bit for bit, so the target stays the same model, and
+    cached (parsing a GGUF file takes seconds, reading the cache does not)."""
+    from safetensors.numpy import load_file, save_file
+
+    from .quant import QuantMatrix
+
+    cached = cache_dir() / "gguf-blocks" / f"{model_dir.name}.safetensors"
+    if not cached.is_file():
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        blocks, kept = _checked_gguf_blocks(gguf, load_weights(model_dir), config)
+        tensors = {f"{name}.{part}": array for name, matrix in blocks.items()
+                   for part, array in zip("dmq", matrix.row_layout())}
+        tmp = cached.with_name(f"{cached.name}.tmp-{os.getpid()}")
+        save_file(tensors, str(tmp), metadata={"fp32": json.dumps(kept), "source": gguf.name})
+        os.replace(tmp, cached)
+    try:
+        from safetensors import safe_open
+
+        with safe_open(str(cached), framework="numpy") as f:
+            kept = json.loads(f.metadata()["fp32"])
+        tensors = load_file(str(cached))
+    except Exception as e:  # a truncated or foreign file: rebuilt on the next load
+        cached.unlink(missing_ok=True)
+        raise LyannaError(f"cannot read {cached} ({type(e).__name__}); it was removed, load again to rebuild it") from None
+    names = sorted({key.rsplit(".", 1)[0] for key in tensors})
+    arrays: dict[str, Any] = {n: QuantMatrix(tensors[f"{n}.d"], tensors[f"{n}.m"], tensors[f"{n}.q"]) for n in names}
+    arrays.update(load_weights(model_dir, only=_checkpoint_names(model_dir) - set(names)))
+    if kept:
+        print(f"lyanna: {len(kept)} weight matrices stay fp32 ({'; '.join(sorted(set(kept.values())))})",
+              file=sys.stderr, flush=True)
+    return arrays
+
+
+def _checkpoint_names(model_dir: Path) -> set[str]:
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for f in _weight_files(model_dir):
+        with safe_open(str(f), framework="numpy") as st:
+            names.update(st.keys())
+    return names
+
+
+def _checked_gguf_blocks(gguf: Path, weights: dict[str, np.ndarray],
+                         config: ModelConfig) -> tuple[dict[str, Any], dict[str, str]]:
+    """The GGUF file's matrices in a supported block type, in the checkpoint's row order, each
+    shown to dequantize to its fp32 weights bit for bit; and the matrices that stay fp32, with why."""
+    from .quant import read_gguf_matrices
+
+    blocks, kept = read_gguf_matrices(gguf)
+    checked = {}
+    for name, matrix in blocks.items():
+        dense = weights.get(name)
+        if dense is None or dense.shape != matrix.shape:
+            kept[name] = "not in the checkpoint"
+            continue
+        for order in _gguf_row_orders(name, matrix.shape[0], config):
+            candidate = matrix.take(order)
+            if np.array_equal(candidate.dense(), dense):
+                checked[name] = candidate
+                break
+        else:
+            kept[name] = "differs from the fp32 checkpoint"
+    return checked, kept

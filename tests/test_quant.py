@@ -1,0 +1,119 @@
+"""Computing on a GGUF's quantized blocks: the blocks are read exactly as GGUF's own dequantizer
+reads them, the kernel equals fp32 arithmetic over those weights to rounding, and a row's output
+never depends on the block it is computed in (greedy equality and batching rely on that)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType, quants
+
+from lyanna.kernels import linear
+from lyanna.quant import SUPPORTED, QuantMatrix, from_blocks, hf_name
+
+ROWS = (1, 2, 3, 5, 8, 17, 64)
+
+
+def gguf_matrix(kind: str, n: int, k: int, seed: int = 0) -> tuple[QuantMatrix, np.ndarray]:
+    """A random [n, k] matrix quantized by gguf's reference quantizer, as our blocks and as gguf's
+    own fp32 dequantization."""
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((n, k)) * rng.uniform(0.01, 1.0, (n, 1))).astype(np.float32)
+    qtype = GGMLQuantizationType[kind]
+    raw = quants.quantize(w, qtype)
+    return from_blocks(kind, raw, (n, k)), quants.dequantize(raw, qtype).astype(np.float32)
+
+
+@pytest.mark.parametrize("kind", SUPPORTED)
+@pytest.mark.parametrize("shape", [(48, 64), (37, 96), (200, 32), (1040, 608)])
+def test_blocks_read_exactly_as_gguf_dequantizes_them(kind, shape):
+    matrix, reference = gguf_matrix(kind, *shape)
+    assert matrix.shape == shape
+    assert np.array_equal(matrix.dense(), reference)
+    rows = np.array([shape[0] - 1, 0, 5])
+    assert np.array_equal(matrix[rows], reference[rows])
+    assert np.array_equal(matrix[3], reference[3])
+
+
+@pytest.mark.parametrize("kind", SUPPORTED)
+@pytest.mark.parametrize("shape", [(48, 64), (37, 96), (1040, 608)])
+def test_quantized_linear_equals_fp32_over_the_same_weights(kind, shape):
+    matrix, reference = gguf_matrix(kind, *shape, seed=1)
+    x = np.random.default_rng(2).standard_normal((max(ROWS), shape[1])).astype(np.float32)
+    exact = x.astype(np.float64) @ reference.astype(np.float64).T
+    scale = np.abs(x).astype(np.float64) @ np.abs(reference).astype(np.float64).T
+    for rows in ROWS:
+        out = linear(x[:rows], matrix)
+        assert out.shape == (rows, shape[0]) and out.dtype == np.float32
+        # fp32 sums of at most k terms: a few units of rounding of the sum of magnitudes
+        assert np.all(np.abs(out - exact[:rows]) <= 1e-6 * shape[1] * scale[:rows] + 1e-30)
+    assert np.array_equal(linear(x[0], matrix), linear(x[:1], matrix)[0])
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+def test_a_rows_output_does_not_depend_on_its_block(kind):
+    matrix, _ = gguf_matrix(kind, 1040, 608, seed=3)
+    x = np.random.default_rng(4).standard_normal((max(ROWS), 608)).astype(np.float32)
+    alone = np.stack([linear(x[i : i + 1], matrix)[0] for i in range(max(ROWS))])
+    for rows in ROWS:
+        for start in (0, 1):
+            block = x[start : start + rows]
+            assert np.array_equal(linear(block, matrix), alone[start : start + block.shape[0]]), (rows, start)
+
+
+def test_take_and_concat_keep_the_weights():
+    a, ra = gguf_matrix("Q4_1", 64, 96, seed=5)
+    b, rb = gguf_matrix("Q8_0", 37, 96, seed=6)
+    both = QuantMatrix.concat([a, b])
+    assert np.array_equal(both.dense(), np.concatenate([ra, rb]))
+    order = np.random.default_rng(7).permutation(101)
+    assert np.array_equal(both.take(order).dense(), np.concatenate([ra, rb])[order])
+    assert np.array_equal(np.take(np.concatenate([ra, rb]), order, axis=0), both.take(order, axis=0).dense())
+    with pytest.raises(ValueError, match="rows only"):
+        both.take(order, axis=1)
+
+
+def test_bad_blocks_are_refused():
+    with pytest.raises(ValueError, match="not supported"):
+        from_blocks("Q6_K", np.zeros((4, 210), np.uint8), (4, 256))
+    with pytest.raises(ValueError, match="int8"):
+        QuantMatrix(np.zeros((4, 1), np.float32), np.zeros((4, 1), np.float32), np.zeros((4, 32), np.uint8))
+    with pytest.raises(ValueError, match="linear needs"):
+        linear(np.zeros((2, 64), np.float32), gguf_matrix("Q8_0", 16, 96)[0])
+
+
+def test_gguf_names_map_to_hugging_face_names():
+    assert hf_name("blk.12.attn_q.weight") == "model.layers.12.self_attn.q_proj.weight"
+    assert hf_name("blk.0.ffn_down.weight") == "model.layers.0.mlp.down_proj.weight"
+    assert hf_name("token_embd.weight") == "model.embed_tokens.weight"
+    assert hf_name("blk.3.attn_norm.weight") is None  # norms stay fp32
+    assert hf_name("rope_freqs.weight") is None
+
+
+@pytest.fixture(scope="module")
+def gguf_decoder(default_target):
+    from lyanna.decoding import Decoder
+    from lyanna.loading import DEFAULT_MODEL, load_target
+
+    return Decoder(load_target(DEFAULT_MODEL, weight_format="gguf"))
+
+
+@pytest.mark.slow
+def test_default_model_runs_on_its_gguf_blocks(gguf_decoder, default_decoder):
+    from lyanna.decoding import GenerationRequest
+
+    engine = gguf_decoder.engine
+    assert engine.name == "numpy-gguf"
+    weights = gguf_decoder.target.weights
+    # Every matrix of the file is computed on blocks: each was checked bit for bit against the
+    # fp32 checkpoint (q and k after undoing llama.cpp's row interleaving), or it would stay fp32.
+    assert sum(isinstance(w, QuantMatrix) for w in weights.values()) == 211
+    # The same model: logits as the fp32 engine's up to summation order.
+    ids = default_decoder.encode("Name three rivers in Europe.")
+    ours = engine.forward(ids, np.arange(len(ids)), engine.new_cache(len(ids))).logits
+    fp32 = default_decoder.engine.forward(ids, np.arange(len(ids)), default_decoder.engine.new_cache(len(ids))).logits
+    assert np.abs(ours - fp32).max() <= 2e-3
+    # Lossless against this engine's own ar, every drafter.
+    req = GenerationRequest(max_new_tokens=40)
+    ar = gguf_decoder.generate(ids, req)
+    for method in ("suffix", "eagle", "lyanna", "lyanna+suffix"):
+        assert gguf_decoder.generate(ids, req, method=method, budget=16).tokens == ar.tokens, method

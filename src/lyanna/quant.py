@@ -26,7 +26,10 @@ from pathlib import Path
 from typing import Sequence
 
 import numpy as np
-from numba import njit, prange
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 from .kernels import _launch
 
@@ -58,6 +61,28 @@ def _block_sums(x):  # pragma: no cover - compiled
     return out
 
 
+@intrinsic
+def _prefetch(typingctx, array, index):  # pragma: no cover - compiled
+    """Ask the CPU to start loading the cache line holding ``array.flat[index]`` (a hint: it never
+    faults, and changes no result)."""
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        byte_ptr = builder.bitcast(builder.gep(data, [args[1]]), ir.IntType(8).as_pointer())
+        i32 = ir.IntType(32)
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [byte_ptr.type, i32, i32, i32]), "llvm.prefetch.p0i8")
+        builder.call(fn, [byte_ptr, i32(0), i32(3), i32(1)])  # read, keep in all cache levels, data
+        return context.get_dummy_value()
+
+    return types.void(array, types.intp), codegen
+
+
+# How many input positions ahead of the one being multiplied the kernel prefetches its weight
+# bytes. The sums cost about as much as streaming the bytes, and without the hint the two do not
+# overlap: 30 layers at one row took 9.6-10.4 ms with none, 7.3-7.7 with 8 or 16, 7.4 with 24.
+PREFETCH_AHEAD = 16
+
+
 @njit(parallel=True, cache=True, nogil=True)
 def _quant_linear_kernel(x, xs, d, m, q, out):  # pragma: no cover - compiled
     """``out = x @ (d * q + m).T`` as ``sum over blocks of d * sum(q * x) + m * sum(x)``, one tile
@@ -65,12 +90,17 @@ def _quant_linear_kernel(x, xs, d, m, q, out):  # pragma: no cover - compiled
     last row alone; per block the partial sums live in ``blk`` (L1), then scale into ``acc``."""
     rows, k = x.shape
     tiles, nb, tw = d.shape
+    flat = q.reshape(-1)
     for c in prange(tiles):
         acc = np.zeros((rows, tw), np.float32)
         blk = np.empty((rows, tw), np.float32)
         for b in range(nb):
             blk[:] = 0
             for t in range(b * QK, b * QK + QK):
+                if t + PREFETCH_AHEAD < k:
+                    ahead = (c * k + t + PREFETCH_AHEAD) * tw
+                    for line in range(0, tw, 64):  # 64-byte cache lines
+                        _prefetch(flat, ahead + line)
                 i = 0
                 while i + 2 <= rows:
                     x0 = x[i, t]

@@ -1,6 +1,7 @@
 """Issue 16's route measurement: ms per forward block of 1 / 2 / 8 / 16 / 64 tokens after 256
-cached tokens, on the default model, for our engine (fp32 weights, numba kernels) and for
-llama.cpp on the same GGUF (llama-cpp-python, logits for every row as verification needs).
+cached tokens, on the default model, for our engine on fp32 weights (numba kernels), our engine on
+the GGUF's quantized blocks (``--weights gguf``, ``quant.py``) and llama.cpp on the same GGUF
+(llama-cpp-python, logits for every row as verification needs).
 Writes docs/bench/blocks.json. Usage: .venv/bin/python scripts/measure-blocks.py
 """
 from __future__ import annotations
@@ -44,9 +45,13 @@ def llamacpp_ms(gguf: Path, vocab: int) -> list[float]:
 
 
 def main() -> None:
-    target = load_target(DEFAULT_MODEL)
-    engine = Transformer(target.config, target.weights)
-    ours = calibrate(engine, DEFAULT_MODEL, sizes=SIZES, context=CONTEXT, repeats=REPEATS)
+    ms = {}
+    for weights in ("fp32", "gguf"):
+        target = load_target(DEFAULT_MODEL, weight_format=weights)
+        engine = Transformer(target.config, target.weights)
+        curve = calibrate(engine, DEFAULT_MODEL, sizes=SIZES, context=CONTEXT, repeats=REPEATS)
+        ms[f"ours-{weights}"] = [round(s * 1e3, 2) for s in curve.seconds]
+        del target, engine
     report = {
         "command": "python scripts/measure-blocks.py",
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -54,7 +59,7 @@ def main() -> None:
         "model": DEFAULT_MODEL,
         "context": CONTEXT,
         "sizes": list(SIZES),
-        "ms": {"ours-fp32": [round(s * 1e3, 2) for s in ours.seconds]},
+        "ms": ms,
     }
     try:
         report["ms"]["llamacpp"] = llamacpp_ms(source_gguf(DEFAULT_MODEL), target.config.vocab_size)

@@ -139,7 +139,9 @@ def default_target(isolated_cache):
         mp.setenv("LYANNA_CACHE", str(_REAL_CACHE))
         resolve_model(DEFAULT_MODEL)
     _link_default_model(isolated_cache)
-    return load_target()
+    # fp32 weights: the engine the Hugging Face comparisons and the training pipeline use; the
+    # default for GGUF targets, computing on the file's blocks, is tested in test_quant.py.
+    return load_target(weight_format="fp32")
 
 
 @pytest.fixture(scope="session")

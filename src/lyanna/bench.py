@@ -243,6 +243,7 @@ def run_bench(
     return {
         "model": decoder.target.name,
         "engine": decoder.engine.name,
+        "memory": memory_info(decoder),
         "machine": machine_info(),
         "settings": {
             "methods": list(methods),
@@ -258,6 +259,15 @@ def run_bench(
         },
         "results": results,
     }
+
+
+def memory_info(decoder: Decoder) -> dict[str, float]:
+    """The target's weights as the engine holds them and this process's peak resident memory, MB."""
+    import resource
+
+    weights = sum(int(w.nbytes) for w in decoder.target.weights.values())
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+    return {"target_weights_mb": round(weights / 2**20, 1), "peak_rss_mb": round(peak, 1)}
 
 
 def format_table(report: dict[str, Any]) -> str:

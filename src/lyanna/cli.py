@@ -76,9 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--backend", choices=("numpy", "torch"), default="numpy",
                         help="what computes the target: our numpy engine (default, the faster one on a CPU) or "
                              "the Hugging Face model in PyTorch (any device)")
-    parser.add_argument("--weights", choices=WEIGHT_FORMATS, default="fp32",
-                        help="numpy backend: fp32 (default) streams the weights dequantized to fp32; gguf computes "
-                             "on a GGUF target's quantized blocks (the same weights, fewer bytes per token)")
+    parser.add_argument("--weights", choices=WEIGHT_FORMATS, default="auto",
+                        help="numpy backend: gguf computes on a GGUF target's quantized blocks (the same weights, a "
+                             "third of the bytes per token); fp32 streams them dequantized; auto (default): gguf for "
+                             "a GGUF target, else fp32")
     parser.add_argument("--device", default=None, help="torch backend: cpu (default), cuda, cuda:1, ...")
     parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                         help="torch backend: the model's dtype (default float32; greedy output equals ar only in float32)")
@@ -167,7 +168,7 @@ def _decoder(args: argparse.Namespace):
     from .decoding import Decoder
     from .loading import load_target
 
-    if args.backend == "torch" and args.weights != "fp32":
+    if args.backend == "torch" and args.weights == "gguf":
         raise LyannaError("--weights gguf is a numpy-backend engine: drop --backend torch or --weights")
     if args.backend == "torch":
         from .torch_engine import load_torch_target

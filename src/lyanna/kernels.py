@@ -12,7 +12,7 @@ quiet machine, 2026-11-21), ms for 1 / 2 / 8 / 16 / 64 tokens: OpenBLAS 16.4 / 3
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, NamedTuple, Sequence
+from typing import NamedTuple, Protocol, Sequence
 
 import numpy as np
 from llvmlite import ir
@@ -20,9 +20,6 @@ from numba import njit, prange, types
 from numba.core import config as numba_config
 from numba.core.codegen import get_host_cpu_features
 from numba.extending import intrinsic
-
-if TYPE_CHECKING:
-    from .quant import QuantMatrix
 
 
 def _prefer_full_vectors() -> None:
@@ -43,6 +40,17 @@ _prefer_full_vectors()
 # numba's default "workqueue" threading layer aborts when two Python threads launch parallel
 # kernels at once; the engine runs on one thread at a time, and this lock makes sure of it.
 _launch = threading.Lock()
+
+
+class PackedMatrix(Protocol):
+    """A weight matrix [n, k] kept in another format that computes ``x @ W.T`` with its own
+    kernel (``quant.QuantMatrix``: a GGUF's quantized blocks); ``linear`` hands such weights to it."""
+
+    shape: tuple[int, int]
+
+    def linear(self, x: np.ndarray) -> np.ndarray: ...
+
+    def dense(self) -> np.ndarray: ...
 
 
 # Reassociation lets LLVM vectorize the dot products; no "no-infs" flag, because masked
@@ -104,11 +112,11 @@ def _linear_kernel(x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:  # pr
             out[i1, j + 4], out[i1, j + 5], out[i1, j + 6], out[i1, j + 7] = b4, b5, b6, b7
 
 
-def linear(x: np.ndarray, w: "np.ndarray | QuantMatrix") -> np.ndarray:
+def linear(x: np.ndarray, w: np.ndarray | PackedMatrix) -> np.ndarray:
     """``x @ w.T`` in fp32 for ``x`` [m, k] or [k] and a row-major weight ``w`` [n, k] (fp32, or
-    a ``quant.QuantMatrix``, which computes on its blocks)."""
+    a ``PackedMatrix``, which computes with its own kernel)."""
     x = np.ascontiguousarray(x, dtype=np.float32)
-    dense = not hasattr(w, "dense")
+    dense = not hasattr(w, "linear")
     if dense:
         w = np.ascontiguousarray(w, dtype=np.float32)
     if x.ndim not in (1, 2) or len(w.shape) != 2 or x.shape[-1] != w.shape[1]:
@@ -262,7 +270,7 @@ def rope_qk(qkv: np.ndarray, rot: np.ndarray, heads: int, kv_heads: int, head_di
 BULK_MIN_ROWS = 48
 
 
-def linear_rows(x: np.ndarray, w: "np.ndarray | QuantMatrix", bulk: Sequence[tuple[int, int]] = ()) -> np.ndarray:
+def linear_rows(x: np.ndarray, w: np.ndarray | PackedMatrix, bulk: Sequence[tuple[int, int]] = ()) -> np.ndarray:
     """``x @ w.T`` where each row range ``[lo, hi)`` of ``bulk`` (a prompt's prefill) of at least
     ``BULK_MIN_ROWS`` rows goes through one GEMM call of its own and every other row through
     ``linear``. A GEMM's rows can depend on the block they come in, so only prefill goes that way:
@@ -273,7 +281,7 @@ def linear_rows(x: np.ndarray, w: "np.ndarray | QuantMatrix", bulk: Sequence[tup
         return linear(x, w)
     # A quantized matrix's prompt rows go through a GEMM over its weights dequantized for the call
     # (about 2 ms a layer here): a prompt's rows are many, and a GEMM beats any few-row kernel.
-    full = w.dense() if hasattr(w, "dense") else w
+    full = w.dense() if hasattr(w, "linear") else w
     if ranges == [(0, x.shape[0])]:  # a prompt alone: its GEMM's output is the answer
         return _gemm(x, full)
     out = np.empty((x.shape[0], w.shape[0]), np.float32)

@@ -24,6 +24,9 @@ import numpy as np
 
 from ..errors import LyannaError
 
+# The pipeline computes the target on fp32 weights: the heads' torch modules take the target's
+# embedding and LM head as fp32 tensors, and the shipped heads' data and features were made so.
+TRAINING_WEIGHTS = "fp32"
 SHARD_EXAMPLES = 256
 
 
@@ -210,7 +213,7 @@ def stage_data(run: Path, model: str, prompts_file: Path, limit: int | None, max
                      "generator": f"hf-{device}" if device else "engine"})
     done = {row["id"] for row in iter_data(run)}
     todo = [p for p in prompts if p["id"] not in done]
-    decoder = Decoder(load_target(model))
+    decoder = Decoder(load_target(model, weight_format=TRAINING_WEIGHTS))
     hf = _hf_model(resolve_model(model), device) if device else None
     shard_idx = len(list((run / "data").glob("shard-*.jsonl")))
     bar = _progress(len(prompts), "data (self-distillation)", len(prompts) - len(todo))
@@ -328,7 +331,7 @@ def stage_features(run: Path, device: str | None = None) -> int:
     rows = list(iter_data(run))
     if not rows:
         raise LyannaError(f"{run} has no data yet: run `lyanna train data` first")
-    target = load_target(info["model"])
+    target = load_target(info["model"], weight_format=TRAINING_WEIGHTS)
     tap = target.config.num_layers
     n_tokens = sum(len(reply_mask(r)[0]) for r in rows)
     print(f"features: {len(rows)} examples, {n_tokens} tokens, about {n_tokens * target.config.hidden_size * 2 / 1e6:.0f} MB fp16")
@@ -437,7 +440,7 @@ def stage_select(run: Path, mode: str, keep: float, seed: int, device: str | Non
     examples = load_examples(run)
     ids = [eid for eid, _ in examples]
     if mode == "flat":
-        target = load_target(info["model"])
+        target = load_target(info["model"], weight_format=TRAINING_WEIGHTS)
         head = target.weights.get("lm_head.weight", target.weights["model.embed_tokens.weight"])
         if device:
             import torch
@@ -552,7 +555,7 @@ def stage_fit(run: Path, arch: str, steps: int, batch: int = 8, lr: float = 3e-4
             total += int(e[1].scored().sum())
         train = kept
     held = held[:eval_examples]
-    target = load_target(info["model"])
+    target = load_target(info["model"], weight_format=TRAINING_WEIGHTS)
     engine = _engine(target)
     out = run / "fit" / (name or arch)
     out.mkdir(parents=True, exist_ok=True)
@@ -756,7 +759,7 @@ def stage_export(run: Path, arch: str, out_dir: Path, name: str | None = None, h
         raise LyannaError(f"{fit_dir} holds a {state['arch']} head, not {arch}")
     saved = load_file(str(fit_dir / "state.safetensors"))
     weights = {k[len("head/"):]: v for k, v in saved.items() if k.startswith("head/")}
-    target = load_target(info["model"])
+    target = load_target(info["model"], weight_format=TRAINING_WEIGHTS)
     coverage = d2t_cov = None
     if arch == "lyanna":
         counts = _reply_counts(run, target.config.vocab_size)

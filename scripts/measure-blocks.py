@@ -51,6 +51,7 @@ def main() -> None:
         engine = Transformer(target.config, target.weights)
         curve = calibrate(engine, DEFAULT_MODEL, sizes=SIZES, context=CONTEXT, repeats=REPEATS)
         ms[f"ours-{weights}"] = [round(s * 1e3, 2) for s in curve.seconds]
+        vocab = target.config.vocab_size
         del target, engine
     report = {
         "command": "python scripts/measure-blocks.py",
@@ -62,7 +63,7 @@ def main() -> None:
         "ms": ms,
     }
     try:
-        report["ms"]["llamacpp"] = llamacpp_ms(source_gguf(DEFAULT_MODEL), target.config.vocab_size)
+        report["ms"]["llamacpp"] = llamacpp_ms(source_gguf(DEFAULT_MODEL), vocab)
     except ImportError:
         report["llamacpp"] = "llama-cpp-python is not installed"
     out = Path(__file__).resolve().parent.parent / "docs" / "bench" / "blocks.json"

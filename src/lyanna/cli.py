@@ -267,7 +267,7 @@ def _demo(args: argparse.Namespace) -> None:
     from .decoding import GenerationRequest
 
     decoder = _decoder(args)
-    print(f"model: {args.model}\nprompt: {DEMO_PROMPT}\n")
+    print(f"model: {args.model} (engine: {decoder.engine.name})\nprompt: {DEMO_PROMPT}\n")
     ids = decoder.encode(DEMO_PROMPT)
     request = GenerationRequest(max_new_tokens=128)
     method = "lyanna" if "lyanna" in decoder.methods else None

@@ -268,20 +268,27 @@ def rope_qk(qkv: np.ndarray, rot: np.ndarray, heads: int, kv_heads: int, head_di
 # loses on one shape; at 155 rows 151-252 against 87-137; throwaway measurements of 2026-11-22,
 # in issue 13's note).
 BULK_MIN_ROWS = 48
+# The same for a ``PackedMatrix`` (a GGUF's blocks), whose few-row kernel loses to dequantizing the
+# matrix for the call plus the sgemm earlier: a prompt's whole forward on the default model, gguf
+# weights, 2-core Xeon, 2026-11-23 (throwaway, in issue 16's note), ms with the kernel / the GEMM:
+# 16 rows 83 / 125, 24 rows 136 / 207, 32 rows 189 / 179, 47 rows 322 / 241.
+PACKED_BULK_MIN_ROWS = 32
 
 
 def linear_rows(x: np.ndarray, w: np.ndarray | PackedMatrix, bulk: Sequence[tuple[int, int]] = ()) -> np.ndarray:
     """``x @ w.T`` where each row range ``[lo, hi)`` of ``bulk`` (a prompt's prefill) of at least
-    ``BULK_MIN_ROWS`` rows goes through one GEMM call of its own and every other row through
-    ``linear``. A GEMM's rows can depend on the block they come in, so only prefill goes that way:
+    ``BULK_MIN_ROWS`` rows (``PACKED_BULK_MIN_ROWS`` for a packed ``w``) goes through one GEMM call
+    of its own and every other row through ``linear``. A GEMM's rows can depend on the block they come in, so only prefill goes that way:
     a prompt is prefilled the same way by every method, alone or in a batch (its own call, on an
     aligned copy of its rows), and verified or decoded rows never go through it."""
-    ranges = [(lo, hi) for lo, hi in bulk if hi - lo >= BULK_MIN_ROWS]
+    packed = hasattr(w, "linear")
+    least = PACKED_BULK_MIN_ROWS if packed else BULK_MIN_ROWS
+    ranges = [(lo, hi) for lo, hi in bulk if hi - lo >= least]
     if not ranges:
         return linear(x, w)
-    # A quantized matrix's prompt rows go through a GEMM over its weights dequantized for the call
-    # (about 2 ms a layer here): a prompt's rows are many, and a GEMM beats any few-row kernel.
-    full = w.dense() if hasattr(w, "linear") else w
+    # A packed matrix's prompt rows go through a GEMM over its weights dequantized for the call
+    # (about 2 ms a layer here).
+    full = w.dense() if packed else w
     if ranges == [(0, x.shape[0])]:  # a prompt alone: its GEMM's output is the answer
         return _gemm(x, full)
     out = np.empty((x.shape[0], w.shape[0]), np.float32)

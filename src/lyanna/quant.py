@@ -84,12 +84,13 @@ PREFETCH_AHEAD = 16
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _quant_linear_kernel(x, xs, d, m, q, out):  # pragma: no cover - compiled
+def _quant_linear_kernel(x, d, m, q, out):  # pragma: no cover - compiled
     """``out = x @ (d * q + m).T`` as ``sum over blocks of d * sum(q * x) + m * sum(x)``, one tile
     of output rows per task. Input rows go in pairs (one byte-to-float conversion for both), an odd
     last row alone; per block the partial sums live in ``blk`` (L1), then scale into ``acc``."""
     rows, k = x.shape
     tiles, nb, tw = d.shape
+    xs = _block_sums(x)
     flat = q.reshape(-1)
     for c in prange(tiles):
         acc = np.zeros((rows, tw), np.float32)
@@ -201,7 +202,7 @@ class QuantMatrix:
         out = np.empty((rows, self.q.shape[0] * self.q.shape[2]), np.float32)
         if rows:
             with _launch:
-                _quant_linear_kernel(x, _block_sums(x), self.d, self.m, self.q, out)
+                _quant_linear_kernel(x, self.d, self.m, self.q, out)
         return out if out.shape[1] == self.shape[0] else np.ascontiguousarray(out[:, : self.shape[0]])
 
 

@@ -242,7 +242,7 @@ def ragged_layer_forward(layer: LayerWeights, c: ModelConfig, x: np.ndarray, rot
     return x + linear_rows(silu_mul(linear_rows(h, layer.w_gate_up, bulk)), layer.w_down, bulk)
 
 
-def _interleave_rows(w: np.ndarray, heads: int, head_dim: int) -> np.ndarray:
+def _interleave_rows(w: Weight, heads: int, head_dim: int) -> Weight:
     """Reorder each head's rows from Hugging Face's half-split RoPE layout to adjacent pairs.
 
     Attention scores are dot products, so permuting q and k the same way leaves them unchanged,

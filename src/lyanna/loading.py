@@ -188,7 +188,7 @@ def load_target(name_or_path: str | os.PathLike = DEFAULT_MODEL, weights: bool =
     (``weights=False``: everything but the weights, for an engine that loads its own).
 
     ``weight_format``: ``"gguf"`` keeps the weight matrices as the GGUF file's quantized blocks
-    (``quant``: the same weights, a third of the bytes, 2-2.5x faster one-token steps here),
+    (``quant``: the same weights, a third of the bytes, about 2x faster one-token steps here),
     ``"fp32"`` dequantizes them, ``"auto"`` (default) is gguf for a GGUF target, else fp32."""
     if weight_format not in WEIGHT_FORMATS:
         raise LyannaError(f"weight format {weight_format!r}: choose one of {', '.join(WEIGHT_FORMATS)}")
@@ -239,6 +239,7 @@ def _load_gguf_blocks(gguf: Path, model_dir: Path, config: ModelConfig) -> dict[
     those blocks (``quant.QuantMatrix``), the rest (norms, unsupported types) fp32. The blocks are
     checked once against the fp32 checkpoint, bit for bit, so the target stays the same model, and
     cached (parsing a GGUF file takes seconds, reading the cache does not)."""
+    from safetensors import safe_open
     from safetensors.numpy import load_file, save_file
 
     from .quant import QuantMatrix
@@ -253,8 +254,6 @@ def _load_gguf_blocks(gguf: Path, model_dir: Path, config: ModelConfig) -> dict[
         save_file(tensors, str(tmp), metadata={"fp32": json.dumps(kept), "source": gguf.name})
         os.replace(tmp, cached)
     try:
-        from safetensors import safe_open
-
         with safe_open(str(cached), framework="numpy") as f:
             kept = json.loads(f.metadata()["fp32"])
         tensors = load_file(str(cached))

@@ -1,6 +1,6 @@
 """llama.cpp (through llama-cpp-python) on the model's own GGUF file: the native CPU peer for benchmarks.
 
-It runs the quantized GGUF as shipped, not our fp32 dequantization, so its tokens can differ from
+It runs the quantized GGUF with its own numerics (int8 activations), so its tokens can differ from
 ``ar`` on near ties; it is a speed reference, not a losslessness check. Greedy only, one token per
 eval call after the prompt. llama-cpp-python is optional: it is imported only when this method is
 asked for.
@@ -16,6 +16,13 @@ from .errors import LyannaError
 from .loading import Target, source_gguf
 
 
+# How llama-cpp-python was built for the project's measurements (an optional extra, never installed
+# by `make setup`): from source without AMX, which these Intel VMs advertise but do not allow
+# ("Illegal instruction" otherwise); about 8 minutes on 2 cores.
+INSTALL = ('CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON" '
+           "pip install llama-cpp-python==0.3.36 diskcache")
+
+
 class LlamaCppGenerate:
     """Greedy token-by-token generation with ``llama_cpp.Llama`` over the same prompt ids."""
 
@@ -23,8 +30,7 @@ class LlamaCppGenerate:
         try:
             import llama_cpp
         except ImportError:
-            raise LyannaError("method llamacpp needs llama-cpp-python (pip install llama-cpp-python); "
-                              "it is not installed") from None
+            raise LyannaError(f"method llamacpp needs llama-cpp-python, which is not installed: {INSTALL}") from None
         gguf = source_gguf(target.name)
         if gguf is None:
             raise LyannaError(f"method llamacpp needs a GGUF model (the default alias or a .gguf file); "

@@ -262,7 +262,7 @@ def run_bench(
 
 
 def memory_info(decoder: Decoder) -> dict[str, float]:
-    """The target's weights as the engine holds them and this process's peak resident memory, MB."""
+    """The target's weights as the engine holds them and this process's peak resident memory, MiB."""
     import resource
 
     weights = sum(int(w.nbytes) for w in decoder.target.weights.values())

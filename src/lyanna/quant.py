@@ -2,7 +2,7 @@
 
 Why: the default model's GGUF stores its layers as Q4_1 blocks (20 bytes per 32 weights) and its
 token embedding, also the tied LM head, as Q8_0 (34 bytes per 32). Dequantized to fp32 the engine
-streams 540 MB per token; on the blocks about 160 MB (one byte per weight, see below), and it
+streams 513 MiB per token; on the blocks 160 MiB (one byte per weight, see below), and it
 converts bytes to floats once per weight for a pair of input rows instead of multiplying fp32.
 
 The weights are the same: a weight is ``d * q + m`` with fp16 scales widened to fp32, which is
@@ -156,7 +156,7 @@ class QuantMatrix:
         self.shape = (n, k)
         padded = -(-n // LANES) * LANES  # zero rows up to a multiple of LANES, dropped from outputs
         pad = ((0, padded - n), (0, 0))
-        d, m, q = (np.pad(np.asarray(a), pad) for a in (np.asarray(d, np.float32), np.asarray(m, np.float32), q))
+        d, m, q = (np.pad(a, pad) for a in (np.asarray(d, np.float32), np.asarray(m, np.float32), q))
         tw = _tile_width(padded)
         self.q = np.ascontiguousarray(q.reshape(padded // tw, tw, k).transpose(0, 2, 1))
         self.d = np.ascontiguousarray(d.reshape(padded // tw, tw, k // QK).transpose(0, 2, 1))

@@ -142,8 +142,8 @@ def write_report(bench_files: Sequence[str | Path], out: str | Path = "BENCHMARK
             f"- machine: {machine['cpu']}, {machine['cores']} cores, {machine['platform']}; numpy {machine['numpy']}, torch {machine['torch']}",
             f"- date: {settings['date']}; model: {report['model']}; engine: {report.get('engine', 'numpy')}; "
             f"{settings['questions']} questions; temperature {settings['temperature']}",
-            *([f"- memory: target weights {report['memory']['target_weights_mb']} MB as held by the engine; "
-               f"peak resident {report['memory']['peak_rss_mb']} MB"] if report.get("memory") else []),
+            *([f"- memory: target weights {report['memory']['target_weights_mb']} MiB as held by the engine; "
+               f"peak resident {report['memory']['peak_rss_mb']} MiB"] if report.get("memory") else []),
             "", format_table(report), "",
         ]
         if any(r["method"] == "llamacpp" for r in report["results"]):

@@ -278,9 +278,10 @@ PACKED_BULK_MIN_ROWS = 32
 def linear_rows(x: np.ndarray, w: np.ndarray | PackedMatrix, bulk: Sequence[tuple[int, int]] = ()) -> np.ndarray:
     """``x @ w.T`` where each row range ``[lo, hi)`` of ``bulk`` (a prompt's prefill) of at least
     ``BULK_MIN_ROWS`` rows (``PACKED_BULK_MIN_ROWS`` for a packed ``w``) goes through one GEMM call
-    of its own and every other row through ``linear``. A GEMM's rows can depend on the block they come in, so only prefill goes that way:
-    a prompt is prefilled the same way by every method, alone or in a batch (its own call, on an
-    aligned copy of its rows), and verified or decoded rows never go through it."""
+    of its own and every other row through ``linear``. A GEMM's rows can depend on the block they
+    come in, so only prefill goes that way: a prompt is prefilled the same way by every method,
+    alone or in a batch (its own call, on an aligned copy of its rows), and verified or decoded
+    rows never go through it."""
     packed = hasattr(w, "linear")
     least = PACKED_BULK_MIN_ROWS if packed else BULK_MIN_ROWS
     ranges = [(lo, hi) for lo, hi in bulk if hi - lo >= least]

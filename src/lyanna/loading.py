@@ -144,17 +144,18 @@ def _weight_files(model_dir: Path) -> list[Path]:
     return found
 
 
-def load_weights(model_dir: Path, only: Collection[str] | None = None) -> dict[str, np.ndarray]:
-    """Read every safetensors file of ``model_dir`` (``only``: just the tensors of these names)
-    as fp32 numpy arrays, with one-line errors."""
+def load_weights(model_dir: Path, only: Collection[str] | None = None,
+                 skip: Collection[str] = ()) -> dict[str, np.ndarray]:
+    """Read every safetensors file of ``model_dir`` (``only``: just the tensors of these names;
+    ``skip``: all but these) as fp32 numpy arrays, with one-line errors."""
     from safetensors import SafetensorError, safe_open
     from safetensors.torch import load_file
 
     def read(f: Path) -> dict[str, Any]:
-        if only is None:
+        if only is None and not skip:
             return load_file(str(f))
         with safe_open(str(f), framework="pt") as st:
-            return {k: st.get_tensor(k) for k in st.keys() if k in only}
+            return {k: st.get_tensor(k) for k in st.keys() if (only is None or k in only) and k not in skip}
 
     weights: dict[str, np.ndarray] = {}
     for f in _weight_files(model_dir):
@@ -262,21 +263,11 @@ def _load_gguf_blocks(gguf: Path, model_dir: Path, config: ModelConfig) -> dict[
         raise LyannaError(f"cannot read {cached} ({type(e).__name__}); it was removed, load again to rebuild it") from None
     names = sorted({key.rsplit(".", 1)[0] for key in tensors})
     arrays: dict[str, Any] = {n: QuantMatrix(tensors[f"{n}.d"], tensors[f"{n}.m"], tensors[f"{n}.q"]) for n in names}
-    arrays.update(load_weights(model_dir, only=_checkpoint_names(model_dir) - set(names)))
+    arrays.update(load_weights(model_dir, skip=set(names)))
     if kept:
         print(f"lyanna: {len(kept)} weight matrices stay fp32 ({'; '.join(sorted(set(kept.values())))})",
               file=sys.stderr, flush=True)
     return arrays
-
-
-def _checkpoint_names(model_dir: Path) -> set[str]:
-    from safetensors import safe_open
-
-    names: set[str] = set()
-    for f in _weight_files(model_dir):
-        with safe_open(str(f), framework="numpy") as st:
-            names.update(st.keys())
-    return names
 
 
 def _checked_gguf_blocks(gguf: Path, weights: dict[str, np.ndarray],

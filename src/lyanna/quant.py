@@ -173,8 +173,12 @@ class QuantMatrix:
                      for a in (self.d, self.m, self.q))
 
     def __getitem__(self, key) -> np.ndarray:
-        rows = np.arange(self.shape[0])[key]
-        flat = np.atleast_1d(rows).astype(np.int64)
+        n = self.shape[0]
+        # token ids (the embedding lookup of every forward) index directly; slices go through arange
+        rows = np.arange(n)[key] if isinstance(key, slice) else np.asarray(key, np.int64)
+        if rows.size and (rows.min() < -n or rows.max() >= n):
+            raise IndexError(f"row index out of range for a matrix of {n} rows")
+        flat = np.atleast_1d(rows % n)
         out = np.empty((flat.size, self.shape[1]), np.float32)
         if flat.size:
             with _launch:

@@ -10,7 +10,7 @@ from gguf import GGMLQuantizationType, quants
 from lyanna.kernels import linear
 from lyanna.quant import SUPPORTED, QuantMatrix, from_blocks, hf_name
 
-ROWS = (1, 2, 3, 5, 8, 17, 64)
+ROWS = (1, 2, 3, 5, 8, 17, 31, 64)
 
 
 def gguf_matrix(kind: str, n: int, k: int, seed: int = 0) -> tuple[QuantMatrix, np.ndarray]:

@@ -268,11 +268,12 @@ def rope_qk(qkv: np.ndarray, rot: np.ndarray, heads: int, kv_heads: int, head_di
 # loses on one shape; at 155 rows 151-252 against 87-137; throwaway measurements of 2026-11-22,
 # in issue 13's note).
 BULK_MIN_ROWS = 48
-# The same for a ``PackedMatrix`` (a GGUF's blocks), whose few-row kernel loses to dequantizing the
-# matrix for the call plus the sgemm earlier: a prompt's whole forward on the default model, gguf
-# weights, 2-core Xeon, 2026-11-23 (throwaway, in issue 16's note), ms with the kernel / the GEMM:
-# 16 rows 83 / 125, 24 rows 136 / 207, 32 rows 189 / 179, 47 rows 322 / 241.
-PACKED_BULK_MIN_ROWS = 32
+# The same for a ``PackedMatrix`` (a GGUF's blocks), whose kernel converts each weight once per 8
+# rows, so dequantizing the whole matrix for the call plus the sgemm pays only for long prompts: a
+# prompt's whole forward on the default model, gguf weights, 2-core Xeon, 2026-11-23 (throwaway,
+# in issue 16's note), ms with the kernel / the GEMM: 32 rows 91 / 224, 64 rows 144 / 264,
+# 128 rows 288 / 370, 192 rows 415 / 434, 256 rows 488 / 491.
+PACKED_BULK_MIN_ROWS = 256
 
 
 def linear_rows(x: np.ndarray, w: np.ndarray | PackedMatrix, bulk: Sequence[tuple[int, int]] = ()) -> np.ndarray:

@@ -2,8 +2,8 @@
 
 Why: the default model's GGUF stores its layers as Q4_1 blocks (20 bytes per 32 weights) and its
 token embedding, also the tied LM head, as Q8_0 (34 bytes per 32). Dequantized to fp32 the engine
-streams 513 MiB per token; on the blocks 160 MiB (one byte per weight, see below), and it
-converts bytes to floats once per weight for a pair of input rows instead of multiplying fp32.
+streams 513 MiB per token; on the blocks 160 MiB (one byte per weight, see below), and a block of
+input rows converts each weight byte to a float once for up to 8 rows instead of multiplying fp32.
 
 The weights are the same: a weight is ``d * q + m`` with fp16 scales widened to fp32, which is
 how GGUF's dequantizer, and so our converted fp32 checkpoint, computes it (``load_target``
@@ -14,11 +14,11 @@ each engine with its own ``ar``.
 Layout: Q4_0 / Q4_1 / Q8_0 all become one signed byte per weight (Q4_1's nibbles 0..15, Q4_0's
 nibble - 8, Q8_0's value) with one fp32 scale ``d`` and offset ``m`` per 32 weights (``m = 0``
 for the symmetric types): one layout, one kernel, and matrices of different types can be stacked
-(q, k and v become one fused matrix). One byte per weight because LLVM vectorizes the byte-to-float
-widening, not nibble unpacking (packed nibbles ran at 0.27-0.42x the fp32 kernel,
-scripts/measure-quantized-linear.py). The rows are stored in tiles of ``tw`` output rows,
-input-major ([tiles, k, tw]): the kernel vectorizes across the tile's output rows, so each
-output is a plain sequential sum over the input and needs no reassociation at all.
+(q, k and v become one fused matrix). One byte per weight because the byte-to-float
+widening is one instruction, not nibble unpacking (packed nibbles ran at 0.27-0.42x the fp32
+kernel, scripts/measure-quantized-linear.py). The rows are stored in tiles of ``tw`` output rows,
+input-major: the kernel vectorizes across output rows, so each output is a plain sequential sum
+over the input and needs no reassociation at all.
 """
 from __future__ import annotations
 
@@ -29,6 +29,8 @@ import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
+from numba.core import config as numba_config
+from numba.core.codegen import get_host_cpu_features
 from numba.extending import intrinsic
 
 from .kernels import _launch
@@ -36,17 +38,28 @@ from .kernels import _launch
 QK = 32  # weights per block in every type supported here
 _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # fp16 scale (+ fp16 min for Q4_1) + values
 SUPPORTED = tuple(_BLOCK_BYTES)
-# Output rows per tile: a tile's accumulators for a few input rows stay in L1 (512 floats = 2 KB
-# a row), and its inner loop is long enough to amortize the loop overhead (64-row tiles ran 1.3x
-# slower at one input row).
+# Output rows per tile (one task of the parallel loop): wide enough that both cores get equal
+# work, narrow enough that a tile's outputs for a block of rows stay in L1/L2 while they accumulate.
 MAX_TILE = 512
-LANES = 16  # fp32 lanes of an AVX-512 register: tiles a multiple of it vectorize without remainder
+
+_FEATURES = numba_config.CPU_FEATURES or get_host_cpu_features()  # what numba compiles for
+# fp32 lanes of one vector register, and how many vector accumulators the kernel keeps in
+# registers (AVX-512 has 32 registers, AVX2 16: the accumulators, the converted weights and one
+# broadcast input must fit without spilling).
+LANES, _ACCUMULATORS = (16, 16) if "+avx512f" in _FEATURES else (8, 8)
+# A fused multiply-add rounds once, exactly as IEEE 754 defines it, so it is as deterministic as a
+# multiply and an add, and here it halves the arithmetic of blocks of many rows (8 rows: 0.45x
+# the old kernel's time with it, 0.56x without). Without the instruction LLVM would call libm's
+# fmaf, so such CPUs multiply and add.
+_USE_FMA = "+fma" in _FEATURES
+GROUP = 8  # input rows sharing one conversion of a weight vector (the kernel's register block)
+_UNROLL = 4  # input positions per turn of the kernel's inner loop (32 fully unrolled ran 1.2-1.4x slower)
+# Bytes ahead of the weights being multiplied that the kernel asks the CPU to fetch. Without it the
+# sums and the stream from memory do not overlap: 30 layers at one row took 1.16x as long
+# (/tmp measurement, issue 16's note).
+PREFETCH_BYTES = 4096
 
 
-# No fastmath in these kernels: without reassociation or contraction every loop shape computes an
-# element with the same IEEE operations in the same order, so a row's output is the same whether
-# it is computed alone, in a pair or with a leftover row (greedy equality and batching rely on it),
-# whatever the compiler or CPU. Allowing fused multiply-adds was only 3-7% faster here.
 @njit(cache=True, nogil=True)
 def _block_sums(x):  # pragma: no cover - compiled
     """``sum(x)`` over each block of 32 inputs of each row, in order."""
@@ -61,76 +74,152 @@ def _block_sums(x):  # pragma: no cover - compiled
     return out
 
 
+class _GroupKernel:
+    """Emits the LLVM IR of one block (32 inputs) of a tile for up to ``GROUP`` input rows.
+
+    Why IR: numba's loops keep accumulators in memory, and LLVM does not turn a loop over a few
+    rows into register blocking. Here every accumulator is an explicit vector value: for a chunk
+    of ``C`` vectors of output rows and ``R`` input rows, each weight vector is loaded and
+    converted once and multiplied into ``R * C`` accumulators. Per element the operations are
+    always ``blk = fma(q[t], x[t], blk)`` for t = 0..31 in order, then
+    ``out += d * blk + m * sum(x)``: the same whatever ``R``, ``C`` or the neighbours, so a row's
+    output never depends on its block (greedy equality and batching rely on it)."""
+
+    def __init__(self, context, builder, signature, args):
+        self.b = builder
+        arrays = {i: context.make_array(signature.args[i])(context, builder, args[i]).data for i in (0, 3, 6, 9, 10, 12)}
+        self.q, self.x, self.xs, self.d, self.m, self.out = (arrays[i] for i in (0, 3, 6, 9, 10, 12))
+        (self.qoff, self.nvec, self.xoff, self.k, self.xsoff, self.nb, self.dmoff, self.ooff, self.ostride,
+         self.rows, self.prefetch) = (args[i] for i in (1, 2, 4, 5, 7, 8, 11, 13, 14, 15, 16))
+        self.intp = self.qoff.type
+        f32, i8, i32 = ir.FloatType(), ir.IntType(8), ir.IntType(32)
+        self.vf, self.vb, self.i32 = ir.VectorType(f32, LANES), ir.VectorType(i8, LANES), i32
+        module = builder.module
+        self.fma = cgutils.get_or_insert_function(module, ir.FunctionType(self.vf, [self.vf] * 3), f"llvm.fma.v{LANES}f32")
+        self.prefetch_fn = cgutils.get_or_insert_function(
+            module, ir.FunctionType(ir.VoidType(), [i8.as_pointer(), i32, i32, i32]), "llvm.prefetch.p0i8")
+
+    def emit(self) -> None:
+        """A switch on the number of rows (1..GROUP), each case a loop over the tile's vectors."""
+        b, intp = self.b, self.intp
+        merge = b.append_basic_block("group.end")
+        switch = b.switch(self.rows, merge)
+        for rows in range(1, GROUP + 1):
+            case = b.append_basic_block(f"group.rows{rows}")
+            switch.add_case(self.rows.type(rows), case)
+            b.position_at_end(case)
+            cols = max(1, min(4, _ACCUMULATORS // rows))  # 4 independent sums hide the FMA latency at one row
+            full = b.sdiv(self.nvec, intp(cols))
+            with cgutils.for_range(b, full) as loop:
+                self._chunk(rows, cols, b.mul(loop.index, intp(cols)))
+            if cols > 1:  # leftover vectors one at a time (the same operations per element)
+                with cgutils.for_range_slice(b, b.mul(full, intp(cols)), self.nvec, intp(1)) as (j, _):
+                    self._chunk(rows, 1, j)
+            b.branch(merge)
+        b.position_at_end(merge)
+
+    def _splat(self, scalar):
+        undef = ir.Constant(self.vf, ir.Undefined)
+        lanes = ir.Constant(ir.VectorType(self.i32, LANES), [0] * LANES)
+        return self.b.shuffle_vector(self.b.insert_element(undef, scalar, self.i32(0)), undef, lanes)
+
+    def _vector(self, base, offset, kind):
+        return self.b.load(self.b.bitcast(self.b.gep(base, [offset]), kind.as_pointer()), align=1)
+
+    def _chunk(self, rows: int, cols: int, j) -> None:
+        """Output vectors ``j .. j + cols - 1`` of this tile for ``rows`` input rows."""
+        b, intp = self.b, self.intp
+        chunk_bytes = QK * LANES
+        qbase = [b.add(self.qoff, b.mul(b.add(j, intp(c)), intp(chunk_bytes))) for c in range(cols)]
+        with b.if_then(b.icmp_signed("!=", self.prefetch, intp(0))):
+            for c in range(cols):
+                for line in range(0, chunk_bytes, 64):  # 64-byte cache lines; a prefetch never faults
+                    ptr = b.gep(self.q, [b.add(qbase[c], intp(PREFETCH_BYTES + line))])
+                    b.call(self.prefetch_fn, [ptr, self.i32(0), self.i32(3), self.i32(1)])  # read, keep, data
+        xrow = [b.add(self.xoff, b.mul(intp(r), self.k)) for r in range(rows)]
+        entry = b.block
+        body, done = b.append_basic_block("t.body"), b.append_basic_block("t.done")
+        b.branch(body)
+        b.position_at_end(body)
+        t0 = b.phi(intp)
+        t0.add_incoming(intp(0), entry)
+        zero = ir.Constant(self.vf, [0.0] * LANES)
+        phis = [[b.phi(self.vf) for _ in range(cols)] for _ in range(rows)]
+        for phi in (p for row in phis for p in row):
+            phi.add_incoming(zero, entry)
+        acc = [list(row) for row in phis]
+        for u in range(_UNROLL):
+            t = b.add(t0, intp(u))
+            w = [b.sitofp(self._vector(self.q, b.add(qbase[c], b.mul(t, intp(LANES))), self.vb), self.vf)
+                 for c in range(cols)]
+            for r in range(rows):
+                xv = self._splat(b.load(b.gep(self.x, [b.add(xrow[r], t)])))
+                for c in range(cols):
+                    acc[r][c] = (b.call(self.fma, [w[c], xv, acc[r][c]]) if _USE_FMA
+                                 else b.fadd(acc[r][c], b.fmul(w[c], xv)))
+        t_next = b.add(t0, intp(_UNROLL))
+        t0.add_incoming(t_next, b.block)
+        for r in range(rows):
+            for c in range(cols):
+                phis[r][c].add_incoming(acc[r][c], b.block)
+        b.cbranch(b.icmp_signed("<", t_next, intp(QK)), body, done)
+        b.position_at_end(done)
+        for c in range(cols):
+            col = b.mul(b.add(j, intp(c)), intp(LANES))
+            dv = self._vector(self.d, b.add(self.dmoff, col), self.vf)
+            mv = self._vector(self.m, b.add(self.dmoff, col), self.vf)
+            for r in range(rows):
+                s = self._splat(b.load(b.gep(self.xs, [b.add(self.xsoff, b.mul(intp(r), self.nb))])))
+                ptr = b.bitcast(b.gep(self.out, [b.add(b.add(self.ooff, b.mul(intp(r), self.ostride)), col)]),
+                                self.vf.as_pointer())
+                total = b.fadd(b.load(ptr, align=1), b.fadd(b.fmul(dv, acc[r][c]), b.fmul(mv, s)))
+                b.store(total, ptr, align=1)
+
+
 @intrinsic
-def _prefetch(typingctx, array, index):  # pragma: no cover - compiled
-    """Ask the CPU to start loading the cache line holding ``array.flat[index]`` (a hint: it never
-    faults, and changes no result)."""
+def _group(typingctx, q, qoff, nvec, x, xoff, k, xs, xsoff, nb, d, m, dmoff, out, ooff, ostride, rows, prefetch):
+    """One block of one tile for ``rows`` (1..GROUP) input rows, added into ``out`` (offsets are
+    flat element offsets into each array; see ``_GroupKernel``)."""
     def codegen(context, builder, signature, args):
-        data = context.make_array(signature.args[0])(context, builder, args[0]).data
-        byte_ptr = builder.bitcast(builder.gep(data, [args[1]]), ir.IntType(8).as_pointer())
-        i32 = ir.IntType(32)
-        fn = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(ir.VoidType(), [byte_ptr.type, i32, i32, i32]), "llvm.prefetch.p0i8")
-        builder.call(fn, [byte_ptr, i32(0), i32(3), i32(1)])  # read, keep in all cache levels, data
+        _GroupKernel(context, builder, signature, args).emit()
         return context.get_dummy_value()
 
-    return types.void(array, types.intp), codegen
-
-
-# How many input positions ahead of the one being multiplied the kernel prefetches its weight
-# bytes. The sums cost about as much as streaming the bytes, and without the hint the two do not
-# overlap: 30 layers at one row took 9.6-10.4 ms with none, 7.3-7.7 with 8 or 16, 7.4 with 24.
-PREFETCH_AHEAD = 16
+    return types.void(q, qoff, nvec, x, xoff, k, xs, xsoff, nb, d, m, dmoff, out, ooff, ostride, rows, prefetch), codegen
 
 
 @njit(parallel=True, cache=True, nogil=True)
 def _quant_linear_kernel(x, d, m, q, out):  # pragma: no cover - compiled
     """``out = x @ (d * q + m).T`` as ``sum over blocks of d * sum(q * x) + m * sum(x)``, one tile
-    of output rows per task. Input rows go in pairs (one byte-to-float conversion for both), an odd
-    last row alone; per block the partial sums live in ``blk`` (L1), then scale into ``acc``."""
+    of output rows per task, input rows in groups of up to ``GROUP`` (``_GroupKernel``)."""
     rows, k = x.shape
     tiles, nb, tw = d.shape
+    nvec = tw // LANES
     xs = _block_sums(x)
     flat = q.reshape(-1)
+    width = out.shape[1]
     for c in prange(tiles):
-        acc = np.zeros((rows, tw), np.float32)
-        blk = np.empty((rows, tw), np.float32)
+        out[:, c * tw : (c + 1) * tw] = 0
         for b in range(nb):
-            blk[:] = 0
-            for t in range(b * QK, b * QK + QK):
-                if t + PREFETCH_AHEAD < k:
-                    ahead = (c * k + t + PREFETCH_AHEAD) * tw
-                    for line in range(0, tw, 64):  # 64-byte cache lines
-                        _prefetch(flat, ahead + line)
-                i = 0
-                while i + 2 <= rows:
-                    x0 = x[i, t]
-                    x1 = x[i + 1, t]
-                    for u in range(tw):
-                        f = np.float32(q[c, t, u])
-                        blk[i, u] += f * x0
-                        blk[i + 1, u] += f * x1
-                    i += 2
-                if i < rows:
-                    x0 = x[i, t]
-                    for u in range(tw):
-                        blk[i, u] += np.float32(q[c, t, u]) * x0
-            for i in range(rows):
-                s = xs[i, b]
-                for u in range(tw):
-                    acc[i, u] += d[c, b, u] * blk[i, u] + m[c, b, u] * s
-        out[:, c * tw : (c + 1) * tw] = acc
+            qoff = (c * nb + b) * tw * QK
+            i = 0
+            while i < rows:
+                group = min(GROUP, rows - i)
+                _group(flat, qoff, nvec, x, i * k + b * QK, k, xs, i * nb + b, nb, d, m, (c * nb + b) * tw,
+                       out, i * width + c * tw, width, group, 1 if i == 0 else 0)  # prefetch once per block
+                i += group
 
 
 @njit(parallel=True, cache=True, nogil=True)
 def _dequantize_kernel(d, m, q, rows, out):  # pragma: no cover - compiled
     """``out[r] = d * q + m`` of weight row ``rows[r]`` (two roundings, as GGUF's dequantizer)."""
     tw = d.shape[2]
-    k = q.shape[1]
+    k = out.shape[1]
     for r in prange(rows.shape[0]):
         c, u = divmod(rows[r], tw)
+        v, lane = divmod(u, LANES)
         for t in range(k):
-            out[r, t] = d[c, t >> 5, u] * np.float32(q[c, t, u]) + m[c, t >> 5, u]
+            b = t >> 5
+            out[r, t] = d[c, b, u] * np.float32(q[c, b, v, t & 31, lane]) + m[c, b, u]
 
 
 def _tile_width(n: int) -> int:
@@ -158,9 +247,13 @@ class QuantMatrix:
         pad = ((0, padded - n), (0, 0))
         d, m, q = (np.pad(a, pad) for a in (np.asarray(d, np.float32), np.asarray(m, np.float32), q))
         tw = _tile_width(padded)
-        self.q = np.ascontiguousarray(q.reshape(padded // tw, tw, k).transpose(0, 2, 1))
-        self.d = np.ascontiguousarray(d.reshape(padded // tw, tw, k // QK).transpose(0, 2, 1))
-        self.m = np.ascontiguousarray(m.reshape(padded // tw, tw, k // QK).transpose(0, 2, 1))
+        tiles, nb = padded // tw, k // QK
+        # q as [tile, block, vector, 32 inputs, LANES outputs]: the bytes one kernel step reads
+        # (32 inputs of one vector of outputs) are 512 contiguous bytes, and the whole matrix is
+        # read front to back, once per block of input rows.
+        self.q = np.ascontiguousarray(q.reshape(tiles, tw // LANES, LANES, nb, QK).transpose(0, 3, 1, 4, 2))
+        self.d = np.ascontiguousarray(d.reshape(tiles, tw, nb).transpose(0, 2, 1))
+        self.m = np.ascontiguousarray(m.reshape(tiles, tw, nb).transpose(0, 2, 1))
 
     @property
     def nbytes(self) -> int:
@@ -168,9 +261,10 @@ class QuantMatrix:
 
     def row_layout(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(d, m, q)`` as given to the constructor (what the cache file stores)."""
-        n = self.shape[0]
-        return tuple(np.ascontiguousarray(a.transpose(0, 2, 1).reshape(-1, a.shape[1])[:n])
-                     for a in (self.d, self.m, self.q))
+        n, k = self.shape
+        d, m = (np.ascontiguousarray(a.transpose(0, 2, 1).reshape(-1, a.shape[1])[:n]) for a in (self.d, self.m))
+        q = np.ascontiguousarray(self.q.transpose(0, 2, 4, 1, 3).reshape(-1, k)[:n])
+        return d, m, q
 
     def __getitem__(self, key) -> np.ndarray:
         n = self.shape[0]
@@ -203,7 +297,7 @@ class QuantMatrix:
     def linear(self, x: np.ndarray) -> np.ndarray:
         """``x @ W.T`` for ``x`` [rows, k] fp32 contiguous."""
         rows = x.shape[0]
-        out = np.empty((rows, self.q.shape[0] * self.q.shape[2]), np.float32)
+        out = np.empty((rows, self.d.shape[0] * self.d.shape[2]), np.float32)
         if rows:
             with _launch:
                 _quant_linear_kernel(x, self.d, self.m, self.q, out)

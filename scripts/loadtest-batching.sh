@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Continuous batching under load (BENCHMARKS.md, batching): `lyanna serve --max-batch B` on this
 # machine, then `lyanna loadtest` against it, one configuration at a time and nothing else running.
-# Writes docs/bench/loadtest/<method>-b<B>-c<concurrency>.json.
+# Writes $OUT/<method>-b<B>-c<concurrency>.json (OUT defaults to docs/bench/loadtest).
 # Usage: scripts/loadtest-batching.sh [METHODS] [BATCHES] [CONCURRENCIES]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,7 +12,7 @@ REQUESTS=${REQUESTS:-48}
 MAX_TOKENS=${MAX_TOKENS:-48}
 PORT=${PORT:-8765}
 L=".venv/bin/lyanna"
-OUT=docs/bench/loadtest
+OUT=${OUT:-docs/bench/loadtest}
 mkdir -p "$OUT"
 for b in $BATCHES; do
   $L serve --port "$PORT" --max-batch "$b" --queue-size 64 > "$OUT/.serve-b$b.log" 2>&1 &

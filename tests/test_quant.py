@@ -8,7 +8,7 @@ import pytest
 from gguf import GGMLQuantizationType, quants
 
 from lyanna.kernels import linear
-from lyanna.quant import SUPPORTED, QuantMatrix, from_blocks, hf_name
+from lyanna.quant import SUPPORTED, QuantMatrix, from_blocks, hf_name, quantize_q8_0
 
 ROWS = (1, 2, 3, 5, 8, 17, 31, 64)
 
@@ -89,6 +89,16 @@ def test_take_and_concat_keep_the_weights():
         both.take(order, axis=1)
 
 
+def test_fp32_matrices_quantize_to_q8_0_within_half_a_step():
+    w = (np.random.default_rng(10).standard_normal((40, 96)) * 0.1).astype(np.float32)
+    blocks = quantize_q8_0(w)
+    step = np.abs(w.reshape(40, 3, 32)).max(axis=-1, keepdims=True) / 127  # Q8_0's scale per 32
+    # half a step of rounding, plus the scale's own fp16 rounding (2^-11 relative) times |q| <= 127
+    assert np.all(np.abs(blocks.dense() - w).reshape(40, 3, 32) <= step * (0.5 + 127 * 2.0**-11))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quantize_q8_0(np.zeros((4, 40), np.float32))
+
+
 def test_bad_blocks_are_refused():
     with pytest.raises(ValueError, match="not supported"):
         from_blocks("Q6_K", np.zeros((4, 210), np.uint8), (4, 256))
@@ -134,3 +144,6 @@ def test_default_model_runs_on_its_gguf_blocks(gguf_decoder, default_decoder):
     ar = gguf_decoder.generate(ids, req)
     for method in ("suffix", "eagle", "lyanna", "lyanna+suffix"):
         assert gguf_decoder.generate(ids, req, method=method, budget=16).tokens == ar.tokens, method
+    # The draft heads' matrices follow the target onto blocks (Q8_0: drafts need no exact weights).
+    head = gguf_decoder.drafter_for("lyanna").head
+    assert isinstance(head.layer.w_down, QuantMatrix) and isinstance(head.fc_w, QuantMatrix)

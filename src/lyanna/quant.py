@@ -321,6 +321,17 @@ def from_blocks(kind: str, raw: np.ndarray, shape: tuple[int, int]) -> QuantMatr
     return QuantMatrix(d, np.zeros_like(d), (nibbles - 8).reshape(n, k))
 
 
+def quantize_q8_0(w: np.ndarray) -> QuantMatrix:
+    """An fp32 matrix [n, k] as Q8_0 blocks, quantized by gguf's reference quantizer (for weights
+    that need not equal any file's, like a draft head's: its drafts are checked by the target)."""
+    from gguf import GGMLQuantizationType, quants
+
+    w = np.ascontiguousarray(w, np.float32)
+    if w.ndim != 2 or w.shape[1] % QK:
+        raise ValueError(f"Q8_0 needs a matrix [n, k] with k a multiple of {QK}, got {w.shape}")
+    return from_blocks("Q8_0", quants.quantize(w, GGMLQuantizationType.Q8_0), w.shape)
+
+
 # GGUF tensor names of the Llama family -> Hugging Face names ({} is the layer index).
 _HF_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",

@@ -8,20 +8,26 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..engine import KVCache, LayerWeights, TargetEngine, attention_bias, layer_forward, rotation
+from ..engine import KVCache, LayerWeights, TargetEngine, Weight, attention_bias, layer_forward, rotation
 from ..errors import LyannaError
 from ..kernels import linear
+from ..quant import QuantMatrix, quantize_q8_0
 
 
 class DraftHead:
     def __init__(self, target: TargetEngine, weights: dict[str, np.ndarray]):
         c = target.config
+        # On a target computed on a GGUF's blocks the head's matrices become Q8_0 blocks too: a
+        # draft step streams a quarter of the bytes (the head is one layer, so its step is bound
+        # by reading its weights), and a draft needs no exact weights, the target checks it.
+        blocks = isinstance(target.lm_head, QuantMatrix)
 
-        def get(name: str) -> np.ndarray:
+        def get(name: str) -> Weight:
             try:
-                return np.ascontiguousarray(weights[name], dtype=np.float32)
+                w = np.ascontiguousarray(weights[name], dtype=np.float32)
             except KeyError:
                 raise LyannaError(f"draft head weight {name!r} is missing") from None
+            return quantize_q8_0(w) if blocks and w.ndim == 2 else w
 
         self.config = c
         self.fc_w = get("fc.weight")

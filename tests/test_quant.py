@@ -147,3 +147,39 @@ def test_default_model_runs_on_its_gguf_blocks(gguf_decoder, default_decoder):
     # The draft heads' matrices follow the target onto blocks (Q8_0: drafts need no exact weights).
     head = gguf_decoder.drafter_for("lyanna").head
     assert isinstance(head.layer.w_down, QuantMatrix) and isinstance(head.fc_w, QuantMatrix)
+
+
+def test_fused_layers_give_the_layer_by_layer_bits(tiny_model_dir):
+    """One sequence's pass through every layer in one compiled call (``fused.py``) equals the
+    layer-by-layer path bit for bit: logits, tapped hidden states and KV cache, for a prompt, a
+    tree-masked block and a single token; and a batch (layer by layer) equals each sequence alone."""
+    from lyanna.engine import Block, Transformer
+    from lyanna.loading import load_target
+
+    target = load_target(tiny_model_dir)
+    weights = {name: quantize_q8_0(w) if w.ndim == 2 and ".layers." in name else w
+               for name, w in target.weights.items()}
+    fused = Transformer(target.config, weights)
+    assert fused._fused is not None
+    plain = Transformer(target.config, weights)
+    plain._fused = None
+    tokens = np.random.default_rng(11).integers(3, 259, 30)
+    mask = np.tril(np.ones((5, 5), bool))
+    mask[3, 1] = False
+    results = []
+    for engine in (fused, plain):
+        cache = engine.new_cache(64)
+        outs = [engine.forward(tokens[:20], np.arange(20), cache, taps=(0, 1, 2)),
+                engine.forward(tokens[20:25], np.arange(20, 25), cache, block_mask=mask, taps=(1,)),
+                engine.forward(tokens[25:26], [25], cache, taps=(0, 2))]
+        results.append((outs, cache))
+    (ours, ours_cache), (theirs, theirs_cache) = results
+    for a, b in zip(ours, theirs):
+        assert np.array_equal(a.logits, b.logits)
+        assert a.hidden.keys() == b.hidden.keys()
+        assert all(np.array_equal(a.hidden[t], b.hidden[t]) for t in a.hidden)
+    assert np.array_equal(ours_cache.k, theirs_cache.k) and np.array_equal(ours_cache.v, theirs_cache.v)
+    caches = [fused.new_cache(64) for _ in range(2)]
+    batch = fused.forward_batch([Block(tokens[:7], np.arange(7), caches[0]), Block(tokens[7:10], np.arange(3), caches[1])])
+    alone = [fused.forward(tokens[:7], np.arange(7), fused.new_cache(64)), fused.forward(tokens[7:10], np.arange(3), fused.new_cache(64))]
+    assert all(np.array_equal(b.logits, a.logits) for b, a in zip(batch, alone))

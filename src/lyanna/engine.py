@@ -18,14 +18,15 @@ import numpy as np
 
 from .config import ModelConfig, rope_inv_freq
 from .errors import LyannaError
-from .kernels import (BULK_MIN_ROWS, AttentionSpan, linear, linear_rows, prefill_attention, ragged_attention,
-                      rms_norm, rope_qk, silu_mul)
+from .fused import FusedLayers
+from .kernels import (BULK_MIN_ROWS, AttentionSpan, _launch, linear, linear_rows, prefill_attention,
+                      ragged_attention, rms_norm, rope_qk, silu_mul)
 from .quant import QuantMatrix
 
 Weight = np.ndarray | QuantMatrix  # a matrix in fp32, or computed on a GGUF's blocks (``quant``)
 
 # Bumped whenever the forward pass's cost changes, so cached latency calibrations are redone.
-ENGINE_REVISION = 8
+ENGINE_REVISION = 9
 
 
 class KVCache:
@@ -286,6 +287,8 @@ class Transformer(TargetEngine):
         # Calibrations are cached per engine name: computing on blocks has another latency curve.
         if any(isinstance(w, QuantMatrix) for w in weights.values()):
             self.name = "numpy-gguf"
+        # One sequence's passes through every layer in one compiled call where the layers allow it.
+        self._fused = FusedLayers.of(self.layers, c)
 
     def new_cache(self, capacity: int) -> KVCache:
         c = self.config
@@ -315,12 +318,17 @@ class Transformer(TargetEngine):
         x = self.embed[np.concatenate(tokens)]
         wanted = set().union(*(b.taps for b in blocks))
         hidden: dict[int, np.ndarray] = {}
-        for li, layer in enumerate(self.layers):
-            if li in wanted:
-                hidden[li] = x
-            spans = [Span(lo, hi, b.cache.k[li], b.cache.v[li], start, bias, b.prefill)
-                     for (lo, hi, start), b, bias in zip(bounds, blocks, biases)]
-            x = ragged_layer_forward(layer, c, x, rot, spans)
+        if self._fused is not None and len(blocks) == 1 and not (blocks[0].prefill and x.shape[0] >= BULK_MIN_ROWS):
+            with _launch:
+                x, hidden = self._fused(x, rot, blocks[0].cache.k, blocks[0].cache.v, bounds[0][2], biases[0],
+                                        sorted(t for t in wanted if t < c.num_layers))
+        else:
+            for li, layer in enumerate(self.layers):
+                if li in wanted:
+                    hidden[li] = x
+                spans = [Span(lo, hi, b.cache.k[li], b.cache.v[li], start, bias, b.prefill)
+                         for (lo, hi, start), b, bias in zip(bounds, blocks, biases)]
+                x = ragged_layer_forward(layer, c, x, rot, spans)
         for (lo, hi, start), b in zip(bounds, blocks):
             b.cache.length = start + hi - lo
         if c.num_layers in wanted:

@@ -1,0 +1,99 @@
+"""All decoder layers of one sequence's block in one compiled call, on a GGUF's blocks.
+
+Why: a one-token step on the blocks engine computes for ~11 ms, but going through Python between
+its ~450 kernel calls (numba's argument checks, small numpy operations) added ~4 ms more (28%; a
+cProfile of 200 steps, issue 16's note of 2026-11-23). This function calls the same compiled
+kernels (``kernels``' RMSNorm, RoPE, attention and SiLU, ``quant``'s linear) from compiled code,
+so every row gets exactly the bits the layer-by-layer path gives it (tested in
+``test_engine.py``), only without the trips through Python in between.
+
+It serves what most passes are: one sequence, every matrix on blocks, no qkv bias, no prompt long
+enough for the GEMM path. Anything else goes layer by layer (``engine.ragged_layer_forward``).
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+from numba.typed import List
+
+from .kernels import _attention_kernel, _rms_norm_kernel, _rope_kernel, _silu_mul_kernel
+from .quant import QuantMatrix, _quant_linear_kernel
+
+
+@njit(nogil=True, cache=True)
+def _layers(x, rot, attn_norms, mlp_norms, d, m, q, k_cache, v_cache, start, bias, tap_slot, taps,
+            eps, heads, kv_heads, head_dim):  # pragma: no cover - compiled
+    """``x`` through every layer; layer ``l``'s matrices are ``(d, m, q)[4 * l + j]`` for qkv, o,
+    gate_up and down; keys and values go to cache slots ``[start, start + n)``; the input of layer
+    ``l`` is copied to ``taps[tap_slot[l]]`` where ``tap_slot[l] >= 0``."""
+    n, hidden = x.shape
+    q_dim, kv_dim = heads * head_dim, kv_heads * head_dim
+    scale = np.float32(1.0 / np.sqrt(head_dim))
+    span_of = np.zeros(n, np.int64)  # one span: rows [0, n) attend to slots [0, start + n)
+    lo = np.zeros(1, np.int64)
+    ends = np.full(1, start + n, np.int64)
+    bias_at = np.full(1, 0 if bias.size else -1, np.int64)
+    h = np.empty((n, hidden), np.float32)
+    qkv = np.empty((n, q_dim + 2 * kv_dim), np.float32)
+    qh = np.empty((n, heads, head_dim), np.float32)
+    kh = np.empty((n, kv_heads, head_dim), np.float32)
+    o = np.empty((n, q_dim), np.float32)
+    a = np.empty((n, hidden), np.float32)
+    for layer in range(len(attn_norms)):
+        if tap_slot[layer] >= 0:
+            taps[tap_slot[layer]] = x
+        w = 4 * layer
+        _rms_norm_kernel(x, attn_norms[layer], eps, h)
+        _quant_linear_kernel(h, d[w], m[w], q[w], qkv)
+        _rope_kernel(qkv, rot, heads, kv_heads, head_dim, scale, qh, kh)
+        for i in range(n):
+            for g in range(kv_heads):
+                for e in range(head_dim):
+                    k_cache[layer, g, start + i, e] = kh[i, g, e]
+                    v_cache[layer, g, start + i, e] = qkv[i, q_dim + kv_dim + g * head_dim + e]
+        _attention_kernel(qh, (k_cache[layer],), (v_cache[layer],), span_of, lo, ends, bias, bias_at, o)
+        _quant_linear_kernel(o, d[w + 1], m[w + 1], q[w + 1], a)
+        x = x + a
+        _rms_norm_kernel(x, mlp_norms[layer], eps, h)
+        gate_up = np.empty((n, d[w + 2].shape[0] * d[w + 2].shape[2]), np.float32)
+        _quant_linear_kernel(h, d[w + 2], m[w + 2], q[w + 2], gate_up)
+        act = np.empty((n, gate_up.shape[1] // 2), np.float32)
+        _silu_mul_kernel(gate_up, act)
+        _quant_linear_kernel(act, d[w + 3], m[w + 3], q[w + 3], a)
+        x = x + a
+    return x
+
+
+class FusedLayers:
+    """The layers' weights gathered for ``_layers``; ``None`` from ``of`` when some layer does not
+    fit it (fp32 matrices, a qkv bias, padded matrices)."""
+
+    def __init__(self, layers, config):
+        mats = [w for layer in layers for w in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)]
+        self.d, self.m, self.q = (List([getattr(w, f) for w in mats]) for f in ("d", "m", "q"))
+        self.attn_norms = List([np.ascontiguousarray(layer.attn_norm, np.float32) for layer in layers])
+        self.mlp_norms = List([np.ascontiguousarray(layer.mlp_norm, np.float32) for layer in layers])
+        self.config = config
+
+    @classmethod
+    def of(cls, layers, config) -> "FusedLayers | None":
+        mats = [w for layer in layers for w in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)]
+        unpadded = all(isinstance(w, QuantMatrix) and w.d.shape[0] * w.d.shape[2] == w.shape[0] for w in mats)
+        if not layers or not unpadded or any(layer.bqkv is not None for layer in layers):
+            return None
+        return cls(layers, config)
+
+    def __call__(self, x: np.ndarray, rot: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, start: int,
+                 bias: np.ndarray | None, taps: list[int]) -> tuple[np.ndarray, dict[int, np.ndarray]]:
+        """``x`` [n, hidden] after every layer, and the inputs of the layers in ``taps``."""
+        c = self.config
+        n = x.shape[0]
+        tap_slot = np.full(c.num_layers, -1, np.int64)
+        for slot, layer in enumerate(taps):
+            tap_slot[layer] = slot
+        out = np.empty((len(taps), n, c.hidden_size), np.float32)
+        flat_bias = np.zeros(0, np.float32) if bias is None else np.ascontiguousarray(bias, np.float32).reshape(-1)
+        x = _layers(np.ascontiguousarray(x, np.float32), rot, self.attn_norms, self.mlp_norms, self.d, self.m, self.q,
+                    k_cache, v_cache, start, flat_bias, tap_slot, out, np.float32(c.rms_norm_eps), c.num_heads,
+                    c.num_kv_heads, c.head_dim)
+        return x, {layer: out[slot] for slot, layer in enumerate(taps)}

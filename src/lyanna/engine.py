@@ -318,6 +318,7 @@ class Transformer(TargetEngine):
         x = self.embed[np.concatenate(tokens)]
         wanted = set().union(*(b.taps for b in blocks))
         hidden: dict[int, np.ndarray] = {}
+        # A prompt of BULK_MIN_ROWS rows or more takes the GEMM path (``ragged_layer_forward``).
         if self._fused is not None and len(blocks) == 1 and not (blocks[0].prefill and x.shape[0] >= BULK_MIN_ROWS):
             with _launch:
                 x, hidden = self._fused(x, rot, blocks[0].cache.k, blocks[0].cache.v, bounds[0][2], biases[0],

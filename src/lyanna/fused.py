@@ -5,17 +5,20 @@ its ~450 kernel calls (numba's argument checks, small numpy operations) added ~4
 cProfile of 200 steps, issue 16's note of 2026-11-23). This function calls the same compiled
 kernels (``kernels``' RMSNorm, RoPE, attention and SiLU, ``quant``'s linear) from compiled code,
 so every row gets exactly the bits the layer-by-layer path gives it (tested in
-``test_engine.py``), only without the trips through Python in between.
+``test_quant.py``), only without the trips through Python in between.
 
 It serves what most passes are: one sequence, every matrix on blocks, no qkv bias, no prompt long
 enough for the GEMM path. Anything else goes layer by layer (``engine.ragged_layer_forward``).
 """
 from __future__ import annotations
 
+from typing import Sequence
+
 import numpy as np
 from numba import njit
 from numba.typed import List
 
+from .config import ModelConfig
 from .kernels import _attention_kernel, _rms_norm_kernel, _rope_kernel, _silu_mul_kernel
 from .quant import QuantMatrix, _quant_linear_kernel
 
@@ -39,6 +42,8 @@ def _layers(x, rot, attn_norms, mlp_norms, d, m, q, k_cache, v_cache, start, bia
     kh = np.empty((n, kv_heads, head_dim), np.float32)
     o = np.empty((n, q_dim), np.float32)
     a = np.empty((n, hidden), np.float32)
+    gate_up = np.empty((n, d[2].shape[0] * d[2].shape[2]), np.float32)  # every layer has the same shapes
+    act = np.empty((n, gate_up.shape[1] // 2), np.float32)
     for layer in range(len(attn_norms)):
         if tap_slot[layer] >= 0:
             taps[tap_slot[layer]] = x
@@ -55,30 +60,32 @@ def _layers(x, rot, attn_norms, mlp_norms, d, m, q, k_cache, v_cache, start, bia
         _quant_linear_kernel(o, d[w + 1], m[w + 1], q[w + 1], a)
         x = x + a
         _rms_norm_kernel(x, mlp_norms[layer], eps, h)
-        gate_up = np.empty((n, d[w + 2].shape[0] * d[w + 2].shape[2]), np.float32)
         _quant_linear_kernel(h, d[w + 2], m[w + 2], q[w + 2], gate_up)
-        act = np.empty((n, gate_up.shape[1] // 2), np.float32)
         _silu_mul_kernel(gate_up, act)
         _quant_linear_kernel(act, d[w + 3], m[w + 3], q[w + 3], a)
         x = x + a
     return x
 
 
+def _matrices(layers: Sequence) -> list:
+    """Each layer's four matrices in the order ``_layers`` indexes them."""
+    return [w for layer in layers for w in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)]
+
+
 class FusedLayers:
     """The layers' weights gathered for ``_layers``; ``None`` from ``of`` when some layer does not
     fit it (fp32 matrices, a qkv bias, padded matrices)."""
 
-    def __init__(self, layers, config):
-        mats = [w for layer in layers for w in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)]
+    def __init__(self, layers: Sequence, config: ModelConfig):
+        mats = _matrices(layers)
         self.d, self.m, self.q = (List([getattr(w, f) for w in mats]) for f in ("d", "m", "q"))
         self.attn_norms = List([np.ascontiguousarray(layer.attn_norm, np.float32) for layer in layers])
         self.mlp_norms = List([np.ascontiguousarray(layer.mlp_norm, np.float32) for layer in layers])
         self.config = config
 
     @classmethod
-    def of(cls, layers, config) -> "FusedLayers | None":
-        mats = [w for layer in layers for w in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)]
-        unpadded = all(isinstance(w, QuantMatrix) and w.d.shape[0] * w.d.shape[2] == w.shape[0] for w in mats)
+    def of(cls, layers: Sequence, config: ModelConfig) -> "FusedLayers | None":
+        unpadded = all(isinstance(w, QuantMatrix) and w.d.shape[0] * w.d.shape[2] == w.shape[0] for w in _matrices(layers))
         if not layers or not unpadded or any(layer.bqkv is not None for layer in layers):
             return None
         return cls(layers, config)

@@ -87,8 +87,8 @@ class _GroupKernel:
 
     def __init__(self, context, builder, signature, args):
         self.b = builder
-        arrays = {i: context.make_array(signature.args[i])(context, builder, args[i]).data for i in (0, 3, 6, 9, 10, 12)}
-        self.q, self.x, self.xs, self.d, self.m, self.out = (arrays[i] for i in (0, 3, 6, 9, 10, 12))
+        self.q, self.x, self.xs, self.d, self.m, self.out = (
+            context.make_array(signature.args[i])(context, builder, args[i]).data for i in (0, 3, 6, 9, 10, 12))
         (self.qoff, self.nvec, self.xoff, self.k, self.xsoff, self.nb, self.dmoff, self.ooff, self.ostride,
          self.rows, self.prefetch) = (args[i] for i in (1, 2, 4, 5, 7, 8, 11, 13, 14, 15, 16))
         self.intp = self.qoff.type

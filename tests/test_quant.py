@@ -60,21 +60,15 @@ def test_a_rows_output_does_not_depend_on_its_block(kind):
             assert np.array_equal(linear(block, matrix), alone[start : start + block.shape[0]]), (rows, start)
 
 
-def test_a_prompts_rows_reach_the_gemm_over_the_dequantized_blocks():
-    """``linear_rows`` with a packed matrix: a prompt of ``PACKED_BULK_MIN_ROWS`` rows or more goes
-    through the GEMM over the dequantized weights (as an fp32 matrix's would), fewer stay on the
-    blocks' kernel, and rows beside the prompt get the kernel's bits."""
-    from lyanna.kernels import PACKED_BULK_MIN_ROWS, _gemm, linear_rows
+def test_a_prompts_rows_stay_on_the_blocks_kernel():
+    """``linear_rows`` with a packed matrix: a prompt's rows, long enough that fp32 weights would
+    take the GEMM, get the blocks' kernel's bits, alone and beside other rows."""
+    from lyanna.kernels import BULK_MIN_ROWS, linear_rows
 
-    matrix, reference = gguf_matrix("Q4_1", 96, 64, seed=8)
-    x = np.random.default_rng(9).standard_normal((PACKED_BULK_MIN_ROWS + 5, 64)).astype(np.float32)
-    prompt = (5, x.shape[0])
-    mixed = linear_rows(x, matrix, [prompt])
-    assert np.array_equal(mixed[5:], _gemm(x[5:], reference))
-    assert np.array_equal(mixed[5:], linear_rows(x[5:], matrix, [(0, x.shape[0] - 5)]))
-    assert np.array_equal(mixed[:5], linear(x[:5], matrix))
-    short = x[: PACKED_BULK_MIN_ROWS - 1]
-    assert np.array_equal(linear_rows(short, matrix, [(0, len(short))]), linear(short, matrix))
+    matrix, _ = gguf_matrix("Q4_1", 96, 64, seed=8)
+    x = np.random.default_rng(9).standard_normal((BULK_MIN_ROWS + 5, 64)).astype(np.float32)
+    assert np.array_equal(linear_rows(x, matrix, [(5, x.shape[0])]), linear(x, matrix))
+    assert np.array_equal(linear_rows(x[5:], matrix, [(0, x.shape[0] - 5)]), linear(x[5:], matrix))
 
 
 def test_take_and_concat_keep_the_weights():

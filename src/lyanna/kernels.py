@@ -268,35 +268,27 @@ def rope_qk(qkv: np.ndarray, rot: np.ndarray, heads: int, kv_heads: int, head_di
 # loses on one shape; at 155 rows 151-252 against 87-137; throwaway measurements of 2026-11-22,
 # in issue 13's note).
 BULK_MIN_ROWS = 48
-# The same for a ``PackedMatrix`` (a GGUF's blocks), whose kernel converts each weight once per 8
-# rows, so dequantizing the whole matrix for the call plus the sgemm pays only for long prompts: a
-# prompt's whole forward on the default model, gguf weights, 2-core Xeon, 2026-11-23 (throwaway,
-# in issue 16's note), ms with the kernel / the GEMM: 32 rows 91 / 224, 64 rows 144 / 264,
-# 128 rows 288 / 370, 192 rows 415 / 434, 256 rows 488 / 491.
-PACKED_BULK_MIN_ROWS = 256
 
 
 def linear_rows(x: np.ndarray, w: np.ndarray | PackedMatrix, bulk: Sequence[tuple[int, int]] = ()) -> np.ndarray:
     """``x @ w.T`` where each row range ``[lo, hi)`` of ``bulk`` (a prompt's prefill) of at least
-    ``BULK_MIN_ROWS`` rows (``PACKED_BULK_MIN_ROWS`` for a packed ``w``) goes through one GEMM call
-    of its own and every other row through ``linear``. A GEMM's rows can depend on the block they
-    come in, so only prefill goes that way: a prompt is prefilled the same way by every method,
-    alone or in a batch (its own call, on an aligned copy of its rows), and verified or decoded
-    rows never go through it."""
-    packed = hasattr(w, "linear")
-    least = PACKED_BULK_MIN_ROWS if packed else BULK_MIN_ROWS
-    ranges = [(lo, hi) for lo, hi in bulk if hi - lo >= least]
-    if not ranges:
+    ``BULK_MIN_ROWS`` rows goes through one GEMM call of its own and every other row through
+    ``linear``. A GEMM's rows can depend on the block they come in, so only prefill goes that way:
+    a prompt is prefilled the same way by every method, alone or in a batch (its own call, on an
+    aligned copy of its rows), and verified or decoded rows never go through it.
+
+    A packed ``w`` (a GGUF's blocks) keeps all rows on its own kernel: dequantizing it for a GEMM
+    lost at every prompt length measured (default model, whole prefill, AMD EPYC 2 cores,
+    2026-11-23, /tmp script in issue 13's note: 300 rows 469 vs 254 ms, 600 rows 1014 vs 724)."""
+    ranges = [(lo, hi) for lo, hi in bulk if hi - lo >= BULK_MIN_ROWS]
+    if not ranges or hasattr(w, "linear"):
         return linear(x, w)
-    # A packed matrix's prompt rows go through a GEMM over its weights dequantized for the call
-    # (about 2 ms a layer here).
-    full = w.dense() if packed else w
     if ranges == [(0, x.shape[0])]:  # a prompt alone: its GEMM's output is the answer
-        return _gemm(x, full)
+        return _gemm(x, w)
     out = np.empty((x.shape[0], w.shape[0]), np.float32)
     rest = np.ones(x.shape[0], bool)
     for lo, hi in ranges:
-        out[lo:hi] = _gemm(x[lo:hi], full)
+        out[lo:hi] = _gemm(x[lo:hi], w)
         rest[lo:hi] = False
     if rest.any():
         out[rest] = linear(x[rest], w)

@@ -280,7 +280,7 @@ class QuantMatrix:
         return out.reshape(*np.shape(rows), self.shape[1])
 
     def dense(self) -> np.ndarray:
-        """Every weight as fp32 (a prompt's prefill runs a GEMM over them)."""
+        """Every weight as fp32 (to stack it with fp32 matrices, or to check it)."""
         return self[:]
 
     def take(self, indices: np.ndarray, axis: int = 0) -> "QuantMatrix":

@@ -289,6 +289,12 @@ class Transformer(TargetEngine):
             self.name = "numpy-gguf"
         # One sequence's passes through every layer in one compiled call where the layers allow it.
         self._fused = FusedLayers.of(self.layers, c)
+        # Whether a prompt's prefill may take PyTorch's GEMMs (``Block.prefill``), whose rows can
+        # depend on the block. On a GGUF's blocks it never does: the blocks' kernel beat the GEMM
+        # over dequantized weights at every length (``kernels.linear_rows``), and without that route
+        # every row's numbers are the same however the prompt is split into blocks, which lets a
+        # cached prefix stand in for its rows bit for bit (``prefix_cache.py``).
+        self.blockwise_prefill = self.name == "numpy-gguf"
 
     def new_cache(self, capacity: int) -> KVCache:
         c = self.config
@@ -319,7 +325,8 @@ class Transformer(TargetEngine):
         wanted = set().union(*(b.taps for b in blocks))
         hidden: dict[int, np.ndarray] = {}
         # A prompt of BULK_MIN_ROWS rows or more takes the GEMM path (``ragged_layer_forward``).
-        if self._fused is not None and len(blocks) == 1 and not (blocks[0].prefill and x.shape[0] >= BULK_MIN_ROWS):
+        bulk = [b.prefill and not self.blockwise_prefill for b in blocks]
+        if self._fused is not None and len(blocks) == 1 and not (bulk[0] and x.shape[0] >= BULK_MIN_ROWS):
             with _launch:
                 x, hidden = self._fused(x, rot, blocks[0].cache.k, blocks[0].cache.v, bounds[0][2], biases[0],
                                         sorted(t for t in wanted if t < c.num_layers))
@@ -327,8 +334,8 @@ class Transformer(TargetEngine):
             for li, layer in enumerate(self.layers):
                 if li in wanted:
                     hidden[li] = x
-                spans = [Span(lo, hi, b.cache.k[li], b.cache.v[li], start, bias, b.prefill)
-                         for (lo, hi, start), b, bias in zip(bounds, blocks, biases)]
+                spans = [Span(lo, hi, b.cache.k[li], b.cache.v[li], start, bias, gemm)
+                         for (lo, hi, start), b, bias, gemm in zip(bounds, blocks, biases, bulk)]
                 x = ragged_layer_forward(layer, c, x, rot, spans)
         for (lo, hi, start), b in zip(bounds, blocks):
             b.cache.length = start + hi - lo

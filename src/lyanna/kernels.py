@@ -362,6 +362,9 @@ def _attention_kernel(q: np.ndarray, ks, vs, span_of: np.ndarray, lo: np.ndarray
         end = ends[s]
         masked = bias_at[s] >= 0
         row_bias = bias_at[s] + (i - lo[s]) * end
+        if masked:  # keys after the row's last visible one weigh exactly 0: skip them (half of a causal block)
+            while end > 1 and bias[row_bias + end - 1] == -np.inf:
+                end -= 1
         scores = np.empty(end, np.float32)
         top = -np.inf
         for j in range(end):

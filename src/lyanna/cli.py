@@ -117,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--request-timeout", type=_positive_seconds, default=300.0, help="seconds before a request is cancelled (504)")
     sv.add_argument("--max-body-bytes", type=_positive_int, default=None,
                     help="largest request body accepted, 413 beyond it (default 2 MiB)")
+    sv.add_argument("--prefix-cache-tokens", type=_non_negative_int, default=4096,
+                    help="prompt positions kept so that a prompt sharing a prefix with a recent one prefills only "
+                         "the rest (about 50 KB each on the default model; 0: off; GGUF weights only, where it is exact)")
 
     lt = sub.add_parser("loadtest", help="bounded load test of a running server (loopback only)")
     lt.add_argument("--url", default="http://127.0.0.1:8000")
@@ -168,17 +171,18 @@ def _decoder(args: argparse.Namespace):
     from .decoding import Decoder
     from .loading import load_target
 
+    cache_tokens = getattr(args, "prefix_cache_tokens", 0)  # the server's option
     if args.backend == "torch" and args.weights == "gguf":
         raise LyannaError("--weights gguf is a numpy-backend engine: drop --backend torch or --weights")
     if args.backend == "torch":
         from .torch_engine import load_torch_target
 
         target, engine = load_torch_target(args.model, args.device or "cpu", args.dtype or "float32")
-        decoder = Decoder(target, engine=engine)
+        decoder = Decoder(target, engine=engine, prefix_cache_tokens=cache_tokens)
     elif args.device or args.dtype:
         raise LyannaError("--device and --dtype choose where the torch backend runs: add --backend torch")
     else:
-        decoder = Decoder(load_target(args.model, weight_format=args.weights))
+        decoder = Decoder(load_target(args.model, weight_format=args.weights), prefix_cache_tokens=cache_tokens)
     for path in args.draft:
         decoder.load_draft(path)
     return decoder

@@ -20,6 +20,7 @@ from .drafters.suffix import SuffixDrafter
 from .engine import Block, ForwardOutput, TargetEngine, Transformer
 from .errors import LyannaError
 from .loading import Target
+from .prefix_cache import PrefixCache
 from .sampling import SamplingParams
 from .speculative import DecodeState, Drafter, Fallback, NoDrafter, fork, rounds, run_alone
 from .stopping import OutputTracker
@@ -98,12 +99,18 @@ MAX_TREE_TOKENS = 256
 class Decoder:
     """A loaded target plus everything to turn prompts into outputs with any registered method."""
 
-    def __init__(self, target: Target, default_drafts: bool = True, engine: TargetEngine | None = None):
+    def __init__(self, target: Target, default_drafts: bool = True, engine: TargetEngine | None = None,
+                 prefix_cache_tokens: int = 0):
         """``default_drafts``: register the draft heads shipped for this model (``lyanna/drafts/<name>/``);
         ``engine``: what computes the target (default: the numpy engine over ``target.weights``;
-        ``torch_engine.TorchEngine`` for the Hugging Face model in PyTorch)."""
+        ``torch_engine.TorchEngine`` for the Hugging Face model in PyTorch); ``prefix_cache_tokens``:
+        keep up to this many positions of recent prompts and prefill only what a new prompt adds to
+        the longest of them (``prefix_cache.py``; engines whose prefill rows depend on their block
+        get none, so ``prefix_cache`` stays None there)."""
         self.target = target
         self.engine = Transformer(target.config, target.weights) if engine is None else engine
+        exact = getattr(self.engine, "blockwise_prefill", False)
+        self.prefix_cache = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens > 0 and exact else None
         self.tokenizer = target.tokenizer
         self.eos_token_ids = target.config.eos_token_ids
         self.drafters: dict[str, Drafter] = {}  # the speculative methods
@@ -255,11 +262,21 @@ class Decoder:
         cache = self.engine.new_cache(len(prompt_ids) + request.max_new_tokens + MAX_TREE_TOKENS)
         eos = self.eos_token_ids if request.eos_token_ids is None else request.eos_token_ids
         tracker = OutputTracker(self.tokenizer, eos, request.max_new_tokens, request.stop, on_text, should_cancel)
-        out = yield Block(prompt_ids, np.arange(len(prompt_ids)), cache, logit_rows=[-1], taps=tuple(drafter.taps),
-                          prefill=True)
+        taps = tuple(drafter.taps)
+        if self.prefix_cache is not None:  # cache the taps of every method, so that any can reuse the prompt
+            taps = tuple(sorted(set(taps).union(*(d.taps for d in self.drafters.values()))))
+        hit = None if self.prefix_cache is None else self.prefix_cache.lookup(prompt_ids, taps)
+        start = 0 if hit is None else hit.length
+        if hit is not None:
+            hit.restore(cache)
+        out = yield Block(prompt_ids[start:], np.arange(start, len(prompt_ids)), cache, logit_rows=[-1], taps=taps,
+                          prefill=hit is None)
+        hidden = out.hidden if hit is None else {t: np.concatenate([hit.hidden[t], h]) for t, h in out.hidden.items()}
+        if self.prefix_cache is not None:
+            self.prefix_cache.store(prompt_ids, cache, hidden)
         state = DecodeState(
             self.engine, cache, tracker, request.sampling, request.sampling.rng(), prompt_ids,
-            out.logits[-1], out.hidden, target_passes=1,
+            out.logits[-1], hidden, target_passes=1,
         )
         # The latency curve is asked for only when a round needs it: ``ar`` never measures anything.
         stats = yield from rounds(state, drafter, None if budget is None else Budget(budget, self.latency_curve, load=load),

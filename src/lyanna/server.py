@@ -437,8 +437,11 @@ def create_app(decoder: Decoder, method: str = "ar", max_pending: int = 16, requ
     @app.get("/health")
     async def health() -> dict[str, Any]:
         worker = state.get("worker")
+        pc = decoder.prefix_cache
+        cache = None if pc is None else {"max_tokens": pc.max_tokens, "tokens": pc.tokens, "lookups": pc.lookups,
+                                         "hits": pc.hits, "reused_tokens": pc.reused_tokens}
         return {"status": "ok", "model": served, "method": method, "max_batch": max_batch,
-                "queue": worker.pending if worker else 0}
+                "queue": worker.pending if worker else 0, "prefix_cache": cache}
 
     @app.get("/metrics")
     async def prometheus() -> PlainTextResponse:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Continuous batching under load (BENCHMARKS.md, batching): `lyanna serve --max-batch B` on this
 # machine, then `lyanna loadtest` against it, one configuration at a time and nothing else running.
-# Writes $OUT/<method>-b<B>-c<concurrency>.json (OUT defaults to docs/bench/loadtest).
+# Writes $OUT/<method>-b<B>-c<concurrency>.json (OUT defaults to docs/bench/loadtest); SERVE_ARGS
+# adds options to `lyanna serve` (e.g. SERVE_ARGS="--prefix-cache-tokens 0").
 # Usage: scripts/loadtest-batching.sh [METHODS] [BATCHES] [CONCURRENCIES]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,7 +16,7 @@ L=".venv/bin/lyanna"
 OUT=${OUT:-docs/bench/loadtest}
 mkdir -p "$OUT"
 for b in $BATCHES; do
-  $L serve --port "$PORT" --max-batch "$b" --queue-size 64 > "$OUT/.serve-b$b.log" 2>&1 &
+  $L serve --port "$PORT" --max-batch "$b" --queue-size 64 ${SERVE_ARGS:-} > "$OUT/.serve-b$b.log" 2>&1 &
   pid=$!
   trap 'kill $pid 2>/dev/null || true' EXIT
   for _ in $(seq 300); do curl -sf "http://127.0.0.1:$PORT/health" > /dev/null && break; sleep 1; done

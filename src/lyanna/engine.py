@@ -2,9 +2,10 @@
 
 The engine is numpy on purpose: on this class of CPU, numpy's per-op overhead is lower than
 PyTorch's, and its matmuls go through ``kernels.linear``, which keeps a block of 2 to 64
-tokens nearly as cheap as one (BLAS sgemm does not, see that module). A prompt's prefill, where
-a GEMM's blocking pays, goes through PyTorch's sgemm and batched attention GEMMs instead
-(``Block.prefill``; ``kernels.linear_rows``). It takes a block of new tokens with explicit
+tokens nearly as cheap as one (BLAS sgemm does not, see that module). On fp32 weights a prompt's
+prefill, where a GEMM's blocking pays, goes through PyTorch's sgemm and batched attention GEMMs
+instead (``Block.prefill``; ``kernels.linear_rows``); on a GGUF's blocks it stays on the kernels
+(``blockwise_prefill``). It takes a block of new tokens with explicit
 positions and an explicit within-block attention mask (tree verification), appends their
 keys/values to a preallocated cache, and can later keep only a chosen subset of the block
 (``KVCache.compact``).

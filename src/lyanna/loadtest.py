@@ -77,6 +77,10 @@ def run_load(url: str, prompts: Sequence[str], requests: int, concurrency: int, 
     with ThreadPoolExecutor(concurrency) as pool:
         rows = list(pool.map(one, range(requests)))
     wall = time.perf_counter() - start
+    try:  # the prefix cache's counters after the load (None: the server has none)
+        prefix_cache = httpx.get(url.rstrip("/") + "/health", timeout=10).json().get("prefix_cache")
+    except (httpx.HTTPError, ValueError):
+        prefix_cache = "unknown"
     lat = np.array([r["seconds"] for r in rows if r["ok"]])
     ttft = np.array([r["ttft"] for r in rows if r["ok"] and r["ttft"] is not None])
     tokens = sum(r["tokens"] for r in rows)
@@ -89,7 +93,7 @@ def run_load(url: str, prompts: Sequence[str], requests: int, concurrency: int, 
         "command": f"lyanna loadtest{asked} --requests {requests} --concurrency {concurrency} --max-tokens {max_tokens}",
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": machine_info(),
-        "server": {k: server.get(k) for k in ("model", "method", "max_batch")},
+        "server": {**{k: server.get(k) for k in ("model", "method", "max_batch")}, "prefix_cache": prefix_cache},
         "method": method or server.get("method"),
         "requests": requests,
         "concurrency": concurrency,

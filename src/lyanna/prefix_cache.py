@@ -31,6 +31,11 @@ class PrefixHit:
     v: np.ndarray
     hidden: dict[int, np.ndarray]  # tap -> [length, hidden]
 
+    def head(self, length: int, taps: Sequence[int]) -> "PrefixHit":
+        """Its first ``length`` positions and the hidden states of ``taps`` only (views)."""
+        return PrefixHit(length, self.k[:, :, :length], self.v[:, :, :length],
+                         {t: self.hidden[t][:length] for t in taps})
+
     def restore(self, cache: KVCache) -> None:
         """Write the prefix into an empty ``cache``."""
         cache.k[:, :, : self.length] = self.k
@@ -41,9 +46,7 @@ class PrefixHit:
 @dataclass
 class _Entry:
     ids: np.ndarray
-    k: np.ndarray
-    v: np.ndarray
-    hidden: dict[int, np.ndarray]
+    rows: PrefixHit  # every position of the prompt
 
 
 class PrefixCache:
@@ -62,10 +65,11 @@ class PrefixCache:
         """The longest cached prefix of ``ids`` (leaving at least its last token to compute, whose
         logits the caller needs) that has every tap in ``taps``; None when nothing matches."""
         ids = np.asarray(ids, np.int64)
+        wanted = set(taps)
         self.lookups += 1
         best, best_len = None, 0
         for key, e in self._entries.items():
-            if not set(taps) <= e.hidden.keys():
+            if not wanted <= e.rows.hidden.keys():
                 continue
             m = min(e.ids.size, ids.size - 1)
             differs = np.flatnonzero(e.ids[:m] != ids[:m])
@@ -75,11 +79,14 @@ class PrefixCache:
         if best is None:
             return None
         self._entries.move_to_end(best)
-        e = self._entries[best]
         self.hits += 1
         self.reused_tokens += best_len
-        return PrefixHit(best_len, e.k[:, :, :best_len], e.v[:, :, :best_len],
-                         {t: e.hidden[t][:best_len] for t in taps})
+        return self._entries[best].rows.head(best_len, taps)
+
+    def stats(self) -> dict[str, int]:
+        """Its size and counters (the server's health endpoint)."""
+        return {"max_tokens": self.max_tokens, "tokens": self.tokens, "lookups": self.lookups, "hits": self.hits,
+                "reused_tokens": self.reused_tokens}
 
     def store(self, ids: Sequence[int], cache: KVCache, hidden: dict[int, np.ndarray]) -> None:
         """Keep a prefilled prompt: its ``len(ids)`` cache rows and hidden states (copied, the cache
@@ -90,10 +97,11 @@ class PrefixCache:
             return
         for key in [k for k, e in self._entries.items()
                     if e.ids.size <= n and np.array_equal(e.ids, ids[: e.ids.size])
-                    and e.hidden.keys() <= hidden.keys()]:
+                    and e.rows.hidden.keys() <= hidden.keys()]:
             self.tokens -= self._entries.pop(key).ids.size
-        self._entries[self._next] = _Entry(ids, cache.k[:, :, :n].copy(), cache.v[:, :, :n].copy(),
-                                           {t: np.array(h, np.float32) for t, h in hidden.items()})
+        rows = PrefixHit(n, cache.k[:, :, :n].copy(), cache.v[:, :, :n].copy(),
+                         {t: np.array(h, np.float32) for t, h in hidden.items()})
+        self._entries[self._next] = _Entry(ids, rows)
         self._next += 1
         self.tokens += n
         while self.tokens > self.max_tokens:

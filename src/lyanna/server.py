@@ -438,8 +438,7 @@ def create_app(decoder: Decoder, method: str = "ar", max_pending: int = 16, requ
     async def health() -> dict[str, Any]:
         worker = state.get("worker")
         pc = getattr(decoder, "prefix_cache", None)  # a decoder without one (a test stub) has none
-        cache = None if pc is None else {"max_tokens": pc.max_tokens, "tokens": pc.tokens, "lookups": pc.lookups,
-                                         "hits": pc.hits, "reused_tokens": pc.reused_tokens}
+        cache = None if pc is None else pc.stats()
         return {"status": "ok", "model": served, "method": method, "max_batch": max_batch,
                 "queue": worker.pending if worker else 0, "prefix_cache": cache}
 

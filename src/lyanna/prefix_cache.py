@@ -2,8 +2,7 @@
 one of them prefills only the rest (what vLLM calls automatic prefix caching and llama.cpp's
 server ``cache_prompt``).
 
-Why: every chat request starts with the same template and system prompt (24 tokens of the default
-model's template, about a sixth of a typical benchmark prompt), and every new turn of a
+Why: every chat request starts with the same template and system prompt, and every new turn of a
 conversation re-sends the whole history; on a CPU a prompt's prefill is most of a short request.
 
 Exact by construction, not approximately: it is only offered by engines whose rows do not depend

@@ -558,6 +558,42 @@ def test_sigterm_shuts_down_gracefully(tiny_model_dir):
         proc.kill()
 
 
+def test_serve_runs_the_engine_on_its_calling_thread_and_stops_on_sigterm():
+    """``serve`` keeps every forward pass and the calibration on the thread that called it (the
+    one that loaded the model: numba's thread teams, see ``serve``), answers over HTTP from
+    another, and a SIGTERM to the process ends it cleanly with the signal handlers restored."""
+    from lyanna.server import serve
+
+    stub = StubDecoder(pace=0.001)
+    ran_on: set[threading.Thread] = set()
+    forward, calibrate = stub.forward_batch, stub.latency_curve
+    stub.forward_batch = lambda blocks: ran_on.add(threading.current_thread()) or forward(blocks)
+    stub.latency_curve = lambda: ran_on.add(threading.current_thread()) or calibrate()
+    port, answers = free_port(), []
+
+    def client():
+        try:
+            for _ in range(300):
+                try:
+                    httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).raise_for_status()
+                    break
+                except httpx.HTTPError:
+                    time.sleep(0.05)
+            answers.append(httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=WAIT,
+                                      json={"prompt": "abc", "max_tokens": 3}))
+        finally:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    before = signal.getsignal(signal.SIGTERM)
+    helper = threading.Thread(target=client)
+    helper.start()
+    serve(stub, "127.0.0.1", port, "ar", max_pending=4, request_timeout=30)
+    helper.join(WAIT)
+    assert answers and answers[0].status_code == 200 and answers[0].json()["usage"]["completion_tokens"] == 3
+    assert ran_on == {threading.current_thread()}
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
 def test_loadtest_is_bounded_and_loopback_only(server):
     from lyanna.errors import LyannaError
     from lyanna.loadtest import run_load

@@ -1,6 +1,7 @@
 """OpenAI-compatible HTTP server: one engine, a bounded queue, streaming, exact usage.
 
-Generation runs on one worker thread (the engine is not re-entrant); requests wait in a bounded
+Generation runs on one engine thread (the engine is not re-entrant; under ``serve``, the thread that
+loaded the model, see there); requests wait in a bounded
 queue and get 429 with ``Retry-After`` when it is full. Parameters we cannot honour are refused
 with a 400 that names them, never ignored, and every error has OpenAI's shape
 ``{"error": {"message", "type", "param", "code"}}``. The latency curve the auto tree budget needs
@@ -15,6 +16,7 @@ import asyncio
 import json
 import logging
 import queue
+import signal
 import threading
 import time
 import uuid
@@ -210,11 +212,30 @@ class EngineWorker:
         self.decoder, self.max_pending, self.on_result = decoder, max_pending, on_result
         self.max_batch = max_batch
         self.closing = False
+        self.ready = threading.Event()  # set once ``run`` has the latency curve in hand, or failed
+        self.failure: BaseException | None = None  # why ``run`` could not start
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._lock = threading.Lock()
         self._active: set[Job] = set()
-        self._thread = threading.Thread(target=self._run, name="lyanna-engine", daemon=True)
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Run the engine loop on a thread of its own."""
+        self._thread = threading.Thread(target=self.run, name="lyanna-engine", daemon=True)
         self._thread.start()
+
+    def run(self) -> None:
+        """The engine loop, on the calling thread, until ``stop``. It first loads or measures the
+        latency curve (before any job: a speculative request must never wait for a calibration),
+        on this same thread, as every forward pass should be (``serve`` says why)."""
+        try:
+            self.decoder.latency_curve()
+        except BaseException as e:  # reported by the app's startup, which then fails
+            self.failure = e
+            return
+        finally:
+            self.ready.set()
+        self._loop()
 
     @property
     def pending(self) -> int:
@@ -230,7 +251,7 @@ class EngineWorker:
             self._active.add(job)
         self._jobs.put(job)
 
-    def _run(self) -> None:
+    def _loop(self) -> None:
         batch = BatchScheduler(self.decoder.engine, self.decoder.drafter_for, self.max_batch)
         waiting: list[Job] = []
         stopping = False
@@ -287,9 +308,11 @@ class EngineWorker:
             job.abort("shutdown")
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Stop the thread once the jobs it runs have seen their cancellation."""
+        """End the engine loop once the jobs it runs have seen their cancellation (and wait for its
+        thread, when it has one of its own)."""
         self._jobs.put(None)
-        self._thread.join(timeout)
+        if self._thread is not None:
+            self._thread.join(timeout)
 
 
 class Metrics:
@@ -375,9 +398,13 @@ def _validate(model: type[_Common], data: Any) -> Any:
 
 def create_app(decoder: Decoder, method: str = "ar", max_pending: int = 16, request_timeout: float = 300.0,
                model_name: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               max_batch: int = DEFAULT_MAX_BATCH) -> FastAPI:
+               max_batch: int = DEFAULT_MAX_BATCH,
+               run_engine: Callable[[EngineWorker], None] | None = None) -> FastAPI:
     """The FastAPI app; ``method`` is the default decoding method, ``lyanna_method`` overrides it;
-    up to ``max_batch`` requests share each forward pass.
+    up to ``max_batch`` requests share each forward pass. At startup the app makes its engine
+    worker and hands it to ``run_engine``, which must have ``worker.run()`` called on some thread
+    (None: the worker starts a thread of its own; ``serve`` runs it on the thread that loaded the
+    model).
     ``app.state.begin_shutdown()`` (safe from any thread or a signal handler) answers every
     in-flight request with 503 and refuses new ones."""
     if method not in decoder.methods:
@@ -389,12 +416,15 @@ def create_app(decoder: Decoder, method: str = "ar", max_pending: int = 16, requ
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         loop = asyncio.get_running_loop()
-        # Before the engine thread exists (the engine is not re-entrant) and before uvicorn binds
-        # its socket: a speculative request must never wait for a calibration.
-        await loop.run_in_executor(None, decoder.latency_curve)
+        worker = EngineWorker(decoder, max_pending, metrics.record, max_batch)
+        worker.start() if run_engine is None else run_engine(worker)
+        # The worker calibrates first, before uvicorn binds its socket.
+        await loop.run_in_executor(None, worker.ready.wait)
+        if worker.failure is not None:
+            raise worker.failure
         log.info("latency curve of %s ready", served)
         state["tokenizer"] = ThreadPoolExecutor(1, thread_name_prefix="lyanna-tokenize")
-        state["worker"] = worker = EngineWorker(decoder, max_pending, metrics.record, max_batch)
+        state["worker"] = worker
         state["loop"] = loop
         yield
         del state["loop"]  # a late signal has nothing left to answer
@@ -631,6 +661,46 @@ class GracefulServer(uvicorn.Server):
 
 def serve(decoder: Decoder, host: str, port: int, method: str, max_pending: int, request_timeout: float,
           max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_batch: int = DEFAULT_MAX_BATCH) -> None:
-    app = create_app(decoder, method=method, max_pending=max_pending, request_timeout=request_timeout,
-                     max_body_bytes=max_body_bytes, max_batch=max_batch)
-    GracefulServer(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS).run()
+    """Serve until SIGINT or SIGTERM, the engine on the calling thread and HTTP on another.
+
+    Why this way round: numba's OpenMP layer keeps a team of threads for every thread that starts
+    parallel kernels, and once the teams hold more threads than there are cores, libgomp stops
+    spinning at its barriers, so every kernel pays to wake its team. Loading the model has started
+    kernels on this thread already; an engine on a second thread ran a one-token step 2.6x slower
+    on a 2-core machine (README, serving). So the thread that loaded the model runs every pass."""
+    workers: list[EngineWorker] = []  # the app's worker, once its startup has made it
+    handed = threading.Event()
+    exit_codes: list[Any] = []
+
+    def run_engine(worker: EngineWorker) -> None:
+        workers.append(worker)
+        handed.set()
+
+    server = GracefulServer(create_app(decoder, method=method, max_pending=max_pending, request_timeout=request_timeout,
+                                       max_body_bytes=max_body_bytes, max_batch=max_batch, run_engine=run_engine),
+                            host=host, port=port, log_level="info", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS)
+
+    def http() -> None:
+        try:
+            server.run()
+        except SystemExit as e:  # how uvicorn fails to start (a port in use)
+            exit_codes.append(e.code)
+        finally:
+            for worker in workers:  # however uvicorn ended (a second Ctrl-C skips the app's shutdown)
+                worker.stop()
+            handed.set()
+
+    # uvicorn listens to signals only on the main thread; here they reach its handler from this one.
+    previous = {sig: signal.signal(sig, server.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+    thread = threading.Thread(target=http, name="lyanna-http")
+    try:
+        thread.start()
+        handed.wait()
+        for worker in workers:
+            worker.run()
+        thread.join()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if any(exit_codes):
+        raise SystemExit(next(c for c in exit_codes if c))

@@ -29,11 +29,9 @@ import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
-from numba.core import config as numba_config
-from numba.core.codegen import get_host_cpu_features
 from numba.extending import intrinsic
 
-from .kernels import _launch
+from .kernels import _USE_FMA, LANES, _launch
 
 QK = 32  # weights per block in every type supported here
 _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # fp16 scale (+ fp16 min for Q4_1) + values
@@ -42,16 +40,9 @@ SUPPORTED = tuple(_BLOCK_BYTES)
 # work, narrow enough that a tile's outputs for a block of rows stay in L1/L2 while they accumulate.
 MAX_TILE = 512
 
-_FEATURES = numba_config.CPU_FEATURES or get_host_cpu_features()  # what numba compiles for
-# fp32 lanes of one vector register, and how many vector accumulators the kernel keeps in
-# registers (AVX-512 has 32 registers, AVX2 16: the accumulators, the converted weights and one
-# broadcast input must fit without spilling).
-LANES, _ACCUMULATORS = (16, 16) if "+avx512f" in _FEATURES else (8, 8)
-# A fused multiply-add rounds once, exactly as IEEE 754 defines it, so it is as deterministic as a
-# multiply and an add, and here it halves the arithmetic of blocks of many rows (8 rows: 0.45x
-# the old kernel's time with it, 0.56x without). Without the instruction LLVM would call libm's
-# fmaf, so such CPUs multiply and add.
-_USE_FMA = "+fma" in _FEATURES
+# How many vector accumulators the kernel keeps in registers (AVX-512 has 32 registers, AVX2 16:
+# the accumulators, the converted weights and one broadcast input must fit without spilling).
+_ACCUMULATORS = LANES
 GROUP = 8  # input rows sharing one conversion of a weight vector (the kernel's register block)
 _UNROLL = 4  # input positions per turn of the kernel's inner loop (32 fully unrolled ran 1.2-1.4x slower)
 # Bytes ahead of the weights being multiplied that the kernel asks the CPU to fetch. Without it the

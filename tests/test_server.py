@@ -594,6 +594,24 @@ def test_serve_runs_the_engine_on_its_calling_thread_and_stops_on_sigterm():
     assert signal.getsignal(signal.SIGTERM) is before
 
 
+def test_serve_on_a_taken_port_exits_with_an_error_instead_of_waiting_for_jobs():
+    from lyanna.server import serve
+
+    watchdog = threading.Timer(WAIT, os.kill, (os.getpid(), signal.SIGTERM))  # ends serve() should it hang
+    before = signal.getsignal(signal.SIGTERM)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        watchdog.start()
+        try:
+            with pytest.raises(SystemExit) as exited:
+                serve(StubDecoder(pace=0.001), "127.0.0.1", taken.getsockname()[1], "ar", max_pending=4, request_timeout=30)
+        finally:
+            watchdog.cancel()
+    assert exited.value.code not in (0, None)  # uvicorn's startup failure (3 in uvicorn 0.54)
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
 def test_loadtest_is_bounded_and_loopback_only(server):
     from lyanna.errors import LyannaError
     from lyanna.loadtest import run_load

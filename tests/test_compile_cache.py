@@ -1,0 +1,39 @@
+"""numba's compiled kernels are cached under a directory named by the hash of their sources."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from lyanna.compile_cache import source_keyed_dir
+
+
+def test_the_directory_changes_with_any_compiled_module_and_only_with_them(tmp_path):
+    package = tmp_path / "pkg"
+    (package / "sub").mkdir(parents=True)
+    kernel, callee, plain = package / "fused.py", package / "sub" / "kernels.py", package / "server.py"
+    kernel.write_text("@njit(cache=True)\ndef f(): return g()\n")
+    callee.write_text("@njit(cache=True)\ndef g(): return 1\n")
+    plain.write_text("x = 1\n")
+    first = source_keyed_dir(tmp_path / "cache", package)
+    assert first.parent == tmp_path / "cache" / "numba"
+    plain.write_text("x = 2\n")  # compiles nothing: the cache stays
+    assert source_keyed_dir(tmp_path / "cache", package) == first
+    callee.write_text("@njit(cache=True)\ndef g(): return 2\n")  # the callee alone changed: f's copy is stale
+    second = source_keyed_dir(tmp_path / "cache", package)
+    assert second != first
+    callee.rename(package / "kernels2.py")  # same text under another name is another module
+    assert source_keyed_dir(tmp_path / "cache", package) not in (first, second)
+
+
+def _numba_cache_dir(env: dict[str, str]) -> str:
+    code = "import lyanna; from numba.core import config; print(config.CACHE_DIR)"
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout.strip()
+
+
+def test_importing_lyanna_points_numba_there_unless_the_user_chose(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"}
+    env["LYANNA_CACHE"] = str(tmp_path)
+    assert _numba_cache_dir(env) == str(source_keyed_dir(tmp_path))
+    env["NUMBA_CACHE_DIR"] = str(tmp_path / "mine")
+    assert _numba_cache_dir(env) == str(tmp_path / "mine")

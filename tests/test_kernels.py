@@ -246,3 +246,31 @@ def test_rope_qk_matches_complex_rotation_and_a_row_keeps_its_bits(n: int) -> No
     assert np.array_equal(q1[0], q[-1]) and np.array_equal(k1[0], k[-1])
     with pytest.raises(ValueError, match="rope_qk"):
         rope_qk(qkv, rot[:, :-1], heads, kv_heads, hd)
+
+
+def test_kernel_launches_warn_once_when_a_second_live_thread_launches():
+    import threading
+    import warnings
+
+    from lyanna.kernels import KernelLaunches
+
+    launches = KernelLaunches()
+
+    def launch():
+        with launches:
+            pass
+
+    def on_a_thread():
+        t = threading.Thread(target=launch)
+        t.start()
+        t.join()
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        on_a_thread()  # a thread launches and ends: its team is gone with it
+        launch()
+        launch()
+        assert not seen and not launches.warned
+        on_a_thread()  # while this (main) thread, which launched, is alive
+        on_a_thread()
+    assert [w.category for w in seen] == [RuntimeWarning] and "one thread" in str(seen[0].message)

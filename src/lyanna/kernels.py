@@ -12,6 +12,8 @@ quiet machine, 2026-11-21), ms for 1 / 2 / 8 / 16 / 64 tokens: OpenBLAS 16.4 / 3
 from __future__ import annotations
 
 import threading
+import warnings
+import weakref
 from typing import NamedTuple, Protocol, Sequence
 
 import numpy as np
@@ -45,9 +47,39 @@ LANES = 16 if "+avx512f" in _FEATURES else 8  # fp32 lanes of one vector registe
 # the old kernel's time with it, 0.56x without). Without the instruction LLVM would call libm's
 # fmaf, so such CPUs multiply and add.
 _USE_FMA = "+fma" in _FEATURES
-# numba's default "workqueue" threading layer aborts when two Python threads launch parallel
-# kernels at once; the engine runs on one thread at a time, and this lock makes sure of it.
-_launch = threading.Lock()
+
+
+class KernelLaunches:
+    """What every kernel launch holds. A lock: numba's "workqueue" threading layer aborts when two
+    Python threads launch parallel kernels at once. And a warning, once, when a second live thread
+    launches kernels: numba's OpenMP layer keeps a team of threads for every launching thread,
+    and once the teams hold more threads than there are cores libgomp stops spinning at its
+    barriers, so every kernel pays to wake its team (a one-token step of the default model ran
+    2.6x slower on a second thread of a 2-core machine, 2026-11-23). An application should run
+    every pass on one thread, the one that loaded the model (``lyanna serve`` does)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._threads: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+        self.warned = False
+
+    def __enter__(self) -> None:
+        self._lock.acquire()
+        me = threading.current_thread()
+        if me not in self._threads:
+            self._threads.add(me)
+            if not self.warned and sum(t.is_alive() for t in self._threads) > 1:
+                self.warned = True
+                warnings.warn(f"Lyanna's kernels now run on a second thread ({me.name}) while another that ran them "
+                              "is alive: numba's thread teams slow every kernel down (up to 2-3x on a few cores); "
+                              "run every forward pass on one thread, the one that loaded the model",
+                              RuntimeWarning, stacklevel=2)
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+
+
+_launch = KernelLaunches()
 
 
 class PackedMatrix(Protocol):

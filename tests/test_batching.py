@@ -32,9 +32,27 @@ def _copy(cache):
     return new
 
 
-def test_a_batched_forward_gives_every_block_its_own_forward_bit_for_bit(tiny_decoder):
-    """A plain step, a tree block with its mask, and a prefill with taps, in one ragged pass."""
-    engine = tiny_decoder.engine
+@pytest.fixture(scope="module")
+def block_engines(tiny_model_dir):
+    """The tiny model's layers on Q8_0 blocks: its engine, which runs every batch through
+    ``fused.py`` in one compiled call, and the same weights layer by layer."""
+    from lyanna.engine import Transformer
+    from lyanna.loading import load_target
+    from lyanna.quant import quantize_q8_0
+
+    target = load_target(tiny_model_dir)
+    weights = {name: quantize_q8_0(w) if w.ndim == 2 and ".layers." in name else w for name, w in target.weights.items()}
+    fused, plain = Transformer(target.config, weights), Transformer(target.config, weights)
+    plain._fused = None
+    assert fused._fused is not None and fused.blockwise_prefill
+    return fused, plain
+
+
+@pytest.mark.parametrize("weights", ["fp32", "blocks"])
+def test_a_batched_forward_gives_every_block_its_own_forward_bit_for_bit(tiny_decoder, block_engines, weights):
+    """A plain step, a tree block with its mask, and a prefill with taps, in one ragged pass; on
+    blocks the batch goes through the fused layers, and must also match the layer-by-layer path."""
+    engine = tiny_decoder.engine if weights == "fp32" else block_engines[0]
     top = engine.config.num_layers
     tree = np.array([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], bool)
     specs = [
@@ -51,6 +69,12 @@ def test_a_batched_forward_gives_every_block_its_own_forward_bit_for_bit(tiny_de
         cache = _prefilled(engine, prefix) if prefix else engine.new_cache(64)
         alone.append((Block(cache=_copy(cache), **spec)))
         batched.append((Block(cache=cache, **spec)))
+    if weights == "blocks":  # the same batch layer by layer, on copies of the caches
+        plain = [replace(b, cache=_copy(b.cache)) for b in batched]
+        for mine, theirs in zip(engine.forward_batch([replace(b, cache=_copy(b.cache)) for b in batched]),
+                                block_engines[1].forward_batch(plain)):
+            assert np.array_equal(mine.logits, theirs.logits)
+            assert all(np.array_equal(mine.hidden[t], theirs.hidden[t]) for t in mine.hidden)
     outs = engine.forward_batch(batched)
     for a, b, out in zip(alone, batched, outs):
         ref = engine.forward_batch([a])[0]

@@ -327,9 +327,10 @@ class Transformer(TargetEngine):
         hidden: dict[int, np.ndarray] = {}
         # A prompt of BULK_MIN_ROWS rows or more takes the GEMM path (``ragged_layer_forward``).
         bulk = [b.prefill and not self.blockwise_prefill for b in blocks]
-        if self._fused is not None and len(blocks) == 1 and not (bulk[0] and x.shape[0] >= BULK_MIN_ROWS):
+        if self._fused is not None and not any(g and hi - lo >= BULK_MIN_ROWS for g, (lo, hi, _) in zip(bulk, bounds)):
             with _launch:
-                x, hidden = self._fused(x, rot, blocks[0].cache.k, blocks[0].cache.v, bounds[0][2], biases[0],
+                x, hidden = self._fused(x, rot, [(lo, hi, b.cache.k, b.cache.v, start, bias)
+                                                 for (lo, hi, start), b, bias in zip(bounds, blocks, biases)],
                                         sorted(t for t in wanted if t < c.num_layers))
         else:
             for li, layer in enumerate(self.layers):

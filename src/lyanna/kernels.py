@@ -471,13 +471,14 @@ def _weighted_rows(typingctx, p, v, voff, n, hd, out, ooff, scale):
 
 
 @njit(parallel=True, fastmath=_FAST, cache=True, nogil=True)
-def _attention_kernel(q: np.ndarray, ks, vs, span_of: np.ndarray, lo: np.ndarray, ends: np.ndarray,
+def _attention_kernel(q: np.ndarray, ks, vs, layer: int, span_of: np.ndarray, lo: np.ndarray, ends: np.ndarray,
                       bias: np.ndarray, bias_at: np.ndarray, out: np.ndarray) -> None:  # pragma: no cover - compiled
     """Row ``i`` of ``q`` belongs to span ``span_of[i]`` (-1: skipped) and attends to keys
-    [0, ends[s]) of that span's caches ``ks[s]``/``vs[s]`` (tuples: one launch for every
-    sequence of a batch), plus its row of the span's additive mask when ``bias_at[s] >= 0``."""
+    [0, ends[s]) of layer ``layer`` of that span's caches ``ks[s]``/``vs[s]`` ([layers, kv_heads,
+    capacity, head_dim]; tuples or typed lists: one launch for every sequence of a batch), plus its
+    row of the span's additive mask when ``bias_at[s] >= 0``."""
     n, heads, hd = q.shape
-    groups = heads // ks[0].shape[0]
+    groups = heads // ks[0].shape[1]
     for t in prange(n * heads):
         i = t // heads
         s = span_of[i]
@@ -485,8 +486,8 @@ def _attention_kernel(q: np.ndarray, ks, vs, span_of: np.ndarray, lo: np.ndarray
             continue
         h = t % heads
         g = h // groups
-        k = ks[s]
-        v = vs[s]
+        k = ks[s][layer]
+        v = vs[s][layer]
         end = ends[s]
         masked = bias_at[s] >= 0
         row_bias = bias_at[s] + (i - lo[s]) * end
@@ -564,14 +565,14 @@ def ragged_attention(q: np.ndarray, spans: Sequence[AttentionSpan], out: np.ndar
     # so that batch sizes 1..N cost log2(N) compilations, not N
     # (and one array type: a non-contiguous cache view is read through a contiguous copy)
     width = 1 << max(len(spans) - 1, 0).bit_length()
-    ks = tuple(np.ascontiguousarray(sp.k_cache) for sp in spans)
-    vs = tuple(np.ascontiguousarray(sp.v_cache) for sp in spans)
+    ks = tuple(np.ascontiguousarray(sp.k_cache)[None] for sp in spans)  # one layer's caches as layer 0
+    vs = tuple(np.ascontiguousarray(sp.v_cache)[None] for sp in spans)
     ks, vs = ks + ks[-1:] * (width - len(spans)), vs + vs[-1:] * (width - len(spans))
     bias = np.concatenate(biases) if biases else np.zeros(0, np.float32)
     if out is None:
         out = np.empty((n, heads * hd), np.float32)
     with _launch:
-        _attention_kernel(q, ks, vs, span_of, np.asarray(lo, np.int64), np.asarray(ends, np.int64), bias,
+        _attention_kernel(q, ks, vs, 0, span_of, np.asarray(lo, np.int64), np.asarray(ends, np.int64), bias,
                           np.asarray(bias_at, np.int64), out)
     return out
 

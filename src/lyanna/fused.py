@@ -117,8 +117,12 @@ class FusedLayers:
             if bias is not None:
                 biases.append(np.ascontiguousarray(bias, np.float32).reshape(-1))
                 at += biases[-1].size
-        # typed lists: one compiled ``_layers`` whatever the number of sequences
-        k_caches, v_caches = List([b[2] for b in blocks]), List([b[3] for b in blocks])
+        # A batch's caches as typed lists: one compiled ``_layers`` whatever the number of sequences.
+        # One sequence's as a 1-tuple, a second compilation whose steps ran 5-15% faster (/tmp script).
+        if len(blocks) == 1:
+            k_caches, v_caches = (blocks[0][2],), (blocks[0][3],)
+        else:
+            k_caches, v_caches = List([b[2] for b in blocks]), List([b[3] for b in blocks])
         x = _layers(np.ascontiguousarray(x, np.float32), rot, self.attn_norms, self.mlp_norms, self.d, self.m, self.q,
                     k_caches, v_caches, span_of, np.array([b[0] for b in blocks], np.int64),
                     np.array([b[4] for b in blocks], np.int64),

@@ -22,7 +22,7 @@ from numba import njit
 from numba.typed import List
 
 from .config import ModelConfig
-from .kernels import _attention_kernel, _rms_norm_kernel, _rope_kernel, _silu_mul_kernel
+from .kernels import _attention_kernel, _rms_norm_kernel, _rope_kernel, _silu_mul_kernel, span_layout
 from .quant import QuantMatrix, _quant_linear_kernel
 
 
@@ -109,14 +109,7 @@ class FusedLayers:
         for slot, layer in enumerate(taps):
             tap_slot[layer] = slot
         out = np.empty((len(taps), n, c.hidden_size), np.float32)
-        span_of = np.empty(n, np.int64)
-        biases, bias_at, at = [], [], 0
-        for s, (lo, hi, _, _, _, bias) in enumerate(blocks):
-            span_of[lo:hi] = s
-            bias_at.append(-1 if bias is None else at)
-            if bias is not None:
-                biases.append(np.ascontiguousarray(bias, np.float32).reshape(-1))
-                at += biases[-1].size
+        span_of, lo, bias, bias_at = span_layout(n, [(lo, hi, bias) for lo, hi, _, _, _, bias in blocks])
         # A batch's caches as typed lists: one compiled ``_layers`` whatever the number of sequences.
         # One sequence's as a 1-tuple, a second compilation whose steps ran 5-15% faster (/tmp script).
         if len(blocks) == 1:
@@ -124,8 +117,6 @@ class FusedLayers:
         else:
             k_caches, v_caches = List([b[2] for b in blocks]), List([b[3] for b in blocks])
         x = _layers(np.ascontiguousarray(x, np.float32), rot, self.attn_norms, self.mlp_norms, self.d, self.m, self.q,
-                    k_caches, v_caches, span_of, np.array([b[0] for b in blocks], np.int64),
-                    np.array([b[4] for b in blocks], np.int64),
-                    np.concatenate(biases) if biases else np.zeros(0, np.float32), np.array(bias_at, np.int64),
+                    k_caches, v_caches, span_of, lo, np.array([b[4] for b in blocks], np.int64), bias, bias_at,
                     tap_slot, out, np.float32(c.rms_norm_eps), c.num_heads, c.num_kv_heads, c.head_dim)
         return x, {layer: out[slot] for slot, layer in enumerate(taps)}

@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 import warnings
 import weakref
-from typing import NamedTuple, Protocol, Sequence
+from typing import Callable, NamedTuple, Protocol, Sequence
 
 import numpy as np
 from llvmlite import ir
@@ -382,6 +382,27 @@ def prefill_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, b
     return out.view(kv, groups, n, hd).permute(2, 0, 1, 3).reshape(n, heads * hd).numpy()
 
 
+def ir_splat(b: ir.IRBuilder, scalar: ir.Value, kind: ir.Type) -> ir.Value:
+    """``scalar`` in every lane of a value of ``kind`` (itself when ``kind`` is a scalar type)."""
+    if not isinstance(kind, ir.VectorType):
+        return scalar
+    i32 = ir.IntType(32)
+    undef = ir.Constant(kind, ir.Undefined)
+    zeros = ir.Constant(ir.VectorType(i32, kind.count), [0] * kind.count)
+    return b.shuffle_vector(b.insert_element(undef, scalar, i32(0)), undef, zeros)
+
+
+def ir_muladd(b: ir.IRBuilder, kind: ir.Type) -> Callable[[ir.Value, ir.Value, ir.Value], ir.Value]:
+    """``(x, y, z) -> x * y + z`` on values of ``kind`` (float32 or a vector of them): one fused
+    multiply-add where the CPU has it (``_USE_FMA``), else a multiply then an add."""
+    if not _USE_FMA:
+        return lambda x, y, z: b.fadd(b.fmul(x, y), z)
+    lanes = kind.count if isinstance(kind, ir.VectorType) else 1
+    fma = cgutils.get_or_insert_function(b.module, ir.FunctionType(kind, [kind] * 3),
+                                         f"llvm.fma.v{lanes}f32" if lanes > 1 else "llvm.fma.f32")
+    return lambda x, y, z: b.call(fma, [x, y, z])
+
+
 _PV_VECTORS = 4  # accumulators per pass over the keys: 64 dimensions of a head on AVX-512
 
 
@@ -404,27 +425,15 @@ def _weighted_rows(typingctx, p, v, voff, n, hd, out, ooff, scale):
         b = builder
         pp, vp, op = (context.make_array(signature.args[i])(context, builder, args[i]).data for i in (0, 1, 5))
         voff, n, hd, ooff, scale = (args[i] for i in (2, 3, 4, 6, 7))
-        intp, f32, i32 = voff.type, ir.FloatType(), ir.IntType(32)
+        intp, f32 = voff.type, ir.FloatType()
 
         def pass_over_keys(e, kind, width: int) -> None:
             """Dimensions [e, e + width * lanes of ``kind``) of the weighted sum."""
             lanes = kind.count if isinstance(kind, ir.VectorType) else 1
-            if _USE_FMA:
-                fma = cgutils.get_or_insert_function(
-                    b.module, ir.FunctionType(kind, [kind] * 3), f"llvm.fma.v{lanes}f32" if lanes > 1 else "llvm.fma.f32")
-                muladd = lambda x, y, z: b.call(fma, [x, y, z])  # noqa: E731
-            else:
-                muladd = lambda x, y, z: b.fadd(b.fmul(x, y), z)  # noqa: E731
+            muladd = ir_muladd(b, kind)
 
             def at(base, offset):
                 return b.bitcast(b.gep(base, [offset]), kind.as_pointer())
-
-            def splat(x):
-                if lanes == 1:
-                    return x
-                undef = ir.Constant(kind, ir.Undefined)
-                zeros = ir.Constant(ir.VectorType(i32, lanes), [0] * lanes)
-                return b.shuffle_vector(b.insert_element(undef, x, i32(0)), undef, zeros)
 
             zero = ir.Constant(kind, [0.0] * lanes if lanes > 1 else 0.0)
             entry = b.block
@@ -438,7 +447,7 @@ def _weighted_rows(typingctx, p, v, voff, n, hd, out, ooff, scale):
                 a.add_incoming(zero, entry)
             pj = b.load(b.gep(pp, [j]))
             weighs = b.fcmp_ordered("!=", pj, ir.Constant(f32, 0.0))
-            pv = splat(pj)
+            pv = ir_splat(b, pj, kind)
             row = b.add(b.add(voff, b.mul(j, hd)), e)
             new = [b.select(weighs, muladd(pv, b.load(at(vp, b.add(row, intp(r * lanes))), align=4), acc[r]), acc[r])
                    for r in range(width)]
@@ -453,7 +462,7 @@ def _weighted_rows(typingctx, p, v, voff, n, hd, out, ooff, scale):
                 total.add_incoming(zero, entry)
                 total.add_incoming(x, body)
             for r, total in enumerate(sums):
-                b.store(b.fmul(total, splat(scale)), at(op, b.add(b.add(ooff, e), intp(r * lanes))), align=4)
+                b.store(b.fmul(total, ir_splat(b, scale, kind)), at(op, b.add(b.add(ooff, e), intp(r * lanes))), align=4)
 
         vector = ir.VectorType(f32, LANES)
         wide, one = intp(_PV_VECTORS * LANES), intp(LANES)
@@ -541,26 +550,15 @@ def ragged_attention(q: np.ndarray, spans: Sequence[AttentionSpan], out: np.ndar
     0.6 s instead of 0.03)."""
     q = np.ascontiguousarray(q, dtype=np.float32)
     n, heads, hd = q.shape
-    span_of = np.full(n, -1, np.int64)
-    lo, ends, bias_at, biases, at = [], [], [], [], 0
-    for s, sp in enumerate(spans):
+    for sp in spans:
         kv = sp.k_cache.shape
         if kv[0] == 0 or heads % kv[0] or kv[2] != hd or sp.end > kv[1] or sp.end < 1 or not 0 <= sp.lo <= sp.hi <= n:
             raise ValueError(f"attention shapes do not fit: q {q.shape}, rows [{sp.lo}, {sp.hi}), cache {kv}, end {sp.end}")
         if kv[0] != spans[0].k_cache.shape[0] or sp.v_cache.shape != kv:
             raise ValueError("every span's caches must have the same shape per slot")
-        span_of[sp.lo : sp.hi] = s
-        lo.append(sp.lo)
-        ends.append(sp.end)
-        if sp.bias is None:
-            bias_at.append(-1)
-        else:
-            b = np.asarray(sp.bias, np.float32)
-            if b.shape != (sp.hi - sp.lo, sp.end):
-                raise ValueError(f"attention bias must be [{sp.hi - sp.lo}, {sp.end}], got {b.shape}")
-            bias_at.append(at)
-            biases.append(b.reshape(-1))
-            at += b.size
+        if sp.bias is not None and np.shape(sp.bias) != (sp.hi - sp.lo, sp.end):
+            raise ValueError(f"attention bias must be [{sp.hi - sp.lo}, {sp.end}], got {np.shape(sp.bias)}")
+    span_of, lo, bias, bias_at = span_layout(n, [(sp.lo, sp.hi, sp.bias) for sp in spans])
     # tuples are compiled per length: pad to a power of two (the last cache again, never read)
     # so that batch sizes 1..N cost log2(N) compilations, not N
     # (and one array type: a non-contiguous cache view is read through a contiguous copy)
@@ -568,13 +566,28 @@ def ragged_attention(q: np.ndarray, spans: Sequence[AttentionSpan], out: np.ndar
     ks = tuple(np.ascontiguousarray(sp.k_cache)[None] for sp in spans)  # one layer's caches as layer 0
     vs = tuple(np.ascontiguousarray(sp.v_cache)[None] for sp in spans)
     ks, vs = ks + ks[-1:] * (width - len(spans)), vs + vs[-1:] * (width - len(spans))
-    bias = np.concatenate(biases) if biases else np.zeros(0, np.float32)
     if out is None:
         out = np.empty((n, heads * hd), np.float32)
     with _launch:
-        _attention_kernel(q, ks, vs, 0, span_of, np.asarray(lo, np.int64), np.asarray(ends, np.int64), bias,
-                          np.asarray(bias_at, np.int64), out)
+        _attention_kernel(q, ks, vs, 0, span_of, lo, np.array([sp.end for sp in spans], np.int64), bias, bias_at, out)
     return out
+
+
+def span_layout(n: int, spans: Sequence[tuple[int, int, np.ndarray | None]]
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """What ``_attention_kernel`` reads of spans given as (lo, hi, additive mask or None): each of
+    the ``n`` rows' span (-1: none), each span's first row, the masks flattened into one array,
+    and where each span's mask starts in it (-1: no mask)."""
+    span_of = np.full(n, -1, np.int64)
+    bias_at, biases, at = [], [], 0
+    for s, (lo, hi, bias) in enumerate(spans):
+        span_of[lo:hi] = s
+        bias_at.append(-1 if bias is None else at)
+        if bias is not None:
+            biases.append(np.ascontiguousarray(bias, np.float32).reshape(-1))
+            at += biases[-1].size
+    flat = np.concatenate(biases) if biases else np.zeros(0, np.float32)
+    return span_of, np.array([lo for lo, _, _ in spans], np.int64), flat, np.array(bias_at, np.int64)
 
 
 def attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, end: int,

@@ -31,7 +31,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .kernels import _USE_FMA, LANES, _launch
+from .kernels import LANES, _launch, ir_muladd, ir_splat
 
 QK = 32  # weights per block in every type supported here
 _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # fp16 scale (+ fp16 min for Q4_1) + values
@@ -86,7 +86,7 @@ class _GroupKernel:
         f32, i8, i32 = ir.FloatType(), ir.IntType(8), ir.IntType(32)
         self.vf, self.vb, self.i32 = ir.VectorType(f32, LANES), ir.VectorType(i8, LANES), i32
         module = builder.module
-        self.fma = cgutils.get_or_insert_function(module, ir.FunctionType(self.vf, [self.vf] * 3), f"llvm.fma.v{LANES}f32")
+        self.muladd = ir_muladd(builder, self.vf)
         self.prefetch_fn = cgutils.get_or_insert_function(
             module, ir.FunctionType(ir.VoidType(), [i8.as_pointer(), i32, i32, i32]), "llvm.prefetch.p0i8")
 
@@ -108,11 +108,6 @@ class _GroupKernel:
                     self._chunk(rows, 1, j)
             b.branch(merge)
         b.position_at_end(merge)
-
-    def _splat(self, scalar):
-        undef = ir.Constant(self.vf, ir.Undefined)
-        lanes = ir.Constant(ir.VectorType(self.i32, LANES), [0] * LANES)
-        return self.b.shuffle_vector(self.b.insert_element(undef, scalar, self.i32(0)), undef, lanes)
 
     def _vector(self, base, offset, kind):
         return self.b.load(self.b.bitcast(self.b.gep(base, [offset]), kind.as_pointer()), align=1)
@@ -144,10 +139,9 @@ class _GroupKernel:
             w = [b.sitofp(self._vector(self.q, b.add(qbase[c], b.mul(t, intp(LANES))), self.vb), self.vf)
                  for c in range(cols)]
             for r in range(rows):
-                xv = self._splat(b.load(b.gep(self.x, [b.add(xrow[r], t)])))
+                xv = ir_splat(b, b.load(b.gep(self.x, [b.add(xrow[r], t)])), self.vf)
                 for c in range(cols):
-                    acc[r][c] = (b.call(self.fma, [w[c], xv, acc[r][c]]) if _USE_FMA
-                                 else b.fadd(acc[r][c], b.fmul(w[c], xv)))
+                    acc[r][c] = self.muladd(w[c], xv, acc[r][c])
         t_next = b.add(t0, intp(_UNROLL))
         t0.add_incoming(t_next, b.block)
         for r in range(rows):
@@ -160,7 +154,7 @@ class _GroupKernel:
             dv = self._vector(self.d, b.add(self.dmoff, col), self.vf)
             mv = self._vector(self.m, b.add(self.dmoff, col), self.vf)
             for r in range(rows):
-                s = self._splat(b.load(b.gep(self.xs, [b.add(self.xsoff, b.mul(intp(r), self.nb))])))
+                s = ir_splat(b, b.load(b.gep(self.xs, [b.add(self.xsoff, b.mul(intp(r), self.nb))])), self.vf)
                 ptr = b.bitcast(b.gep(self.out, [b.add(b.add(self.ooff, b.mul(intp(r), self.ostride)), col)]),
                                 self.vf.as_pointer())
                 total = b.fadd(b.load(ptr, align=1), b.fadd(b.fmul(dv, acc[r][c]), b.fmul(mv, s)))

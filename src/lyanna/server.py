@@ -667,7 +667,7 @@ def serve(decoder: Decoder, host: str, port: int, method: str, max_pending: int,
     parallel kernels, and once the teams hold more threads than there are cores, libgomp stops
     spinning at its barriers, so every kernel pays to wake its team. Loading the model has started
     kernels on this thread already; an engine on a second thread ran a one-token step 2.6x slower
-    on a 2-core machine (README, serving). So the thread that loaded the model runs every pass."""
+    on a 2-core machine (issue 13's note of 2026-11-23; the load test's pairs in README, serving). So the thread that loaded the model runs every pass."""
     workers: list[EngineWorker] = []  # the app's worker, once its startup has made it
     handed = threading.Event()
     exit_codes: list[Any] = []

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import numpy as np
 
-from lyanna.bench import machine_info
-from lyanna.budget import calibrate
-from lyanna.engine import Transformer
-from lyanna.loading import DEFAULT_MODEL, load_target, source_gguf
+from lyanna.decoding.budget import calibrate
+from lyanna.engines.loading import DEFAULT_MODEL, load_target, source_gguf
+from lyanna.engines.transformer import Transformer
+from lyanna.measure.bench import machine_info
 
 SIZES = (1, 2, 8, 16, 64)
 CONTEXT = 256

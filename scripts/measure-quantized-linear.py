@@ -35,7 +35,7 @@ import time
 import numpy as np
 from numba import njit, prange
 
-from lyanna.kernels import _FAST, linear
+from lyanna.engines.kernels import _FAST, linear
 
 QK = 32  # weights per Q4_1 block
 LAYERS = 30  # SmolLM2-135M's decoder layers

@@ -13,10 +13,10 @@ import argparse
 import json
 from collections import Counter
 
-from lyanna.bench import load_questions
-from lyanna.decoding import Decoder, GenerationRequest
+from lyanna.decoding.decoder import Decoder, GenerationRequest
 from lyanna.drafters.suffix import SuffixDrafter
-from lyanna.loading import load_target
+from lyanna.engines.loading import load_target
+from lyanna.measure.bench import load_questions
 
 
 class Recording(SuffixDrafter):

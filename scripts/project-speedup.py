@@ -36,8 +36,8 @@ def main() -> None:
 
     import torch
 
-    from lyanna.budget import calibrate
-    from lyanna.torch_engine import load_torch_target
+    from lyanna.decoding.budget import calibrate
+    from lyanna.engines.torch_engine import load_torch_target
 
     target, engine = load_torch_target(args.model, args.device, args.dtype)
     curve = calibrate(engine, target.name, sizes=SIZES, context=256, repeats=7)

@@ -83,8 +83,8 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_decoder(tiny_model_dir):
-    from lyanna.decoding import Decoder
-    from lyanna.loading import load_target
+    from lyanna.decoding.decoder import Decoder
+    from lyanna.engines.loading import load_target
 
     return Decoder(load_target(tiny_model_dir))
 
@@ -93,7 +93,7 @@ def tiny_decoder(tiny_model_dir):
 def tiny_examples(tiny_decoder):
     """Training examples for draft heads: prompts plus the tiny model's own greedy replies, with
     the target features at the final-norm tap."""
-    from lyanna.decoding import GenerationRequest
+    from lyanna.decoding.decoder import GenerationRequest
     from lyanna.training.fit import target_features
 
     seqs = []
@@ -122,7 +122,7 @@ def isolated_cache(tmp_path_factory):
 
 def _link_default_model(cache: Path) -> None:
     """Link the user's converted default model into ``cache`` when it exists."""
-    from lyanna.loading import DEFAULT_MODEL
+    from lyanna.engines.loading import DEFAULT_MODEL
 
     name = f"{DEFAULT_MODEL}-fp32"
     if (_REAL_CACHE / name / ".complete").is_file() and not (cache / name).exists():
@@ -133,7 +133,7 @@ def _link_default_model(cache: Path) -> None:
 def default_target(isolated_cache):
     """The default model, converted once into the user's cache (what ``lyanna`` itself would do)
     and reached through the session cache's link."""
-    from lyanna.loading import DEFAULT_MODEL, load_target, resolve_model
+    from lyanna.engines.loading import DEFAULT_MODEL, load_target, resolve_model
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("LYANNA_CACHE", str(_REAL_CACHE))
@@ -146,7 +146,7 @@ def default_target(isolated_cache):
 
 @pytest.fixture(scope="session")
 def default_decoder(default_target):
-    from lyanna.decoding import Decoder
+    from lyanna.decoding.decoder import Decoder
 
     return Decoder(default_target)
 

@@ -8,16 +8,15 @@ import httpx
 import numpy as np
 import pytest
 
-from lyanna import verify as verify_module
-from lyanna.bench import load_questions
-from lyanna.decoding import GenerationRequest
-from lyanna.engine import Block
-from lyanna.server import create_app
+from lyanna.decoding import verify as verify_module
+from lyanna.decoding.decoder import GenerationRequest
+from lyanna.engines.base import Block
+from lyanna.measure.bench import load_questions
+from lyanna.serving.server import create_app
 
 from .conftest import ALPHA, chi2_pvalue, no_residual
 from .test_server import Server
-from .test_speculative import (PROMPT, SAMPLING_GRID, SMALL_VOCAB, eos_decoder, exact_joints,  # noqa: F401 (fixtures)
-                               small_decoder)
+from .test_speculative import PROMPT, SAMPLING_GRID, SMALL_VOCAB, eos_decoder, exact_joints, small_decoder  # noqa: F401 (fixtures)
 
 
 def _prefilled(engine, ids):
@@ -36,9 +35,9 @@ def _copy(cache):
 def block_engines(tiny_model_dir):
     """The tiny model's layers on Q8_0 blocks: its engine, which runs every batch through
     ``fused.py`` in one compiled call, and the same weights layer by layer."""
-    from lyanna.engine import Transformer
-    from lyanna.loading import load_target
-    from lyanna.quant import quantize_q8_0
+    from lyanna.engines.loading import load_target
+    from lyanna.engines.quant import quantize_q8_0
+    from lyanna.engines.transformer import Transformer
 
     target = load_target(tiny_model_dir)
     weights = {name: quantize_q8_0(w) if w.ndim == 2 and ".layers." in name else w for name, w in target.weights.items()}

@@ -10,19 +10,30 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lyanna import budget as budget_module
-from lyanna.bench import health, make_runners, split_budget
-from lyanna.budget import DEPTH_WINDOW, PROBE_EVERY, Budget, LatencyCurve, calibrate, calibration_path, load_curve, model_key, parse_budget, save_curve
 from lyanna.cli import main
-from lyanna.decoding import Decoder, GenerationRequest
+from lyanna.decoding import budget as budget_module
+from lyanna.decoding.budget import (
+    DEPTH_WINDOW,
+    PROBE_EVERY,
+    Budget,
+    LatencyCurve,
+    calibrate,
+    calibration_path,
+    load_curve,
+    model_key,
+    parse_budget,
+    save_curve,
+)
+from lyanna.decoding.decoder import Decoder, GenerationRequest
+from lyanna.decoding.loop import FALLBACK_WARMUP_ROUNDS
+from lyanna.decoding.sampling import SamplingParams
 from lyanna.drafters.eagle import EagleDrafter
 from lyanna.drafters.head import DraftHead
 from lyanna.drafters.suffix import SuffixDrafter
+from lyanna.drafters.tree import DraftTree
 from lyanna.errors import LyannaError
-from lyanna.sampling import SamplingParams
-from lyanna.speculative import FALLBACK_WARMUP_ROUNDS
+from lyanna.measure.bench import health, make_runners, split_budget
 from lyanna.training.fit import init_eagle_head
-from lyanna.tree import DraftTree
 
 NODE0 = 100  # node i of a generated tree carries token NODE0 + i, so a subset can be traced back
 

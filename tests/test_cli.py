@@ -113,8 +113,8 @@ def test_bench_questions_ship_as_declared_package_data():
     from pathlib import Path
 
     import lyanna
-    from lyanna.bench import load_questions
     from lyanna.data import BENCHMARK_FILES
+    from lyanna.measure.bench import load_questions
 
     package = Path(lyanna.__file__).parent
     pyproject = tomllib.loads((package.parents[1] / "pyproject.toml").read_text())

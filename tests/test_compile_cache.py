@@ -5,7 +5,7 @@ import os
 import subprocess
 import sys
 
-from lyanna.compile_cache import source_keyed_dir
+from lyanna.engines.compile_cache import source_keyed_dir
 
 
 def test_the_directory_changes_with_any_compiled_module_and_only_with_them(tmp_path):

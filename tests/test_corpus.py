@@ -10,11 +10,18 @@ import pytest
 import torch
 
 from lyanna.data import SPEC_BENCH, packaged
+from lyanna.engines.loading import load_tokenizer
 from lyanna.errors import LyannaError
-from lyanna.loading import load_tokenizer
 from lyanna.train import main as train_main
 from lyanna.training import pipeline
-from lyanna.training.corpus import Skip, encode_conversation, iter_records, messages_of, read_corpus, reply_mask
+from lyanna.training.corpus import (
+    Skip,
+    encode_conversation,
+    iter_records,
+    messages_of,
+    read_corpus,
+    reply_mask,
+)
 from lyanna.training.fit import Example, batch_loss, init_lyanna_head, make_batch, pack
 
 CONVS = [

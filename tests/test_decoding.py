@@ -7,14 +7,13 @@ import numpy as np
 import pytest
 import torch
 
-from lyanna.bench import load_questions
-from lyanna.decoding import GenerationRequest
+from lyanna.decoding.decoder import GenerationRequest
+from lyanna.decoding.sampling import SamplingParams, target_probs
 from lyanna.errors import LyannaError
-from lyanna.hf_baseline import HFGenerate
-from lyanna.sampling import SamplingParams, target_probs
+from lyanna.measure.bench import load_questions
+from lyanna.measure.hf_baseline import HFGenerate
 
 from .conftest import ALPHA, chi2_pvalue
-
 
 # Two logits closer than this are a tie that float32 summation order decides: our kernels and
 # PyTorch's add the same products in different orders, and on the default model their logits

@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 import torch
 
-from lyanna.decoding import Decoder, GenerationRequest
+from lyanna.decoding.decoder import Decoder, GenerationRequest
 from lyanna.drafters.checkpoint import save_head
 from lyanna.drafters.eagle import EagleDrafter
 from lyanna.drafters.head import DraftHead
-from lyanna.engine import attention_bias
+from lyanna.engines.loading import load_target
+from lyanna.engines.transformer import attention_bias
 from lyanna.errors import LyannaError
-from lyanna.loading import load_target
 from lyanna.training.fit import fit, init_eagle_head, target_features
 
 from .conftest import draft_loaded, make_tiny_model

@@ -5,9 +5,10 @@ import numpy as np
 import pytest
 import torch
 
-from lyanna.engine import Block, Transformer
-from lyanna.loading import load_target
-from lyanna.tree import DraftTree
+from lyanna.drafters.tree import DraftTree
+from lyanna.engines.base import Block
+from lyanna.engines.loading import load_target
+from lyanna.engines.transformer import Transformer
 
 from .conftest import make_tiny_model
 

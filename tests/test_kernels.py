@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lyanna.kernels import AttentionSpan, attention, linear, ragged_attention
+from lyanna.engines.attention import AttentionSpan, attention, ragged_attention
+from lyanna.engines.kernels import linear
 
 
 @settings(max_examples=60, deadline=None)
@@ -111,7 +112,7 @@ def test_a_querys_attention_does_not_depend_on_masked_keys_after_it(cached: int,
 def test_exp_nonpositive_is_float32_exp() -> None:
     """The attention kernel's own exp: within 4e-7 relative of the true value over the whole
     range a softmax meets, exactly 1 at 0, and exactly 0 for masked keys and underflow."""
-    from lyanna.kernels import exp_nonpositive
+    from lyanna.engines.kernels import exp_nonpositive
 
     xs = np.concatenate([-np.geomspace(1e-8, 86.9, 20_000), np.linspace(-86.9, 0, 20_000)]).astype(np.float32)
     got = np.array([exp_nonpositive(x) for x in xs], np.float64)
@@ -127,7 +128,7 @@ def test_prefill_attention_matches_reference_and_pytorchs_fused_attention(n: int
     PyTorch's fused ``scaled_dot_product_attention`` computes with the same mask."""
     import torch
 
-    from lyanna.kernels import prefill_attention
+    from lyanna.engines.attention import prefill_attention
 
     rng = np.random.default_rng(n)
     kv, groups, hd = 3, 3, 64
@@ -147,7 +148,7 @@ def test_prefill_rows_get_the_same_numbers_alone_and_beside_other_rows():
     """``linear_rows``: a prompt's rows (a bulk range, through the GEMM) get the same bits whatever
     rows surround them and wherever they sit in the pass; the other rows get ``linear``'s bits;
     a range shorter than ``BULK_MIN_ROWS`` stays on ``linear``."""
-    from lyanna.kernels import BULK_MIN_ROWS, linear, linear_rows
+    from lyanna.engines.kernels import BULK_MIN_ROWS, linear, linear_rows
 
     rng = np.random.default_rng(3)
     x = rng.standard_normal((10 + 2 * BULK_MIN_ROWS + 3, 64), dtype=np.float32)
@@ -195,7 +196,7 @@ def test_ragged_attention_gives_each_sequence_its_numbers_alone(sequences: int) 
 
 
 def test_rms_norm_matches_numpy_and_a_row_keeps_its_bits() -> None:
-    from lyanna.kernels import rms_norm
+    from lyanna.engines.kernels import rms_norm
 
     rng = np.random.default_rng(4)
     x = rng.standard_normal((9, 576), dtype=np.float32) * 3
@@ -209,7 +210,7 @@ def test_rms_norm_matches_numpy_and_a_row_keeps_its_bits() -> None:
 
 
 def test_silu_mul_matches_numpy_over_the_whole_range() -> None:
-    from lyanna.kernels import silu_mul
+    from lyanna.engines.kernels import silu_mul
 
     rng = np.random.default_rng(5)
     gate = np.concatenate([rng.standard_normal((3, 40)) * 4, np.array([[-1e4, -100.0, -88.0, -20.0, -1e-3, 0.0,
@@ -227,8 +228,8 @@ def test_silu_mul_matches_numpy_over_the_whole_range() -> None:
 
 @pytest.mark.parametrize("n", [1, 5, 70])
 def test_rope_qk_matches_complex_rotation_and_a_row_keeps_its_bits(n: int) -> None:
-    from lyanna.engine import rotation
-    from lyanna.kernels import rope_qk
+    from lyanna.engines.kernels import rope_qk
+    from lyanna.engines.transformer import rotation
 
     rng = np.random.default_rng(n)
     heads, kv_heads, hd = 6, 2, 16
@@ -252,7 +253,7 @@ def test_kernel_launches_warn_once_when_a_second_live_thread_launches():
     import threading
     import warnings
 
-    from lyanna.kernels import KernelLaunches
+    from lyanna.engines.kernels import KernelLaunches
 
     launches = KernelLaunches()
 

@@ -9,9 +9,9 @@ import types
 
 import pytest
 
-from lyanna.bench import make_runners
+from lyanna.decoding.sampling import SamplingParams
 from lyanna.errors import LyannaError
-from lyanna.sampling import SamplingParams
+from lyanna.measure.bench import make_runners
 
 
 def test_llamacpp_without_the_package_is_a_clear_error(tiny_decoder, monkeypatch):
@@ -58,14 +58,14 @@ def fake_llama_cpp(monkeypatch):
 
 
 def test_llamacpp_needs_a_gguf_model(tiny_decoder, fake_llama_cpp):
-    from lyanna.llamacpp_baseline import LlamaCppGenerate
+    from lyanna.measure.llamacpp_baseline import LlamaCppGenerate
 
     with pytest.raises(LyannaError, match="needs a GGUF model"):
         LlamaCppGenerate(tiny_decoder.target, tiny_decoder.eos_token_ids)
 
 
 def test_llamacpp_generation_loop(tiny_decoder, fake_llama_cpp, tmp_path):
-    from lyanna.llamacpp_baseline import LlamaCppGenerate
+    from lyanna.measure.llamacpp_baseline import LlamaCppGenerate
 
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"GGUF")
@@ -87,8 +87,8 @@ def test_llamacpp_generation_loop(tiny_decoder, fake_llama_cpp, tmp_path):
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python is not installed")
 def test_llamacpp_on_the_default_model(default_target):
-    from lyanna.decoding import Decoder
-    from lyanna.llamacpp_baseline import LlamaCppGenerate
+    from lyanna.decoding.decoder import Decoder
+    from lyanna.measure.llamacpp_baseline import LlamaCppGenerate
 
     decoder = Decoder(default_target, default_drafts=False)
     gen = LlamaCppGenerate(default_target, decoder.eos_token_ids)
@@ -104,7 +104,7 @@ def test_llamacpp_on_the_default_model(default_target):
 
 
 def test_source_gguf(tiny_model_dir, tmp_path):
-    from lyanna.loading import DEFAULT_MODEL, source_gguf
+    from lyanna.engines.loading import DEFAULT_MODEL, source_gguf
 
     assert source_gguf(tiny_model_dir) is None  # a Hugging Face directory
     gguf = tmp_path / "m.gguf"

@@ -6,8 +6,8 @@ import shutil
 
 import pytest
 
+from lyanna.engines.loading import load_target
 from lyanna.errors import LyannaError
-from lyanna.loading import load_target
 
 from .conftest import make_tiny_model
 
@@ -78,7 +78,7 @@ def test_missing_config_and_non_gguf_file(tmp_path, tiny_model_dir):
 def test_missing_tensor(tmp_path):
     from safetensors.numpy import load_file, save_file
 
-    from lyanna.decoding import Decoder
+    from lyanna.decoding.decoder import Decoder
 
     d = make_tiny_model(tmp_path / "m")
     tensors = load_file(str(d / "model.safetensors"))
@@ -104,7 +104,7 @@ def test_partial_draft_checkpoint_names_what_is_missing(tmp_path, default_decode
     """A head file that lost tensors is refused with one line naming them, not a raw KeyError."""
     from safetensors.numpy import load_file, save_file
 
-    from lyanna.decoding import DRAFTS_DIR
+    from lyanna.decoding.decoder import DRAFTS_DIR
 
     head = shutil.copytree(DRAFTS_DIR / default_decoder.target.name / arch, tmp_path / arch)
     tensors = load_file(str(head / "model.safetensors"))

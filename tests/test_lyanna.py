@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from lyanna.decoding import GenerationRequest
+from lyanna.decoding.decoder import GenerationRequest
 from lyanna.drafters.checkpoint import save_head
 from lyanna.drafters.lyanna import ChainHead, LyannaDrafter, TokenInfo, token_info_tree
-from lyanna.tree import DraftTree
+from lyanna.drafters.tree import DraftTree
 from lyanna.training.fit import fit, init_lyanna_head, target_features
 
 from .conftest import draft_loaded

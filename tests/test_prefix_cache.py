@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from lyanna.engine import KVCache
-from lyanna.prefix_cache import PrefixCache
+from lyanna.decoding.prefix_cache import PrefixCache
+from lyanna.engines.transformer import KVCache
 
 
 def filled_cache(n: int, seed: int = 0) -> KVCache:
@@ -59,8 +59,8 @@ def test_prefix_hits_give_the_outputs_of_whole_prompts(default_target):
     of a conversation, decoded after their prefixes were cached: the same tokens as without a
     prefix cache, for ``ar`` and a drafter that reads the prompt's hidden states. Engines whose
     prefill rows depend on their block (fp32's GEMM) get no prefix cache."""
-    from lyanna.decoding import Decoder, GenerationRequest
-    from lyanna.loading import DEFAULT_MODEL, load_target
+    from lyanna.decoding.decoder import Decoder, GenerationRequest
+    from lyanna.engines.loading import DEFAULT_MODEL, load_target
 
     assert Decoder(default_target, prefix_cache_tokens=4096).prefix_cache is None  # fp32 weights
     gguf = load_target(DEFAULT_MODEL, weight_format="gguf")

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, quants
 
-from lyanna.kernels import linear
-from lyanna.quant import SUPPORTED, QuantMatrix, from_blocks, hf_name, quantize_q8_0
+from lyanna.engines.kernels import linear
+from lyanna.engines.quant import SUPPORTED, QuantMatrix, from_blocks, hf_name, quantize_q8_0
 
 ROWS = (1, 2, 3, 5, 8, 17, 31, 64)
 
@@ -63,7 +63,7 @@ def test_a_rows_output_does_not_depend_on_its_block(kind):
 def test_a_prompts_rows_stay_on_the_blocks_kernel():
     """``linear_rows`` with a packed matrix: a prompt's rows, long enough that fp32 weights would
     take the GEMM, get the blocks' kernel's bits, alone and beside other rows."""
-    from lyanna.kernels import BULK_MIN_ROWS, linear_rows
+    from lyanna.engines.kernels import BULK_MIN_ROWS, linear_rows
 
     matrix, _ = gguf_matrix("Q4_1", 96, 64, seed=8)
     x = np.random.default_rng(9).standard_normal((BULK_MIN_ROWS + 5, 64)).astype(np.float32)
@@ -112,15 +112,15 @@ def test_gguf_names_map_to_hugging_face_names():
 
 @pytest.fixture(scope="module")
 def gguf_decoder(default_target):
-    from lyanna.decoding import Decoder
-    from lyanna.loading import DEFAULT_MODEL, load_target
+    from lyanna.decoding.decoder import Decoder
+    from lyanna.engines.loading import DEFAULT_MODEL, load_target
 
     return Decoder(load_target(DEFAULT_MODEL, weight_format="gguf"))
 
 
 @pytest.mark.slow
 def test_default_model_runs_on_its_gguf_blocks(gguf_decoder, default_decoder):
-    from lyanna.decoding import GenerationRequest
+    from lyanna.decoding.decoder import GenerationRequest
 
     engine = gguf_decoder.engine
     assert engine.name == "numpy-gguf"
@@ -147,8 +147,9 @@ def test_fused_layers_give_the_layer_by_layer_bits(tiny_model_dir):
     """One sequence's pass through every layer in one compiled call (``fused.py``) equals the
     layer-by-layer path bit for bit: logits, tapped hidden states and KV cache, for a prompt, a
     tree-masked block and a single token; and a batch (layer by layer) equals each sequence alone."""
-    from lyanna.engine import Block, Transformer
-    from lyanna.loading import load_target
+    from lyanna.engines.base import Block
+    from lyanna.engines.loading import load_target
+    from lyanna.engines.transformer import Transformer
 
     target = load_target(tiny_model_dir)
     weights = {name: quantize_q8_0(w) if w.ndim == 2 and ".layers." in name else w

@@ -24,10 +24,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lyanna.cli import main as cli_main
-from lyanna.decoding import GenerationRequest, GenerationResult
-from lyanna.server import GracefulServer, create_app
-from lyanna.speculative import NoDrafter
-from lyanna.tree import DraftTree
+from lyanna.decoding.decoder import GenerationRequest, GenerationResult
+from lyanna.drafters.base import NoDrafter
+from lyanna.drafters.tree import DraftTree
+from lyanna.serving.server import GracefulServer, create_app
 
 WAIT = 20  # seconds a test waits for an event before it fails (never reached when things work)
 
@@ -562,7 +562,7 @@ def test_serve_runs_the_engine_on_its_calling_thread_and_stops_on_sigterm():
     """``serve`` keeps every forward pass and the calibration on the thread that called it (the
     one that loaded the model: numba's thread teams, see ``serve``), answers over HTTP from
     another, and a SIGTERM to the process ends it cleanly with the signal handlers restored."""
-    from lyanna.server import serve
+    from lyanna.serving.server import serve
 
     stub = StubDecoder(pace=0.001)
     ran_on: set[threading.Thread] = set()
@@ -595,7 +595,7 @@ def test_serve_runs_the_engine_on_its_calling_thread_and_stops_on_sigterm():
 
 
 def test_serve_on_a_taken_port_exits_with_an_error_instead_of_waiting_for_jobs():
-    from lyanna.server import serve
+    from lyanna.serving.server import serve
 
     watchdog = threading.Timer(WAIT, os.kill, (os.getpid(), signal.SIGTERM))  # ends serve() should it hang
     before = signal.getsignal(signal.SIGTERM)
@@ -614,7 +614,7 @@ def test_serve_on_a_taken_port_exits_with_an_error_instead_of_waiting_for_jobs()
 
 def test_loadtest_is_bounded_and_loopback_only(server):
     from lyanna.errors import LyannaError
-    from lyanna.loadtest import run_load
+    from lyanna.serving.loadtest import run_load
 
     report = run_load(server.url, ["hello", "cats"], requests=6, concurrency=3, max_tokens=4)
     assert report["succeeded"] == 6 and report["failed"] == 0

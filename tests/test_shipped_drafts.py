@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from lyanna.decoding import DRAFTS_DIR, GenerationRequest
+from lyanna.decoding.decoder import DRAFTS_DIR, GenerationRequest
 
 PROMPTS = ["Explain what a hash table is.", "Write a short poem about the sea.", "List three uses of copper."]
 SHIPPED = DRAFTS_DIR / "smollm2-135m-instruct"

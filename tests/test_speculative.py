@@ -9,19 +9,19 @@ import numpy as np
 import pytest
 import torch
 
-from lyanna import verify as verify_module
-from lyanna.bench import load_questions
-from lyanna.config import ModelConfig
-from lyanna.decoding import Decoder, GenerationRequest
+from lyanna.decoding import verify as verify_module
+from lyanna.decoding.decoder import Decoder, GenerationRequest
+from lyanna.decoding.sampling import SamplingParams, target_probs
 from lyanna.drafters.eagle import EagleDrafter
 from lyanna.drafters.head import DraftHead
 from lyanna.drafters.lyanna import ChainHead, LyannaDrafter, TokenInfo
 from lyanna.drafters.suffix import SuffixDrafter
-from lyanna.engine import Transformer
-from lyanna.loading import Target
-from lyanna.sampling import SamplingParams, target_probs
+from lyanna.drafters.tree import DraftTree
+from lyanna.engines.config import ModelConfig
+from lyanna.engines.loading import Target
+from lyanna.engines.transformer import Transformer
+from lyanna.measure.bench import load_questions
 from lyanna.training.fit import init_eagle_head, init_lyanna_head
-from lyanna.tree import DraftTree
 
 from .conftest import ALPHA, chi2_pvalue, no_residual, p_not_p_over_q
 

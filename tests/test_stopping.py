@@ -1,7 +1,7 @@
 """Committing blocks of tokens: EOS, stop strings and max_new_tokens end the output exactly."""
 from __future__ import annotations
 
-from lyanna.stopping import OutputTracker
+from lyanna.decoding.stopping import OutputTracker
 
 
 class CharTokenizer:

@@ -3,28 +3,35 @@
 from __future__ import annotations
 
 import json
+
 import numpy as np
 import pytest
 import torch
 
 import lyanna.hf
-from lyanna import verify as verify_module
-from lyanna.bench import load_questions, run_bench
 from lyanna.cli import main
-from lyanna.decoding import DRAFTS_DIR, Decoder, GenerationRequest
+from lyanna.decoding import verify as verify_module
+from lyanna.decoding.decoder import DRAFTS_DIR, Decoder, GenerationRequest
 from lyanna.drafters.checkpoint import save_head
 from lyanna.drafters.eagle import EagleDrafter
 from lyanna.drafters.head import DraftHead
 from lyanna.drafters.lyanna import ChainHead, LyannaDrafter, TokenInfo
-from lyanna.engine import Transformer
+from lyanna.engines.loading import load_target
+from lyanna.engines.torch_engine import TorchEngine, load_torch_target
+from lyanna.engines.transformer import Transformer
 from lyanna.errors import LyannaError
-from lyanna.loading import load_target
-from lyanna.torch_engine import TorchEngine, load_torch_target
+from lyanna.measure.bench import load_questions, run_bench
 from lyanna.training.fit import init_eagle_head, init_lyanna_head
 
 from .conftest import ALPHA, chi2_pvalue, make_tiny_model, no_residual
-from .test_speculative import (SAMPLING_GRID, SMALL_VOCAB, PeekingDrafter, exact_joint, sample_outputs,
-                              small_vocab_target)
+from .test_speculative import (
+    SAMPLING_GRID,
+    SMALL_VOCAB,
+    PeekingDrafter,
+    exact_joint,
+    sample_outputs,
+    small_vocab_target,
+)
 
 LAYOUTS = [("llama", {}), ("mistral", {"sliding_window": 16}), ("qwen2", {})]
 

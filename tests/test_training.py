@@ -11,9 +11,9 @@ import pytest
 from safetensors.numpy import load_file
 
 from lyanna.data import MT_BENCH, SPEC_BENCH, packaged
-from lyanna.decoding import Decoder, GenerationRequest
+from lyanna.decoding.decoder import Decoder, GenerationRequest
+from lyanna.engines.loading import load_target
 from lyanna.errors import LyannaError
-from lyanna.loading import load_target
 from lyanna.train import main as train_main
 from lyanna.training import pipeline
 

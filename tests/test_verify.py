@@ -10,10 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lyanna import verify as verify_module
-from lyanna.sampling import SamplingParams, sample, target_probs
-from lyanna.tree import DraftTree
-from lyanna.verify import verify
+from lyanna.decoding import verify as verify_module
+from lyanna.decoding.sampling import SamplingParams, sample, target_probs
+from lyanna.decoding.verify import verify
+from lyanna.drafters.tree import DraftTree
 
 from .conftest import ALPHA, chi2_pvalue, no_residual, p_not_p_over_q
 

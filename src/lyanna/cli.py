@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+from .engines.loading import DEFAULT_MODEL, WEIGHT_FORMATS
 from .errors import LyannaError
-from .loading import DEFAULT_MODEL, WEIGHT_FORMATS
 
 DEMO_PROMPT = "Explain in a few sentences why the sky is blue."
 
@@ -52,7 +52,7 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def _budget(text: str):
-    from .budget import parse_budget
+    from .decoding.budget import parse_budget
 
     try:
         return parse_budget(text)
@@ -146,13 +146,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _sampling(args: argparse.Namespace):
-    from .sampling import SamplingParams
+    from .decoding.sampling import SamplingParams
 
     return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
 
 
 def _generate(args: argparse.Namespace) -> None:
-    from .decoding import GenerationRequest
+    from .decoding.decoder import GenerationRequest
 
     request = GenerationRequest(max_new_tokens=args.max_new_tokens, sampling=_sampling(args), stop=tuple(args.stop))
     decoder = _decoder(args)
@@ -168,14 +168,14 @@ def _generate(args: argparse.Namespace) -> None:
 
 
 def _decoder(args: argparse.Namespace):
-    from .decoding import Decoder
-    from .loading import load_target
+    from .decoding.decoder import Decoder
+    from .engines.loading import load_target
 
     cache_tokens = getattr(args, "prefix_cache_tokens", 0)  # the server's option
     if args.backend == "torch" and args.weights == "gguf":
         raise LyannaError("--weights gguf is a numpy-backend engine: drop --backend torch or --weights")
     if args.backend == "torch":
-        from .torch_engine import load_torch_target
+        from .engines.torch_engine import load_torch_target
 
         target, engine = load_torch_target(args.model, args.device or "cpu", args.dtype or "float32")
         decoder = Decoder(target, engine=engine, prefix_cache_tokens=cache_tokens)
@@ -198,9 +198,7 @@ def _stats_line(result) -> str:
 
 
 def _bench(args: argparse.Namespace) -> None:
-    from .bench import format_table, load_questions, run_bench
-
-    from .bench import default_methods
+    from .measure.bench import default_methods, format_table, load_questions, run_bench
 
     sampling = _sampling(args)
     questions = load_questions(args.questions, args.limit)
@@ -225,17 +223,15 @@ def _bench(args: argparse.Namespace) -> None:
 
 
 def _serve(args: argparse.Namespace) -> None:
-    from .server import serve
-
-    from .server import DEFAULT_MAX_BATCH, DEFAULT_MAX_BODY_BYTES
+    from .serving.server import DEFAULT_MAX_BATCH, DEFAULT_MAX_BODY_BYTES, serve
 
     serve(_decoder(args), args.host, args.port, args.method, args.queue_size, args.request_timeout,
           args.max_body_bytes or DEFAULT_MAX_BODY_BYTES, args.max_batch or DEFAULT_MAX_BATCH)
 
 
 def _loadtest(args: argparse.Namespace) -> None:
-    from .bench import load_questions
-    from .loadtest import run_load
+    from .measure.bench import load_questions
+    from .serving.loadtest import run_load
 
     prompts = [q.prompt for q in load_questions(args.questions)]
     report = run_load(args.url, prompts, args.requests, args.concurrency, args.max_tokens, method=args.method)
@@ -245,7 +241,7 @@ def _loadtest(args: argparse.Namespace) -> None:
 
 
 def _calibrate(args: argparse.Namespace) -> None:
-    from .budget import calibration_path
+    from .decoding.budget import calibration_path
 
     decoder = _decoder(args)
     curve = decoder.latency_curve(recalibrate=args.force)
@@ -257,7 +253,7 @@ def _calibrate(args: argparse.Namespace) -> None:
 
 
 def _report(args: argparse.Namespace) -> None:
-    from .report import scaling_figure, write_report
+    from .measure.report import scaling_figure, write_report
 
     if args.scaling:
         print(f"wrote {scaling_figure(args.bench_json, args.scaling)}")
@@ -268,7 +264,7 @@ def _report(args: argparse.Namespace) -> None:
 def _demo(args: argparse.Namespace) -> None:
     """The product's point in one screen: the same reply by plain decoding (``ar``) and by
     Lyanna, token-identical, and what Lyanna bought (speedup, tokens per target pass)."""
-    from .decoding import GenerationRequest
+    from .decoding.decoder import GenerationRequest
 
     decoder = _decoder(args)
     print(f"model: {args.model} (engine: {decoder.engine.name})\nprompt: {DEMO_PROMPT}\n")

@@ -17,11 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from .decoding import Decoder, GenerationRequest
+from .decoding.decoder import Decoder, GenerationRequest
+from .decoding.sampling import SamplingParams
+from .engines.loading import Target
+from .engines.torch_engine import TorchEngine
 from .errors import LyannaError
-from .loading import Target
-from .sampling import SamplingParams
-from .torch_engine import TorchEngine
 
 # Logits processors transformers builds from the sampling settings we honour ourselves.
 _OWN_PROCESSORS = {"TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper"}

@@ -12,8 +12,8 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+from .engines.loading import DEFAULT_MODEL
 from .errors import LyannaError
-from .loading import DEFAULT_MODEL
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from ..engines.loading import Target
 from ..errors import LyannaError
-from ..loading import Target
 
 FORMAT = "lyanna-draft-head"
 VERSION = 1

@@ -16,11 +16,11 @@ from typing import Sequence
 
 import numpy as np
 
-from ..engine import TargetEngine
-from ..loading import Target
-from ..tree import DraftTree
+from ..engines.base import TargetEngine
+from ..engines.loading import Target
 from .checkpoint import decode_settings, load_head
 from .head import DraftHead, PairContext
+from .tree import DraftTree
 
 ARCH = "eagle"
 # Tree shape when the checkpoint's settings.decode does not say otherwise.

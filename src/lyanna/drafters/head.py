@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..engine import KVCache, LayerWeights, TargetEngine, Weight, attention_bias, layer_forward, rotation
+from ..engines.base import TargetEngine
+from ..engines.kernels import linear
+from ..engines.quant import QuantMatrix, quantize_q8_0
+from ..engines.transformer import KVCache, LayerWeights, Weight, attention_bias, layer_forward, rotation
 from ..errors import LyannaError
-from ..kernels import linear
-from ..quant import QuantMatrix, quantize_q8_0
 
 
 class DraftHead:

@@ -27,14 +27,15 @@ from typing import Sequence
 import numpy as np
 from numba import njit
 
-from ..engine import TargetEngine, layer_forward, rotation
+from ..engines.base import TargetEngine
+from ..engines.kernels import exp_nonpositive, linear, rms_norm
+from ..engines.loading import Target
+from ..engines.transformer import layer_forward, rotation
 from ..errors import LyannaError
-from ..kernels import exp_nonpositive, linear, rms_norm
-from ..loading import Target
-from ..tree import DraftTree
 from .checkpoint import decode_settings, load_head
 from .head import DraftHead, PairContext
 from .suffix import SuffixDrafter
+from .tree import DraftTree
 
 ARCH = "lyanna"
 POLICIES = ("fuse", "reuse", "off")

@@ -9,9 +9,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..engine import TargetEngine
+from ..engines.base import TargetEngine
+from ..engines.loading import Target
 from ..errors import LyannaError
-from ..loading import Target
 from .eagle import EagleDrafter
 from .lyanna import LyannaDrafter
 

@@ -12,7 +12,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..tree import DraftTree
+from .tree import DraftTree
 
 # Probability that the target accepts the next token of a suffix-match continuation, given that
 # everything before it in the tree was accepted, by match length. Measured with

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..engine import Block, TargetEngine
+from ..engines.base import Block, TargetEngine
 from .modules import EagleHead, LyannaHead, pair_segments
 
 

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import ModelConfig, rope_inv_freq
+from ..engines.config import ModelConfig, rope_inv_freq
 
 
 class RMSNorm(nn.Module):

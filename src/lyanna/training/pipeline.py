@@ -200,8 +200,8 @@ def stage_data(run: Path, model: str, prompts_file: Path, limit: int | None, max
     ``batch`` replies sharing each forward pass (on this engine each is token-identical to
     generating it alone; with ``device`` the Hugging Face model generates padded batches, much
     faster for large batches)."""
-    from ..decoding import Decoder, GenerationRequest
-    from ..loading import load_target, resolve_model
+    from ..decoding.decoder import Decoder, GenerationRequest
+    from ..engines.loading import load_target, resolve_model
 
     if batch < 1:
         raise LyannaError(f"--batch must be >= 1, got {batch}")
@@ -261,7 +261,7 @@ def stage_corpus(run: Path, model: str, source: str, limit: int | None, reply_to
                  max_tokens: int, seed: int) -> int:
     """Teacher-forcing data: conversations of a corpus (``sharegpt`` or a file) in the target's
     chat template, in a seeded order, benchmark questions removed. Written once, whole."""
-    from ..loading import load_tokenizer, resolve_model
+    from ..engines.loading import load_tokenizer, resolve_model
     from .corpus import read_corpus, sharegpt_path
 
     path = sharegpt_path() if source == "sharegpt" else Path(source)
@@ -323,7 +323,7 @@ def stage_features(run: Path, device: str | None = None) -> int:
     data (the data stage was rerun with more examples) is redone."""
     from safetensors import safe_open
 
-    from ..loading import load_target, resolve_model
+    from ..engines.loading import load_target, resolve_model
     from .corpus import reply_mask
     from .fit import target_features
 
@@ -378,7 +378,7 @@ def stage_features(run: Path, device: str | None = None) -> int:
 
 
 def _engine(target):
-    from ..engine import Transformer
+    from ..engines.transformer import Transformer
 
     return Transformer(target.config, target.weights)
 
@@ -430,7 +430,7 @@ def flatness(features: np.ndarray, lm_head, mask: np.ndarray) -> float:
 
 def stage_select(run: Path, mode: str, keep: float, seed: int, device: str | None = None) -> Path:
     """Keep a fraction of the examples: the flattest (``flat``), a random one (``random``), or ``all``."""
-    from ..loading import load_target
+    from ..engines.loading import load_target
 
     if mode not in ("flat", "random", "all"):
         raise LyannaError(f"selection mode must be flat, random or all, got {mode!r}")
@@ -521,8 +521,16 @@ def stage_fit(run: Path, arch: str, steps: int, batch: int = 8, lr: float = 3e-4
     from safetensors.torch import load_file, save_file
 
     from ..drafters.checkpoint import load_head
-    from ..loading import load_target
-    from .fit import batch_agreement, batch_loss, init_eagle_head, init_lyanna_head, make_batch, pack, scored_counts
+    from ..engines.loading import load_target
+    from .fit import (
+        batch_agreement,
+        batch_loss,
+        init_eagle_head,
+        init_lyanna_head,
+        make_batch,
+        pack,
+        scored_counts,
+    )
 
     if arch not in ("lyanna", "eagle"):
         raise LyannaError(f"--arch must be lyanna or eagle, got {arch!r}")
@@ -742,7 +750,7 @@ def stage_export(run: Path, arch: str, out_dir: Path, name: str | None = None, h
     from safetensors.numpy import load_file
 
     from ..drafters.checkpoint import save_head
-    from ..loading import load_target
+    from ..engines.loading import load_target
 
     info = _run_info(run)
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import LyannaError
+from ..errors import LyannaError
 
 
 @dataclass(frozen=True)

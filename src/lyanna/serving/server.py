@@ -29,13 +29,21 @@ from typing import Annotated, Any, AsyncIterator, Callable, Literal
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, FiniteFloat, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    FiniteFloat,
+    ValidationError,
+    field_validator,
+)
 from starlette.exceptions import HTTPException
 
-from .decoding import Decoder, GenerationRequest, GenerationResult
-from .errors import LyannaError
-from .batching import BatchScheduler
-from .sampling import SamplingParams
+from ..decoding.batching import BatchScheduler
+from ..decoding.decoder import Decoder, GenerationRequest, GenerationResult
+from ..decoding.sampling import SamplingParams
+from ..errors import LyannaError
 
 # A 128k-token context is about 0.5 MB of text; JSON escaping can triple that. Anything larger
 # cannot be a prompt this server would accept, and reading it would only cost memory.

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from .data import SPEC_BENCH, packaged
-from .decoding import Decoder, GenerationRequest, GenerationResult
-from .errors import LyannaError
-from .sampling import SamplingParams
+from ..data import SPEC_BENCH, packaged
+from ..decoding.decoder import Decoder, GenerationRequest, GenerationResult
+from ..decoding.sampling import SamplingParams
+from ..errors import LyannaError
 
 if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
@@ -67,7 +67,7 @@ def machine_info() -> dict[str, Any]:
     import numpy as np
     import torch
 
-    from .budget import cpu_name
+    from ..decoding.budget import cpu_name
 
     return {
         "cpu": cpu_name(),
@@ -84,7 +84,7 @@ Runner = Callable[[list[int], int], GenerationResult]
 
 def split_budget(spec: str, default: int | str) -> tuple[str, int | str]:
     """``lyanna@8`` -> (lyanna, 8); ``lyanna`` -> (lyanna, default)."""
-    from .budget import parse_budget
+    from ..decoding.budget import parse_budget
 
     method, _, budget = spec.partition("@")
     return method, parse_budget(budget) if budget else default

@@ -13,16 +13,18 @@ from typing import Any, Callable, Generator, Sequence
 
 import numpy as np
 
+from ..drafters.base import Drafter, NoDrafter, fork
+from ..drafters.registry import arch_providing, load_methods
+from ..drafters.suffix import SuffixDrafter
+from ..engines.base import Block, ForwardOutput, TargetEngine
+from ..engines.loading import Target
+from ..engines.transformer import Transformer
+from ..errors import LyannaError
 from .batching import BatchScheduler
 from .budget import Budget, LatencyCurve, parse_budget
-from .drafters.registry import arch_providing, load_methods
-from .drafters.suffix import SuffixDrafter
-from .engine import Block, ForwardOutput, TargetEngine, Transformer
-from .errors import LyannaError
-from .loading import Target
+from .loop import DecodeState, Fallback, rounds, run_alone
 from .prefix_cache import PrefixCache
 from .sampling import SamplingParams
-from .speculative import DecodeState, Drafter, Fallback, NoDrafter, fork, rounds, run_alone
 from .stopping import OutputTracker
 
 
@@ -91,7 +93,7 @@ class GenerationResult:
 
 
 PLAIN_METHOD = "ar"  # plain autoregressive decoding: the loop with a drafter that proposes nothing
-DRAFTS_DIR = Path(__file__).parent / "drafts"  # trained heads shipped with the package, by model alias
+DRAFTS_DIR = Path(__file__).parents[1] / "drafts"  # trained heads shipped with the package, by model alias
 # Tree positions past the committed context that a cache must hold: the largest verification block.
 MAX_TREE_TOKENS = 256
 
@@ -140,7 +142,7 @@ class Decoder:
     def latency_curve(self, recalibrate: bool = False) -> LatencyCurve:
         """This machine's target latency against block size (``lyanna calibrate``): read from the
         per-model, per-machine cache, measured (a few seconds) and cached when missing."""
-        from .budget import calibrate, calibration_path, load_curve, save_curve  # looked up per call: tests stub them
+        from .budget import calibrate, calibration_path, load_curve, save_curve
 
         if self._curve is None or recalibrate:
             path = calibration_path(self.target.name, self.engine)

@@ -5,7 +5,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from .decoding import GenerationResult
+from ..decoding.decoder import GenerationResult
 
 
 class _FirstTokenClock:

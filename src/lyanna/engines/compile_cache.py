@@ -16,9 +16,9 @@ import os
 import sys
 from pathlib import Path
 
-from .paths import cache_dir
+from ..paths import cache_dir
 
-_PACKAGE = Path(__file__).resolve().parent
+_PACKAGE = Path(__file__).resolve().parents[1]  # the whole lyanna package
 
 
 def source_keyed_dir(base: Path, package: Path = _PACKAGE) -> Path:

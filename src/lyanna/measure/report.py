@@ -5,8 +5,8 @@ import json
 from pathlib import Path
 from typing import Any, Sequence
 
+from ..errors import LyannaError
 from .bench import format_table, health
-from .errors import LyannaError
 from .llamacpp_baseline import INSTALL as LLAMACPP_INSTALL
 
 

@@ -17,9 +17,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from ..errors import LyannaError
+from .base import Block, ForwardOutput, TargetEngine, block_inputs, compaction
 from .config import ModelConfig, rope_inv_freq
-from .engine import Block, ForwardOutput, TargetEngine, block_inputs, compaction
-from .errors import LyannaError
 from .loading import Target, load_target, load_weights
 
 DTYPES = ("float32", "bfloat16", "float16")

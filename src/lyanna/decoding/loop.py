@@ -12,75 +12,25 @@ from __future__ import annotations
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable, Generator, Protocol, Sequence, TypeVar, runtime_checkable
+from typing import Any, Callable, Generator, TypeVar
 
 import numpy as np
 
+from ..drafters.base import Drafter
+from ..drafters.tree import DraftTree
+from ..engines.base import Block, Cache, ForwardOutput, TargetEngine
 from .budget import Budget
-from .engine import Block, Cache, ForwardOutput, TargetEngine
 from .sampling import SamplingParams, next_token
 from .stopping import OutputTracker
-from .tree import DraftTree
 from .verify import Verdict, verify
 
 T = TypeVar("T")
 
 
-@runtime_checkable
-class Drafter(Protocol):
-    """Proposes draft trees; learns what was committed."""
-
-    taps: tuple[int, ...]  # target hidden-state taps (HF hidden_states indices) it consumes
-
-    @property
-    def passes(self) -> int:
-        """Draft-model forward passes so far (0 for a model-free drafter), for statistics."""
-
-    def start(self, prompt_ids: Sequence[int], hidden: dict[int, np.ndarray]) -> None:
-        """A new generation: the prompt and its target hidden states."""
-
-    def propose(self, context: Sequence[int], max_depth: int) -> DraftTree:
-        """A tree continuing ``context`` (prompt + committed tokens; the last one is the root; the
-        loop grows this list afterwards, so keep a copy of what must outlive the call)."""
-
-    def commit(self, tokens: Sequence[int], hidden: dict[int, np.ndarray]) -> None:
-        """Tokens just written to the target cache (root + accepted path) and their hidden rows."""
-
     # Optional: ``fork() -> Drafter``, the same drafter with fresh per-sequence state, lets several
     # generations use one method at once (batching); without it they take turns (see ``fork``).
     # Optional: ``skip()``, told when a round goes by without a proposal (a loaded batch where the
     # budget would keep nothing): state kept from the last proposal must not be reused as is.
-
-
-def fork(drafter: Drafter) -> Drafter:
-    """A drafter for one more generation: ``drafter.fork()`` (same weights and settings, its own
-    per-sequence state) where it has one, else ``drafter`` itself, which can then serve only one
-    generation at a time (``can_fork`` says which)."""
-    return drafter.fork() if can_fork(drafter) else drafter  # type: ignore[attr-defined]
-
-
-def can_fork(drafter: Drafter) -> bool:
-    return callable(getattr(drafter, "fork", None))
-
-
-class NoDrafter:
-    """The drafter of ``ar``: it proposes nothing, so every round is one plain decoding step."""
-
-    taps: tuple[int, ...] = ()
-    passes = 0
-    _EMPTY = DraftTree.empty()
-
-    def fork(self) -> "NoDrafter":
-        return self  # stateless
-
-    def start(self, prompt_ids: Sequence[int], hidden: dict[int, np.ndarray]) -> None:
-        pass
-
-    def propose(self, context: Sequence[int], max_depth: int) -> DraftTree:
-        return self._EMPTY
-
-    def commit(self, tokens: Sequence[int], hidden: dict[int, np.ndarray]) -> None:
-        pass
 
 
 @dataclass

@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Generator, Hashable
 
-from .engine import Block, ForwardOutput, TargetEngine
-from .speculative import Drafter, can_fork
+from ..drafters.base import Drafter, can_fork
+from ..engines.base import Block, ForwardOutput, TargetEngine
 
 Steps = Generator[Block, ForwardOutput, Any]  # a generation: yields blocks, returns its result
 

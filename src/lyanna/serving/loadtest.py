@@ -15,7 +15,7 @@ from urllib.parse import urlparse
 
 import numpy as np
 
-from .errors import LyannaError
+from ..errors import LyannaError
 
 
 def _require_loopback(url: str) -> None:
@@ -86,7 +86,7 @@ def run_load(url: str, prompts: Sequence[str], requests: int, concurrency: int, 
     tokens = sum(r["tokens"] for r in rows)
     from datetime import datetime, timezone
 
-    from .bench import machine_info
+    from ..measure.bench import machine_info
 
     asked = f" --method {method}" if method else ""
     return {

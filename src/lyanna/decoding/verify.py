@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..drafters.tree import DraftTree
 from .sampling import SamplingParams, sample, target_probs
-from .tree import DraftTree
 
 
 @dataclass(frozen=True)

@@ -11,10 +11,9 @@ import os
 import time
 from typing import Sequence
 
-from .decoding import GenerationResult
-from .errors import LyannaError
-from .loading import Target, source_gguf
-
+from ..decoding.decoder import GenerationResult
+from ..engines.loading import Target, source_gguf
+from ..errors import LyannaError
 
 # How llama-cpp-python was built for the project's measurements (an optional extra, never installed
 # by `make setup`): from source without AMX, which these Intel VMs advertise but do not allow

@@ -35,10 +35,11 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .engine import ENGINE_REVISION, TargetEngine
-from .errors import LyannaError
-from .loading import cache_dir
-from .tree import DraftTree
+from ..drafters.tree import DraftTree
+from ..engines.base import TargetEngine
+from ..engines.loading import cache_dir
+from ..engines.transformer import ENGINE_REVISION
+from ..errors import LyannaError
 
 DEFAULT_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80)
 

@@ -18,7 +18,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .engine import KVCache
+from ..engines.transformer import KVCache
 
 
 @dataclass

@@ -1,0 +1,126 @@
+"""What every target engine offers the decode loop: forward a block with positions and a tree mask,
+return logits and tapped hidden states, keep the accepted cache rows."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+import numpy as np
+
+from .config import ModelConfig
+
+
+def compaction(start: int, length: int, keep: Sequence[int] | np.ndarray) -> np.ndarray:
+    """``keep`` as indices into the block ``[start, length)`` of a cache, checked (in range, no
+    repeats): what every cache's ``compact`` accepts."""
+    keep = np.asarray(keep, dtype=np.int64)
+    block = length - start
+    if start < 0 or block < 0:
+        raise ValueError(f"compact start {start} outside cache of length {length}")
+    if keep.size and (keep.min() < 0 or keep.max() >= block or np.unique(keep).size != keep.size):
+        raise ValueError(f"compact keep indices {keep.tolist()} invalid for a block of {block}")
+    return keep
+
+
+@dataclass
+class ForwardOutput:
+    logits: np.ndarray  # [rows, vocab] for the requested rows
+    hidden: dict[int, np.ndarray] = field(default_factory=dict)  # tap -> [n, hidden_size]
+
+
+class Cache(Protocol):
+    """One sequence's target KV cache as the loop sees it: ``length`` committed positions
+    (assigning a smaller one forgets the tail), a ``capacity``, and ``compact`` after verification."""
+
+
+    length: int
+
+
+    @property
+    def capacity(self) -> int: ...
+
+
+    def compact(self, start: int, keep: Sequence[int] | np.ndarray) -> None: ...
+
+
+class TargetEngine(Protocol):
+    """What the decode loop, the batch scheduler, the budget and the drafters need of a target,
+    whichever engine computes it (``Transformer`` here, ``torch_engine.TorchEngine``): forward a
+    block with positions and a tree mask, return logits and tapped hidden states as host fp32
+    arrays, keep the accepted cache rows. The drafters share the target's embedding, LM head,
+    final norm and RoPE frequencies as host fp32 arrays. An engine that subclasses it writes
+    ``forward_batch`` only: ``forward`` is the batch of one."""
+
+
+    config: ModelConfig
+    name: str  # the engine and its settings, e.g. "numpy" or "torch-cuda-bfloat16": keys calibrations
+    embed: np.ndarray
+    lm_head: np.ndarray
+    final_norm: np.ndarray
+    inv_freq: np.ndarray
+
+
+    def new_cache(self, capacity: int) -> Cache: ...
+
+
+    def forward(
+        self,
+        tokens: Sequence[int] | np.ndarray,
+        positions: Sequence[int] | np.ndarray,
+        cache: Cache,
+        block_mask: np.ndarray | None = None,
+        logit_rows: Sequence[int] | np.ndarray | slice | None = None,
+        taps: Sequence[int] = (),
+    ) -> ForwardOutput:
+        """Run a block of ``n`` new tokens after the ``cache.length`` cached positions.
+
+
+        ``block_mask[i, j]`` says whether block token i may attend to block token j (every token
+        always sees the whole cached prefix); ``None`` means causal. ``logit_rows`` picks the rows
+        whose logits are computed (the LM head is costly), ``None`` means all. ``taps`` are
+        Hugging Face ``hidden_states`` indices: ``k < num_layers`` is the input of layer k, and
+        ``num_layers`` is the final-norm output.
+        """
+        return self.forward_batch([Block(tokens, positions, cache, block_mask, logit_rows, taps)])[0]
+
+
+    def forward_batch(self, blocks: Sequence["Block"]) -> list["ForwardOutput"]: ...
+
+
+def block_inputs(c: ModelConfig, b: "Block") -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """A block's tokens, positions and within-block mask (None: a single row), checked against the
+    model and the block's cache the same way by every engine."""
+    tokens = np.asarray(b.tokens, dtype=np.int64).reshape(-1)
+    positions = np.asarray(b.positions, dtype=np.int64)
+    n = tokens.shape[0]
+    start, end = b.cache.length, b.cache.length + n
+    if n == 0 or positions.shape != (n,):
+        raise ValueError(f"need n > 0 tokens and as many positions, got {n} and {positions.shape}")
+    if end > b.cache.capacity:
+        raise ValueError(f"cache capacity {b.cache.capacity} exceeded: {start} cached + {n} new")
+    if tokens.min() < 0 or tokens.max() >= c.vocab_size:
+        raise ValueError(f"token ids must lie in [0, {c.vocab_size})")
+    if b.prefill and (start != 0 or b.block_mask is not None):
+        raise ValueError("a prefill block is causal and starts from an empty cache")
+    if n == 1:
+        return tokens, positions, None
+    within = np.tril(np.ones((n, n), bool)) if b.block_mask is None else np.asarray(b.block_mask, bool)
+    if within.shape != (n, n):
+        raise ValueError(f"block_mask must be [{n}, {n}], got {within.shape}")
+    return tokens, positions, within
+
+
+@dataclass
+class Block:
+    """One sequence's share of a forward pass (the arguments of ``Transformer.forward``)."""
+
+
+    tokens: Sequence[int] | np.ndarray
+    positions: Sequence[int] | np.ndarray
+    cache: Cache
+    block_mask: np.ndarray | None = None
+    logit_rows: Sequence[int] | np.ndarray | slice | None = None
+    taps: Sequence[int] = ()
+    # A prompt's prefill (causal, from an empty cache): its rows are never compared with rows
+    # computed in another block, so the engine may compute them with a faster GEMM.
+    prefill: bool = False

@@ -62,7 +62,7 @@ $L train export --run-dir "$ROOT/sd-train" --arch eagle --name eagle-sd --out "$
 # each arch's better of two learning rates by held-out agreement: eagle 3e-4 scored 0.407, the
 # second lyanna fit ran out of GPU memory beside three others); then the run grown to 33,792
 # replies (4.4 more min) and both heads continued for 400 steps (~1.1 epochs; lr 4e-4 / 5e-4).
-# The held-out run of that session was the same 96 prompts answered by the Hugging Face path on the
+# The held-out run of this stage was the same 96 prompts answered by the Hugging Face path on the
 # GPU (train data --device cuda --batch 96); the model cards' agreement numbers are on that copy.
 G=(--run-dir "$ROOT/sd-gpu" --prompts "$ROOT/train-prompts.jsonl" --max-new-tokens 128 --seed 3 --batch 256 --device "$SD_DEVICE")
 F=(--run-dir "$ROOT/sd-gpu" --batch 8 --row-len 2048 --device "$DEVICE" --eval-run "$ROOT/sd" --eval-every 100 --save-every 100)

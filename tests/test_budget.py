@@ -27,6 +27,7 @@ from lyanna.decoding.budget import (
 from lyanna.decoding.decoder import Decoder, GenerationRequest
 from lyanna.decoding.loop import FALLBACK_WARMUP_ROUNDS
 from lyanna.decoding.sampling import SamplingParams
+from lyanna.drafters.base import Drafter
 from lyanna.drafters.eagle import EagleDrafter
 from lyanna.drafters.head import DraftHead
 from lyanna.drafters.suffix import SuffixDrafter
@@ -302,7 +303,7 @@ def test_decoder_reads_its_calibration_from_the_cache(tiny_decoder, tmp_path, mo
 # ---------------------------------------------------------------- generation
 
 
-class WrongDrafter:
+class WrongDrafter(Drafter):
     """Always drafts a chain whose first token is not the target's greedy choice (it peeks at
     the reference output to make sure)."""
 

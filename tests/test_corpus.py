@@ -13,7 +13,7 @@ from lyanna.data import SPEC_BENCH, packaged
 from lyanna.engines.loading import load_tokenizer
 from lyanna.errors import LyannaError
 from lyanna.train import main as train_main
-from lyanna.training import pipeline
+from lyanna.training import features, fit_stage, run
 from lyanna.training.corpus import (
     Skip,
     encode_conversation,
@@ -88,7 +88,7 @@ def test_corpus_order_is_seeded_limits_hold_and_benchmark_questions_are_dropped(
                                                       {"from": "gpt", "value": "x"}]})
     f = tmp_path / "c.json"
     f.write_text(json.dumps(records))
-    from lyanna.training.pipeline import benchmark_prompts
+    from lyanna.training.data import benchmark_prompts
 
     rows, skipped = read_corpus(f, tok, benchmark_prompts(), 512, seed=3)
     assert len(rows) == 30 and skipped == {"benchmark question": 1}
@@ -109,18 +109,18 @@ def test_corpus_stage_features_and_fit_end_to_end(tmp_path, tiny_model_dir):
     report = json.loads((run / "data" / "report.json").read_text())
     assert report["conversations"] == 3 and sum(report["skipped"].values()) == 4
     assert train_main(["features", "--run-dir", str(run)]) == 0
-    examples = pipeline.load_examples(run)
+    examples = run.load_examples(run)
     assert len(examples) == 3 and all(ex.mask.any() and not ex.mask.all() for _, ex in examples)
     assert train_main(["data", "--run-dir", str(run), "--model", str(tiny_model_dir), "--prompts", str(f)]) == 1  # other source
-    state = pipeline.stage_fit(run, "lyanna", steps=4, batch=2, lr=1e-3, depth=2, rank=4, draft_vocab=50, eval_every=4,
+    state = fit_stage.stage_fit(run, "lyanna", steps=4, batch=2, lr=1e-3, depth=2, rank=4, draft_vocab=50, eval_every=4,
                                row_len=64, warmup=2, eval_run=run)
     assert state["step"] == 4 and state["train_reply_tokens"] > 0 and len(state["history"][-1]["agreement"]) == 2
     # the data grows (one more conversation in the same shard): its features shard is stale and redone
-    rows = list(pipeline.iter_data(run))
+    rows = list(run.iter_data(run))
     extra = {"id": "new#9", "ids": rows[0]["ids"], "reply": rows[0]["reply"]}
     (run / "data" / "shard-00000.jsonl").write_text("\n".join(json.dumps(r) for r in rows + [extra]) + "\n")
-    pipeline.stage_features(run)
-    assert len(pipeline.load_examples(run)) == 4
+    features.stage_features(run)
+    assert len(run.load_examples(run)) == 4
 
 
 def test_packed_rows_equal_single_sequence_unrolls(tiny_decoder, tiny_examples):
@@ -149,8 +149,8 @@ def test_packed_rows_equal_single_sequence_unrolls(tiny_decoder, tiny_examples):
 
 
 def test_learning_rate_warms_up_then_decays_to_a_tenth():
-    lrs = [pipeline.lr_at(s, 100, 1.0, 10) for s in range(100)]
+    lrs = [fit_stage.lr_at(s, 100, 1.0, 10) for s in range(100)]
     assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
     assert all(a >= b for a, b in zip(lrs[9:], lrs[10:])) and lrs[-1] == pytest.approx(0.1, abs=0.01)
     with pytest.raises(LyannaError, match="labels"):
-        pipeline.stage_fit(None, "lyanna", steps=1, labels="medium")  # refused before anything is read
+        fit_stage.stage_fit(None, "lyanna", steps=1, labels="medium")  # refused before anything is read

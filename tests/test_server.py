@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 from lyanna.cli import main as cli_main
 from lyanna.decoding.decoder import GenerationRequest, GenerationResult
-from lyanna.drafters.base import NoDrafter
+from lyanna.drafters.base import Drafter, NoDrafter
 from lyanna.drafters.tree import DraftTree
 from lyanna.serving.server import GracefulServer, create_app
 
@@ -161,7 +161,7 @@ def stub_server():
         srv.stop()
 
 
-class OracleDrafter:
+class OracleDrafter(Drafter):
     """Drafts the target's own greedy chain of 4 tokens, so greedy rounds accept whole blocks."""
 
     taps = ()

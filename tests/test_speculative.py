@@ -12,6 +12,7 @@ import torch
 from lyanna.decoding import verify as verify_module
 from lyanna.decoding.decoder import Decoder, GenerationRequest
 from lyanna.decoding.sampling import SamplingParams, target_probs
+from lyanna.drafters.base import Drafter
 from lyanna.drafters.eagle import EagleDrafter
 from lyanna.drafters.head import DraftHead
 from lyanna.drafters.lyanna import ChainHead, LyannaDrafter, TokenInfo
@@ -55,7 +56,7 @@ def small_vocab_target(seed=0, eos: tuple[int, ...] = ()) -> Target:
     return Target("small", None, cfg, {k: v.astype(np.float32) for k, v in w.items()}, LetterTokenizer())
 
 
-class RandomSampledDrafter:
+class RandomSampledDrafter(Drafter):
     """A test double whose children are sampled i.i.d. from a fixed q (the p/q rule applies)."""
 
     taps = ()

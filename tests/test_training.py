@@ -15,7 +15,7 @@ from lyanna.decoding.decoder import Decoder, GenerationRequest
 from lyanna.engines.loading import load_target
 from lyanna.errors import LyannaError
 from lyanna.train import main as train_main
-from lyanna.training import pipeline
+from lyanna.training import data, export, features, fit_stage, run
 
 
 @pytest.fixture(scope="module")
@@ -31,14 +31,14 @@ def run_dir(tmp_path_factory, tiny_model_dir):
     pfile.write_text("\n".join(json.dumps(p, ensure_ascii=False) for p in prompts))
     run = root / "run"
     os.environ["LYANNA_NO_PROGRESS"] = "1"
-    n = pipeline.stage_data(run, str(tiny_model_dir), pfile, None, 24, 64, seed=0)
+    n = data.stage_data(run, str(tiny_model_dir), pfile, None, 24, 64, seed=0)
     assert n == 22  # benchmark questions never reach training
-    pipeline.stage_features(run)
+    features.stage_features(run)
     return run
 
 
 def test_data_is_resumable_and_deterministic(run_dir, tiny_model_dir, tmp_path):
-    rows = list(pipeline.iter_data(run_dir))
+    rows = list(run.iter_data(run_dir))
     assert len(rows) == 22 and {r["id"] for r in rows} == {f"p{i}" for i in range(22)}
     decoder = Decoder(load_target(tiny_model_dir))
     for r in rows:  # generated 8 at a time: each reply is what generating it alone gives
@@ -46,22 +46,22 @@ def test_data_is_resumable_and_deterministic(run_dir, tiny_model_dir, tmp_path):
     # a second call finds everything done: no new shard, same rows
     shards = sorted((run_dir / "data").glob("shard-*.jsonl"))
     root = run_dir.parent
-    assert pipeline.stage_data(run_dir, str(tiny_model_dir), root / "prompts.jsonl", None, 24, 64, 0) == 22
+    assert data.stage_data(run_dir, str(tiny_model_dir), root / "prompts.jsonl", None, 24, 64, 0) == 22
     assert sorted((run_dir / "data").glob("shard-*.jsonl")) == shards
-    assert list(pipeline.iter_data(run_dir)) == rows
+    assert list(run.iter_data(run_dir)) == rows
     with pytest.raises(LyannaError, match="made for model"):
-        pipeline.stage_data(run_dir, "another-model", root / "prompts.jsonl", None, 24, 64, 0)
+        data.stage_data(run_dir, "another-model", root / "prompts.jsonl", None, 24, 64, 0)
 
 
 def test_features_are_fp16_and_match_the_engine(run_dir, tiny_model_dir):
     shard = load_file(str(sorted((run_dir / "features").glob("shard-*.safetensors"))[0]))
     feats = [k for k in shard if k.endswith("/features")]
     assert len(feats) == 22 and all(shard[k].dtype == np.float16 for k in feats)
-    examples = pipeline.load_examples(run_dir)
+    examples = run.load_examples(run_dir)
     assert len(examples) == 22
     engine = Decoder(load_target(tiny_model_dir)).engine
     eid, ex = examples[0]
-    row = next(r for r in pipeline.iter_data(run_dir) if r["id"] == eid)
+    row = next(r for r in run.iter_data(run_dir) if r["id"] == eid)
     assert ex.mask.tolist() == [False] * len(row["prompt_ids"]) + [True] * len(row["output_ids"])  # only replies are scored
     ref = engine.forward(ex.tokens, np.arange(len(ex.tokens)), engine.new_cache(len(ex.tokens)),
                          taps=(engine.config.num_layers,)).hidden[engine.config.num_layers]
@@ -69,24 +69,24 @@ def test_features_are_fp16_and_match_the_engine(run_dir, tiny_model_dir):
 
 
 def test_selection_modes(run_dir):
-    flat = json.loads(pipeline.stage_select(run_dir, "flat", 0.5, 0).read_text())["ids"]
-    rand = json.loads(pipeline.stage_select(run_dir, "random", 0.5, 0).read_text())["ids"]
+    flat = json.loads(features.stage_select(run_dir, "flat", 0.5, 0).read_text())["ids"]
+    rand = json.loads(features.stage_select(run_dir, "random", 0.5, 0).read_text())["ids"]
     assert len(flat) == len(rand) == 11 and set(flat) != set(rand)
     with pytest.raises(LyannaError):
-        pipeline.stage_select(run_dir, "flat", 1.5, 0)
+        features.stage_select(run_dir, "flat", 1.5, 0)
 
 
 @pytest.mark.parametrize("arch", ["lyanna", "eagle"])
 def test_fit_lowers_loss_resumes_and_exports_a_lossless_draft(run_dir, tiny_model_dir, tmp_path, arch):
-    state = pipeline.stage_fit(run_dir, arch, steps=12, batch=2, lr=2e-3, depth=3, rank=8, draft_vocab=200,
+    state = fit_stage.stage_fit(run_dir, arch, steps=12, batch=2, lr=2e-3, depth=3, rank=8, draft_vocab=200,
                                eval_every=6, name=f"{arch}-t")
     assert state["step"] == 12 and len(state["history"]) == 2
     assert all(0 <= a <= 1 for a in state["history"][-1]["agreement"])
     first = json.loads((run_dir / "fit" / f"{arch}-t" / "state.json").read_text())
-    state = pipeline.stage_fit(run_dir, arch, steps=30, batch=2, lr=2e-3, depth=3, rank=8, draft_vocab=200,
+    state = fit_stage.stage_fit(run_dir, arch, steps=30, batch=2, lr=2e-3, depth=3, rank=8, draft_vocab=200,
                                eval_every=6, name=f"{arch}-t", until=17)  # resumes at step 12, stops at 17
     assert state["step"] == 17 and state["history"][-1]["step"] == 17  # judged and saved where it stopped
-    state = pipeline.stage_fit(run_dir, arch, steps=30, batch=2, lr=2e-3, depth=3, rank=8, draft_vocab=200,
+    state = fit_stage.stage_fit(run_dir, arch, steps=30, batch=2, lr=2e-3, depth=3, rank=8, draft_vocab=200,
                                eval_every=6, name=f"{arch}-t")  # goes on to the end of the schedule
     assert state["step"] == 30 and state["history"][:2] == first["history"]
     assert state["history"][-1]["loss"] < state["history"][0]["loss"]
@@ -111,7 +111,7 @@ def test_fit_lowers_loss_resumes_and_exports_a_lossless_draft(run_dir, tiny_mode
 
 def test_distributed_fit_equals_single_process(run_dir):
     """torchrun with 2 gloo processes: the same weights as one process with the same global batch."""
-    single = pipeline.stage_fit(run_dir, "lyanna", steps=3, batch=4, lr=1e-3, depth=2, rank=4, draft_vocab=100,
+    single = fit_stage.stage_fit(run_dir, "lyanna", steps=3, batch=4, lr=1e-3, depth=2, rank=4, draft_vocab=100,
                                 eval_every=3, name="single", row_len=64)
     env = {**os.environ, "LYANNA_NO_PROGRESS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29533", "-m", "lyanna.train",
@@ -129,11 +129,11 @@ def test_distributed_fit_equals_single_process(run_dir):
 
 def test_bad_input_is_refused(run_dir, tmp_path):
     with pytest.raises(LyannaError, match="not a training run"):
-        pipeline.stage_features(tmp_path / "nothing")
+        features.stage_features(tmp_path / "nothing")
     with pytest.raises(LyannaError, match="arch"):
-        pipeline.stage_fit(run_dir, "medusa", steps=1)
+        fit_stage.stage_fit(run_dir, "medusa", steps=1)
     with pytest.raises(LyannaError, match="no trained state"):
-        pipeline.stage_export(run_dir, "eagle", tmp_path / "x", name="never")
+        export.stage_export(run_dir, "eagle", tmp_path / "x", name="never")
 
 
 @pytest.mark.parametrize("rows", [[], [{"id": "b", "prompt": "placeholder"}]], ids=["empty", "all-benchmark"])
@@ -157,8 +157,8 @@ def test_self_distillation_through_the_hf_model_gives_the_greedy_replies(run_dir
     pfile = run_dir.parent / "prompts.jsonl"
     assert train_main(["data", "--run-dir", str(run), "--model", str(tiny_model_dir), "--prompts", str(pfile),
                        "--max-new-tokens", "24", "--batch", "5", "--device", "cpu"]) == 0
-    got = {r["id"]: r for r in pipeline.iter_data(run)}
-    want = {r["id"]: r for r in pipeline.iter_data(run_dir)}  # the engine's replies, same prompts and limit
+    got = {r["id"]: r for r in run.iter_data(run)}
+    want = {r["id"]: r for r in run.iter_data(run_dir)}  # the engine's replies, same prompts and limit
     assert got.keys() == want.keys()
     eos = set(load_target(tiny_model_dir).config.eos_token_ids)
     for eid, row in got.items():
@@ -169,25 +169,25 @@ def test_self_distillation_through_the_hf_model_gives_the_greedy_replies(run_dir
         assert out == want[eid]["output_ids"], eid
     assert json.loads((run / "run.json").read_text())["generator"] == "hf-cpu"
     # the features came with the replies: the same as the features stage computes teacher-forced
-    mine = dict(pipeline.load_examples(run))
-    theirs = dict(pipeline.load_examples(run_dir))
+    mine = dict(run.load_examples(run))
+    theirs = dict(run.load_examples(run_dir))
     assert mine.keys() == theirs.keys()
     for eid, ex in mine.items():
         assert ex.tokens.tolist() == theirs[eid].tokens.tolist() and ex.mask.tolist() == theirs[eid].mask.tolist()
         np.testing.assert_allclose(ex.features.astype(np.float32), theirs[eid].features.astype(np.float32), rtol=2e-3, atol=2e-3)
-    assert pipeline.stage_features(run) == len(mine)  # nothing left to do
+    assert features.stage_features(run) == len(mine)  # nothing left to do
     assert not (run / "features" / "report.json").exists()
 
 
 def test_fit_can_start_from_a_checkpoint(run_dir, tmp_path):
     """`fit --init`: the head starts as the checkpoint (a Lyanna head keeps its draft vocabulary
     and rank, whatever the flags say) and the model card names where it came from."""
-    pipeline.stage_fit(run_dir, "lyanna", steps=4, batch=2, lr=2e-3, depth=2, rank=4, draft_vocab=150, eval_every=4,
+    fit_stage.stage_fit(run_dir, "lyanna", steps=4, batch=2, lr=2e-3, depth=2, rank=4, draft_vocab=150, eval_every=4,
                        name="base", row_len=64)
     base = tmp_path / "base"
-    pipeline.stage_export(run_dir, "lyanna", base, name="base", hot=32)
+    export.stage_export(run_dir, "lyanna", base, name="base", hot=32)
     # lr 0: one step changes nothing, so the continued head must be the checkpoint exactly
-    state = pipeline.stage_fit(run_dir, "lyanna", steps=1, batch=2, lr=0.0, depth=2, rank=8, draft_vocab=200,
+    state = fit_stage.stage_fit(run_dir, "lyanna", steps=1, batch=2, lr=0.0, depth=2, rank=8, draft_vocab=200,
                                eval_every=1, name="cont", row_len=64, init=base)
     assert state["settings"]["rank"] == 4 and state["settings"]["draft_vocab"] == 150
     # the history starts with the checkpoint's own agreement, which a step at lr 0 keeps
@@ -200,16 +200,16 @@ def test_fit_can_start_from_a_checkpoint(run_dir, tmp_path):
         if k != "ti.hot":
             np.testing.assert_array_equal(cont[f"head/{k}"], v, err_msg=k)
     out = tmp_path / "cont"
-    pipeline.stage_export(run_dir, "lyanna", out, name="cont", hot=32)
+    export.stage_export(run_dir, "lyanna", out, name="cont", hot=32)
     card = (out / "README.md").read_text()
     assert "initialized from `OUT`" not in card and "continued training" in card and str(tmp_path) not in card
     assert json.loads((out / "config.json").read_text())["settings"]["init"]["settings"]["steps"] == 4
     # a second continuation: the card shows the whole lineage, newest first
-    pipeline.stage_fit(run_dir, "lyanna", steps=1, batch=2, lr=0.0, depth=2, eval_every=1, name="cont2", row_len=64,
+    fit_stage.stage_fit(run_dir, "lyanna", steps=1, batch=2, lr=0.0, depth=2, eval_every=1, name="cont2", row_len=64,
                        init=out)
-    pipeline.stage_export(run_dir, "lyanna", tmp_path / "cont2", name="cont2", hot=32)
+    export.stage_export(run_dir, "lyanna", tmp_path / "cont2", name="cont2", hot=32)
     lineage = [line for line in (tmp_path / "cont2" / "README.md").read_text().splitlines() if "initialized from" in line]
     assert [line.split("`")[1] for line in lineage] == ["cont", "base"], lineage
     assert "1 steps" in lineage[0] and "4 steps" in lineage[1]
     with pytest.raises(LyannaError, match="not 'eagle'"):
-        pipeline.stage_fit(run_dir, "eagle", steps=1, batch=2, name="wrong", row_len=64, init=base)
+        fit_stage.stage_fit(run_dir, "eagle", steps=1, batch=2, name="wrong", row_len=64, init=base)

@@ -68,6 +68,14 @@ def _budget_args(p: argparse.ArgumentParser) -> None:
                    help="stop drafting for the rest of a generation once speculation is slower than ar")
 
 
+def _known_methods() -> str:
+    """Every method name ``bench`` knows: the peers, ``ar`` and every registered drafter's."""
+    from .drafters.registry import method_names
+    from .measure.bench import PEER_METHODS
+
+    return ", ".join([*PEER_METHODS, *method_names()])
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lyanna", description="Fast, lossless LLM decoding by hidden-state speculative decoding.")
     parser.add_argument("--model", default=DEFAULT_MODEL, help=f"alias, Hugging Face model directory or .gguf file (default {DEFAULT_MODEL})")
@@ -97,8 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmark methods on the same prompts in one process")
     b.add_argument("--methods", default=None,
-                   help="comma-separated; METHOD@N fixes a tree budget (default: every method available: "
-                        "hf, hf-pld, ar, suffix, the loaded draft heads, llamacpp when installed)")
+                   help=f"comma-separated, from {_known_methods()} (a head's methods need its checkpoint: shipped, or "
+                        "--draft); METHOD@N fixes a tree budget (default: every method available here)")
     b.add_argument("--questions", default=None, help="MT-bench-format JSONL (default: the Spec-Bench questions shipped in the package)")
     b.add_argument("--limit", type=_positive_int, default=None, help="take N questions round-robin across categories")
     b.add_argument("--max-new-tokens", type=_positive_int, default=128)

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+from .drafters.registry import trainable_archs
 from .engines.loading import DEFAULT_MODEL
 from .errors import LyannaError
 
@@ -53,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("fit", help="train a head (data-parallel under torchrun)")
     t.add_argument("--run-dir", required=True, type=Path)
-    t.add_argument("--arch", default="lyanna", choices=["lyanna", "eagle"])
+    t.add_argument("--arch", default="lyanna", choices=trainable_archs())
     t.add_argument("--steps", type=int, default=500)
     t.add_argument("--batch", type=int, default=8)
     t.add_argument("--lr", type=float, default=3e-4)
@@ -83,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("export", help="write the draft checkpoint and model card")
     e.add_argument("--run-dir", required=True, type=Path)
-    e.add_argument("--arch", default="lyanna", choices=["lyanna", "eagle"])
+    e.add_argument("--arch", default="lyanna", choices=trainable_archs())
     e.add_argument("--name", default=None)
     e.add_argument("--out", required=True, type=Path)
     e.add_argument("--hot", type=int, default=2048, help="materialized token-info rows (lyanna)")
@@ -92,26 +93,26 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from .training import pipeline
+    from .training import data, export, features, fit_stage
 
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     try:
         if args.stage == "data":
             if args.source:
-                pipeline.stage_corpus(args.run_dir, args.model, args.source, args.limit, args.reply_tokens,
+                data.stage_corpus(args.run_dir, args.model, args.source, args.limit, args.reply_tokens,
                                       args.max_tokens, args.seed)
             elif args.prompts is None:
                 raise LyannaError("train data needs --source (a conversation corpus) or --prompts (self-distillation)")
             else:
-                pipeline.stage_data(args.run_dir, args.model, args.prompts, args.limit, args.max_new_tokens,
+                data.stage_data(args.run_dir, args.model, args.prompts, args.limit, args.max_new_tokens,
                                     args.max_prompt_tokens, args.seed, args.batch, args.device)
         elif args.stage == "features":
-            pipeline.stage_features(args.run_dir, args.device)
+            features.stage_features(args.run_dir, args.device)
         elif args.stage == "select":
-            pipeline.stage_select(args.run_dir, args.mode, args.keep, args.seed, args.device)
+            features.stage_select(args.run_dir, args.mode, args.keep, args.seed, args.device)
         elif args.stage == "fit":
-            pipeline.stage_fit(args.run_dir, args.arch, args.steps, args.batch, args.lr, args.depth, args.rank,
+            fit_stage.stage_fit(args.run_dir, args.arch, args.steps, args.batch, args.lr, args.depth, args.rank,
                                args.draft_vocab, args.selection, args.seed, args.eval_every, args.save_every, args.name,
                                args.row_len, args.warmup, args.labels, args.device, args.eval_run, args.max_train_tokens,
                                args.eval_examples, args.init, args.until)
@@ -122,7 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     decode = json.loads(args.decode)
                 except json.JSONDecodeError as e:
                     raise LyannaError(f"--decode is not JSON ({e})") from None
-            pipeline.stage_export(args.run_dir, args.arch, args.out, args.name, args.hot,
+            export.stage_export(args.run_dir, args.arch, args.out, args.name, args.hot,
                                   command="lyanna train " + shlex.join(argv), decode=decode)
     except LyannaError as e:
         print(f"lyanna train: error: {e}", file=sys.stderr)

@@ -1,7 +1,7 @@
 """Decoding on the engine: requests, results, and the ``Decoder`` that maps method names to drafters.
 
 Every method runs through ``Decoder.generate``, which owns prefill, the KV cache, timing and the
-output tracker, then hands over to the one decode loop (``speculative.decode``) with the method's
+output tracker, then hands over to the one decode loop (``loop.rounds``) with the method's
 drafter; ``ar`` is the drafter that proposes nothing.
 """
 from __future__ import annotations
@@ -14,8 +14,7 @@ from typing import Any, Callable, Generator, Sequence
 import numpy as np
 
 from ..drafters.base import Drafter, NoDrafter, fork
-from ..drafters.registry import arch_providing, load_methods
-from ..drafters.suffix import SuffixDrafter
+from ..drafters.registry import PLAIN_METHOD, arch_providing, load_methods, model_free_methods
 from ..engines.base import Block, ForwardOutput, TargetEngine
 from ..engines.loading import Target
 from ..engines.transformer import Transformer
@@ -92,7 +91,6 @@ class GenerationResult:
         }
 
 
-PLAIN_METHOD = "ar"  # plain autoregressive decoding: the loop with a drafter that proposes nothing
 DRAFTS_DIR = Path(__file__).parents[1] / "drafts"  # trained heads shipped with the package, by model alias
 # Tree positions past the committed context that a cache must hold: the largest verification block.
 MAX_TREE_TOKENS = 256
@@ -118,7 +116,8 @@ class Decoder:
         self.drafters: dict[str, Drafter] = {}  # the speculative methods
         self._plain = NoDrafter()
         self._curve: LatencyCurve | None = None
-        self.add_drafter("suffix", SuffixDrafter())
+        for name, drafter in model_free_methods(target, self.engine).items():
+            self.add_drafter(name, drafter)
         shipped = DRAFTS_DIR / target.name
         if default_drafts and shipped.is_dir():
             for sub in sorted(p for p in shipped.iterdir() if (p / "config.json").is_file()):
@@ -129,7 +128,7 @@ class Decoder:
         if name == PLAIN_METHOD:
             raise LyannaError(f"method name {name!r} is taken")
         if not isinstance(drafter, Drafter):
-            raise LyannaError(f"{type(drafter).__name__} is not a drafter: it needs taps, passes, start, propose and commit")
+            raise LyannaError(f"{type(drafter).__name__} is not a drafter: subclass lyanna.drafters.base.Drafter")
         self.drafters[name] = drafter
 
     def load_draft(self, path: str) -> list[str]:

@@ -27,12 +27,6 @@ from .verify import Verdict, verify
 T = TypeVar("T")
 
 
-    # Optional: ``fork() -> Drafter``, the same drafter with fresh per-sequence state, lets several
-    # generations use one method at once (batching); without it they take turns (see ``fork``).
-    # Optional: ``skip()``, told when a round goes by without a proposal (a loaded batch where the
-    # budget would keep nothing): state kept from the last proposal must not be reused as is.
-
-
 @dataclass
 class DecodeState:
     """What the loop works on: the cache holds the prompt and every committed token but the one
@@ -176,7 +170,7 @@ def rounds(state: DecodeState, drafter: Drafter, budget: Budget | None = None,
             if budget is not None:
                 depth = budget.limit_depth(depth)
             tree = drafter.propose(context, depth).prune_depth(depth)
-        elif drafting and callable(getattr(drafter, "skip", None)):
+        elif drafting:
             drafter.skip()  # this round verifies no draft: per-round speculative state is stale
         proposed = len(tree) > 0  # judged by the fallback even when the budget keeps nothing
         if proposed and budget is not None:

@@ -60,8 +60,9 @@ def _sampled_step(p: np.ndarray, q: np.ndarray, candidates: list[int], rng: np.r
 def verify(tree: DraftTree, logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> Verdict:
     """Decide the accepted path and the bonus token.
 
-    ``logits[0]`` are the target's logits after the committed context (they judge the children of
-    the root, ``parents == -1``); ``logits[1 + i]`` are the logits after tree node i.
+    ``logits`` is float32 ``[len(tree) + 1, vocab]``: row 0 holds the target's logits after the
+    committed context (they judge the children of the root, ``parents == -1``), row ``1 + i`` the
+    logits after tree node i.
     """
     if logits.shape[0] != len(tree) + 1:
         raise ValueError(f"need {len(tree) + 1} rows of logits for a tree of {len(tree)} nodes, got {logits.shape[0]}")

@@ -1,70 +1,102 @@
-"""What a drafter is to the decode loop: it proposes draft trees and learns what was committed."""
+"""What a drafter is to the decode loop: it proposes draft trees and learns what was committed.
+
+Every drafter subclasses ``Drafter`` and is made known with ``registry.register``: its class
+attributes say which methods it provides and, for a draft head, which checkpoints it loads and how
+``lyanna train`` fits it.
+"""
 from __future__ import annotations
 
-from typing import Protocol, Sequence, runtime_checkable
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, Sequence
 
 import numpy as np
 
 from .tree import DraftTree
 
-
-@runtime_checkable
-class Drafter(Protocol):
-    """Proposes draft trees; learns what was committed."""
-
-
-    taps: tuple[int, ...]  # target hidden-state taps (HF hidden_states indices) it consumes
+if TYPE_CHECKING:  # annotations only: engines sit below drafters, nothing here runs them
+    from ..engines.base import TargetEngine
+    from ..engines.loading import Target
 
 
-    @property
-    def passes(self) -> int:
-        """Draft-model forward passes so far (0 for a model-free drafter), for statistics."""
+class Drafter(ABC):
+    """Proposes draft trees; learns what was committed.
 
+    Hidden rows (``hidden`` below) map a tap, a Hugging Face ``hidden_states`` index of the target
+    (``k < num_layers``: the input of layer k; ``num_layers``: the final-norm output), to a float32
+    array ``[n, hidden_size]``, one row per token in the order given.
+    """
 
+    # Methods this class provides: method name -> keyword settings of its constructor (on top of a
+    # checkpoint's decode settings for a head).
+    VARIANTS: ClassVar[dict[str, dict[str, Any]]] = {}
+    # A draft head's checkpoint arch (``config.json``'s ``arch``); None for a model-free drafter,
+    # which every ``Decoder`` gets for every target.
+    ARCH: ClassVar[str | None] = None
+    # A head's tensors besides its decoder layer, checked when a checkpoint loads.
+    TENSORS: ClassVar[tuple[str, ...]] = ()
+    # ``"module:Recipe"`` of the ``training.recipes.HeadRecipe`` that fits this head with
+    # ``lyanna train`` (None: not trainable here). A string, so drafters never import training.
+    TRAINING: ClassVar[str | None] = None
+
+    taps: tuple[int, ...] = ()  # target hidden-state taps it consumes
+    passes: int = 0  # draft-model forward passes so far (0 for a model-free drafter), for statistics
+
+    @classmethod
+    def build(cls, target: "Target", engine: "TargetEngine", checkpoint: Path | None = None) -> dict[str, "Drafter"]:
+        """Every method of ``VARIANTS`` (name -> drafter). This default serves model-free drafters:
+        one instance per variant from its settings. Heads override it to read ``checkpoint``."""
+        return {name: cls(**settings) for name, settings in cls.VARIANTS.items()}
+
+    @abstractmethod
     def start(self, prompt_ids: Sequence[int], hidden: dict[int, np.ndarray]) -> None:
-        """A new generation: the prompt and its target hidden states."""
+        """A new generation: the prompt and its hidden rows (one per prompt token)."""
 
-
+    @abstractmethod
     def propose(self, context: Sequence[int], max_depth: int) -> DraftTree:
         """A tree continuing ``context`` (prompt + committed tokens; the last one is the root; the
         loop grows this list afterwards, so keep a copy of what must outlive the call)."""
 
-
+    @abstractmethod
     def commit(self, tokens: Sequence[int], hidden: dict[int, np.ndarray]) -> None:
-        """Tokens just written to the target cache (root + accepted path) and their hidden rows."""
+        """Tokens just written to the target cache (root + accepted path) and their hidden rows
+        (one per token)."""
 
+    def fork(self) -> "Drafter | None":
+        """The same drafter (weights, settings) with fresh per-generation state, so several
+        generations can use its method at once (batching). None, the default: it cannot, and
+        generations of its method take turns."""
+        return None
 
-def fork(drafter: Drafter) -> Drafter:
-    """A drafter for one more generation: ``drafter.fork()`` (same weights and settings, its own
-    per-sequence state) where it has one, else ``drafter`` itself, which can then serve only one
-    generation at a time (``can_fork`` says which)."""
-    return drafter.fork() if can_fork(drafter) else drafter  # type: ignore[attr-defined]
+    def skip(self) -> None:
+        """Told when a round goes by without a proposal (a loaded batch where the budget keeps
+        nothing): state kept from the last proposal must not be reused as is."""
 
 
 def can_fork(drafter: Drafter) -> bool:
-    return callable(getattr(drafter, "fork", None))
+    """Whether ``drafter`` overrides ``fork`` (serves several generations at once)."""
+    return type(drafter).fork is not Drafter.fork
 
 
-class NoDrafter:
+def fork(drafter: Drafter) -> Drafter:
+    """A drafter for one more generation: ``drafter.fork()`` where it has one, else ``drafter``
+    itself, which can then serve only one generation at a time (``can_fork`` says which)."""
+    return drafter.fork() or drafter
+
+
+class NoDrafter(Drafter):
     """The drafter of ``ar``: it proposes nothing, so every round is one plain decoding step."""
 
-
-    taps: tuple[int, ...] = ()
-    passes = 0
     _EMPTY = DraftTree.empty()
-
 
     def fork(self) -> "NoDrafter":
         return self  # stateless
 
-
     def start(self, prompt_ids: Sequence[int], hidden: dict[int, np.ndarray]) -> None:
         pass
 
-
     def propose(self, context: Sequence[int], max_depth: int) -> DraftTree:
         return self._EMPTY
-
 
     def commit(self, tokens: Sequence[int], hidden: dict[int, np.ndarray]) -> None:
         pass

@@ -15,6 +15,7 @@ import numpy as np
 
 from ..engines.loading import Target
 from ..errors import LyannaError
+from .base import Drafter
 
 FORMAT = "lyanna-draft-head"
 VERSION = 1
@@ -23,13 +24,12 @@ _LAYER = tuple(f"layer.{n}.weight" for n in (
     "input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
     "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"))
 _ATTENTION_BIASES = tuple(f"layer.self_attn.{n}.bias" for n in ("q_proj", "k_proj", "v_proj"))
-# Lyanna adds the chain's norm, the draft-vocabulary map and the token-information factors.
-_ARCH_TENSORS = {"eagle": ("fc.weight", "fc.bias"), "lyanna": ("fc.weight", "fc.bias", "norm.weight", "d2t", "ti.a", "ti.b", "ti.hot")}
 
 
-def _required_tensors(arch: str, target: Target) -> tuple[str, ...]:
-    """The tensor names a complete ``arch`` head for ``target`` holds (biases where the target's layers have them)."""
-    return _ARCH_TENSORS[arch] + _LAYER + (_ATTENTION_BIASES if target.config.attention_bias else ())
+def _required_tensors(head_tensors: tuple[str, ...], target: Target) -> tuple[str, ...]:
+    """The tensor names a complete head for ``target`` holds: its own ``head_tensors``, the decoder
+    layer, and attention biases where the target's layers have them."""
+    return head_tensors + _LAYER + (_ATTENTION_BIASES if target.config.attention_bias else ())
 
 
 def target_fingerprint(target: Target, tap: int) -> dict[str, Any]:
@@ -61,8 +61,10 @@ def save_head(out_dir: str | Path, arch: str, weights: dict[str, np.ndarray], ta
     return out
 
 
-def load_head(path: str | Path, target: Target, arch: str) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """Read a head checkpoint for ``target``; refuses other formats, archs and targets."""
+def load_head(path: str | Path, target: Target, head: type[Drafter]) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """Read a checkpoint of the draft head class ``head`` for ``target``; refuses other formats,
+    archs and targets, and checkpoints missing a tensor of ``head.TENSORS`` or of its layer."""
+    arch = head.ARCH
     from safetensors import SafetensorError
     from safetensors.numpy import load_file
 
@@ -92,7 +94,7 @@ def load_head(path: str | Path, target: Target, arch: str) -> tuple[dict[str, An
         weights = load_file(str(weights_file))
     except (SafetensorError, OSError, ValueError) as e:
         raise LyannaError(f"cannot read {weights_file}: {str(e).splitlines()[0]}; the file is truncated or corrupt") from None
-    missing = [name for name in _required_tensors(arch, target) if name not in weights]
+    missing = [name for name in _required_tensors(head.TENSORS, target) if name not in weights]
     if missing:
         raise LyannaError(f"{weights_file} is an incomplete {arch} head: missing {', '.join(missing)}; "
                           "restore the file or re-export it with `lyanna train export`")

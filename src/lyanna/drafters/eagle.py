@@ -18,8 +18,11 @@ import numpy as np
 
 from ..engines.base import TargetEngine
 from ..engines.loading import Target
+from ..errors import LyannaError
+from .base import Drafter
 from .checkpoint import decode_settings, load_head
 from .head import DraftHead, PairContext
+from .registry import register
 from .tree import DraftTree
 
 ARCH = "eagle"
@@ -27,10 +30,12 @@ ARCH = "eagle"
 DECODE_DEFAULTS = {"depth": 5, "topk": 4, "width": 4, "max_nodes": 64}
 
 
-class EagleDrafter:
-    ARCH = ARCH  # the checkpoint arch it loads
-    # The methods one checkpoint provides, with their settings on top of the decode settings.
-    VARIANTS: dict[str, dict] = {ARCH: {}}
+@register
+class EagleDrafter(Drafter):
+    ARCH = ARCH
+    VARIANTS = {ARCH: {}}
+    TENSORS = ("fc.weight", "fc.bias")
+    TRAINING = "lyanna.training.recipes:EagleRecipe"
 
     def __init__(self, head: DraftHead, tap: int, depth: int = DECODE_DEFAULTS["depth"], topk: int = DECODE_DEFAULTS["topk"],
                  width: int = DECODE_DEFAULTS["width"], max_nodes: int = DECODE_DEFAULTS["max_nodes"]):
@@ -40,10 +45,12 @@ class EagleDrafter:
         self.context = PairContext(head, tap)
 
     @classmethod
-    def methods_from_checkpoint(cls, path: str | Path, target: Target, engine: TargetEngine) -> dict[str, "EagleDrafter"]:
-        """Every method of ``VARIANTS``, built from the checkpoint at ``path``."""
-        config, weights = load_head(path, target, ARCH)
-        knobs = decode_settings(config, DECODE_DEFAULTS, path)
+    def build(cls, target: Target, engine: TargetEngine, checkpoint: Path | None = None) -> dict[str, Drafter]:
+        """Every method of ``VARIANTS``, built from the checkpoint at ``checkpoint``."""
+        if checkpoint is None:
+            raise LyannaError(f"{cls.ARCH} is a draft head: it needs a checkpoint")
+        config, weights = load_head(checkpoint, target, cls)
+        knobs = decode_settings(config, DECODE_DEFAULTS, checkpoint)
         head, tap = DraftHead(engine, weights), int(config["target"]["tap"])
         return {name: cls(head, tap, **{**knobs, **variant}) for name, variant in cls.VARIANTS.items()}
 

@@ -32,8 +32,10 @@ from ..engines.kernels import exp_nonpositive, linear, rms_norm
 from ..engines.loading import Target
 from ..engines.transformer import layer_forward, rotation
 from ..errors import LyannaError
+from .base import Drafter
 from .checkpoint import decode_settings, load_head
 from .head import DraftHead, PairContext
+from .registry import register
 from .suffix import SuffixDrafter
 from .tree import DraftTree
 
@@ -118,9 +120,8 @@ def _tree_candidates(raw: np.ndarray, root: int, table: np.ndarray, row_of: np.n
                      width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # pragma: no cover - compiled
     """Every candidate node of a token-info tree: per depth, each frontier branch's top-k children
     under ``log_softmax(raw[d] + TI(parent))``, then the ``width`` best by joint log-probability
-    (ties to the earlier child) form the next frontier. Compiled because in numpy this cost about
-    what the draft forward passes did (2.7 ms a tree of 24 softmaxes over 8192 columns, profiled
-    in decoding; 0.2-0.5 ms compiled; issue 12's note of 2026-11-23)."""
+    (ties to the earlier child) form the next frontier. Compiled because in numpy, 24 softmaxes
+    over 8192 columns a tree, this cost about what the draft forward passes did."""
     depth, v = raw.shape
     k = min(topk, v)
     cap = depth * width * k
@@ -192,16 +193,20 @@ def token_info_tree(raw: np.ndarray, root: int, ti: TokenInfo, d2t: np.ndarray, 
     return DraftTree.best_of(tokens, parents, scores, max_nodes, np.full(tokens.size, origin))
 
 
-class LyannaDrafter:
-    ARCH = ARCH  # the checkpoint arch it loads
+@register
+class LyannaDrafter(Drafter):
+    ARCH = ARCH
     # The methods one checkpoint provides: Lyanna and its ablations (no re-sampling; re-sampling
     # without fusion, its tree verified alone whenever it has one).
-    VARIANTS: dict[str, dict] = {
+    VARIANTS = {
         ARCH: {"policy": "fuse"},
         f"{ARCH}-noresample": {"policy": "off"},
         f"{ARCH}-nofusion": {"policy": "reuse", "reuse_min_expected": 0.0},
         f"{ARCH}+suffix": {"policy": "fuse", "suffix": True},
     }
+    # The chain's norm, the draft-vocabulary map and the token-information factors.
+    TENSORS = ("fc.weight", "fc.bias", "norm.weight", "d2t", "ti.a", "ti.b", "ti.hot")
+    TRAINING = "lyanna.training.recipes:LyannaRecipe"
 
     def __init__(self, head: ChainHead, ti: TokenInfo, tap: int, depth: int = DECODE_DEFAULTS["depth"],
                  topk: int = DECODE_DEFAULTS["topk"], width: int = DECODE_DEFAULTS["width"],
@@ -222,11 +227,13 @@ class LyannaDrafter:
         self._leftover: np.ndarray | None = None  # rows still valid after the next root
 
     @classmethod
-    def methods_from_checkpoint(cls, path: str | Path, target: Target, engine: TargetEngine) -> dict[str, "LyannaDrafter"]:
+    def build(cls, target: Target, engine: TargetEngine, checkpoint: Path | None = None) -> dict[str, Drafter]:
         """Every method of ``VARIANTS``, built from the checkpoint at ``path`` (they share the
         stateless head and token-info table; each keeps its own context)."""
-        config, weights = load_head(path, target, ARCH)
-        knobs = decode_settings(config, DECODE_DEFAULTS, path)
+        if checkpoint is None:
+            raise LyannaError(f"{cls.ARCH} is a draft head: it needs a checkpoint")
+        config, weights = load_head(checkpoint, target, cls)
+        knobs = decode_settings(config, DECODE_DEFAULTS, checkpoint)
         head = ChainHead(engine, weights)
         ti = TokenInfo(weights["ti.a"], weights["ti.b"], weights["ti.hot"], knobs.pop("ti_fallback"))
         tap = int(config["target"]["tap"])

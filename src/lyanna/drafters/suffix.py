@@ -12,6 +12,8 @@ from typing import Sequence
 
 import numpy as np
 
+from .base import Drafter
+from .registry import register
 from .tree import DraftTree
 
 # Probability that the target accepts the next token of a suffix-match continuation, given that
@@ -30,9 +32,9 @@ def acceptance_rate(match_len: int) -> float:
     return SUFFIX_ACCEPTANCE[max([n for n in lengths if n <= match_len], default=lengths[0])]
 
 
-class SuffixDrafter:
-    taps: tuple[int, ...] = ()
-    passes = 0  # model-free: no draft passes
+@register
+class SuffixDrafter(Drafter):
+    VARIANTS = {"suffix": {}}  # model-free: every target gets it
 
     def __init__(self, max_ngram: int = 6, min_ngram: int = 3, max_depth: int = 7, branches: int = 1, max_nodes: int = 16):
         if not 1 <= min_ngram <= max_ngram:

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
 
 EXTERNAL_METHODS = ("hf", "hf-pld")
+PEER_METHODS = (*EXTERNAL_METHODS, "llamacpp")  # methods that are another library, not our loop
 PLD_TOKENS = 10  # Hugging Face's documented example value for prompt_lookup_num_tokens
 
 
@@ -178,6 +179,39 @@ def _aggregate(results: list[GenerationResult]) -> dict[str, Any]:
     }
 
 
+def _method_row(method: str, rs: list[GenerationResult], greedy_ar: list[GenerationResult] | None,
+                ar: list[GenerationResult] | None, questions: Sequence[Question]) -> dict[str, Any]:
+    """One method's report row: totals, speedup over ``ar`` overall and per category, and per
+    question; ``greedy_ar`` (``ar``'s results when decoding is greedy) decides ``equal_to_ar``."""
+    ar_total = _aggregate(ar) if ar else None
+    agg = _aggregate(rs)
+    speedup = round(agg["tokens_per_s"] / ar_total["tokens_per_s"], 3) if ar_total and agg["tokens_per_s"] else None
+    cats: dict[str, dict[str, Any]] = {}
+    for cat in dict.fromkeys(q.category for q in questions):
+        idx = [i for i, q in enumerate(questions) if q.category == cat]
+        c = _aggregate([rs[i] for i in idx])
+        ca = _aggregate([ar[i] for i in idx]) if ar else None
+        cats[cat] = {
+            "tokens_per_s": c["tokens_per_s"],
+            "speedup": round(c["tokens_per_s"] / ca["tokens_per_s"], 3) if ca and ca["tokens_per_s"] else None,
+        }
+    row = {
+        "method": method,
+        **agg,
+        "speedup": speedup,
+        "equal_to_ar": all(r.tokens == a.tokens for r, a in zip(rs, greedy_ar)) if greedy_ar else None,
+        "per_category": cats,
+        "per_question": [
+            {"question_id": q.question_id, "category": q.category, "new_tokens": r.new_tokens,
+             "seconds": round(r.seconds, 4), "prefill_seconds": round(r.prefill_seconds, 4),
+             "equal_to_ar": (r.tokens == greedy_ar[i].tokens) if greedy_ar else None}
+            for i, (q, r) in enumerate(zip(questions, rs))
+        ],
+    }
+    row["health"] = health(row)
+    return row
+
+
 def run_bench(
     decoder: Decoder,
     methods: Sequence[str],
@@ -209,37 +243,7 @@ def run_bench(
     bar.close()
 
     ar = per_method.get("ar")
-    ar_total = _aggregate(ar) if ar else None
-    results = []
-    for m in methods:
-        rs = per_method[m]
-        agg = _aggregate(rs)
-        speedup = round(agg["tokens_per_s"] / ar_total["tokens_per_s"], 3) if ar_total and agg["tokens_per_s"] else None
-        equal = all(r.tokens == a.tokens for r, a in zip(rs, ar)) if ar and sampling.greedy else None
-        cats: dict[str, dict[str, Any]] = {}
-        for cat in dict.fromkeys(q.category for q in questions):
-            idx = [i for i, q in enumerate(questions) if q.category == cat]
-            c = _aggregate([rs[i] for i in idx])
-            ca = _aggregate([ar[i] for i in idx]) if ar else None
-            cats[cat] = {
-                "tokens_per_s": c["tokens_per_s"],
-                "speedup": round(c["tokens_per_s"] / ca["tokens_per_s"], 3) if ca and ca["tokens_per_s"] else None,
-            }
-        row = {
-            "method": m,
-            **agg,
-            "speedup": speedup,
-            "equal_to_ar": equal,
-            "per_category": cats,
-            "per_question": [
-                {"question_id": q.question_id, "category": q.category, "new_tokens": r.new_tokens,
-                 "seconds": round(r.seconds, 4), "prefill_seconds": round(r.prefill_seconds, 4),
-                 "equal_to_ar": (r.tokens == ar[i].tokens) if ar and sampling.greedy else None}
-                for i, (q, r) in enumerate(zip(questions, rs))
-            ],
-        }
-        row["health"] = health(row)
-        results.append(row)
+    results = [_method_row(m, per_method[m], ar if sampling.greedy else None, ar, questions) for m in methods]
     return {
         "model": decoder.target.name,
         "engine": decoder.engine.name,

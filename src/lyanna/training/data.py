@@ -1,0 +1,207 @@
+"""``lyanna train data``: training examples, from a conversation corpus or the target's own replies."""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from ..errors import LyannaError
+from .run import (
+    SHARD_EXAMPLES,
+    TRAINING_WEIGHTS,
+    hf_model,
+    iter_data,
+    progress,
+    start_run,
+    write_features,
+    write_shards,
+)
+
+
+def benchmark_prompts() -> set[str]:
+    """Normalized turns of the packaged benchmark sets, which must never be trained on."""
+    from ..data import BENCHMARK_FILES, packaged
+
+    seen: set[str] = set()
+    for name in BENCHMARK_FILES:
+        for line in packaged(name).read_text(encoding="utf-8").split("\n"):
+            if line.strip():
+                for turn in json.loads(line).get("turns", []):
+                    seen.add(" ".join(str(turn).split()).lower())
+    return seen
+
+
+def read_prompts(path: Path, limit: int | None, seed: int, exclude: set[str]) -> list[dict[str, str]]:
+    """Training prompts in a seeded random order, benchmark questions removed."""
+    if not path.is_file():
+        raise LyannaError(f"training prompts {path} not found")
+    rows = []
+    for lineno, line in enumerate(path.read_text().split("\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            prompt, pid = str(row["prompt"]), str(row.get("id", lineno))
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise LyannaError(f"{path}:{lineno}: need a JSON object with 'prompt' ({e})") from None
+        if " ".join(prompt.split()).lower() not in exclude:
+            rows.append({"id": pid, "prompt": prompt})
+    order = np.random.default_rng(seed).permutation(len(rows))
+    rows = [rows[i] for i in order]
+    return rows[:limit] if limit else rows
+
+
+def _hf_replies(model, prompts: list[list[int]], max_new_tokens: int, eos: Sequence[int],
+                batch: int) -> list[tuple[list[int], np.ndarray]]:
+    """Greedy replies of the Hugging Face ``model`` (on its device) to ``prompts``, ``batch``
+    left-padded prompts of similar length at a time in a static cache, each reply ending at its
+    first end-of-sequence token (kept, as the engine keeps it), together with the final-norm
+    features of prompt + reply (fp16 [T, H]): the features stage's work comes free with the
+    generation, which computes them anyway. Padded batches may break a near-tie differently
+    from a reply generated alone: fine for training data, which is why the engine path stays
+    the default."""
+    import torch
+    from transformers import StaticCache
+
+    device = model.device
+    out: list[tuple[list[int], np.ndarray]] = [([], np.zeros((0, 0), np.float16))] * len(prompts)
+    order = np.argsort([len(p) for p in prompts], kind="stable")
+    stop = set(int(t) for t in eos)
+    with torch.no_grad():
+        for at in range(0, len(order), batch):
+            chunk = order[at:at + batch]
+            width = max(len(prompts[i]) for i in chunk)
+            ids = torch.full((len(chunk), width), int(eos[0]), dtype=torch.long)
+            att = torch.zeros(len(chunk), width, dtype=torch.long)
+            for r, i in enumerate(chunk):
+                ids[r, width - len(prompts[i]):] = torch.tensor(prompts[i])
+                att[r, width - len(prompts[i]):] = 1
+            ids, att = ids.to(device), att.to(device)
+            # a growing cache would copy itself every step; one column per step for every row
+            cache = StaticCache(config=model.config, max_cache_len=width + max_new_tokens)
+            pos = (att.cumsum(-1) - 1).clamp(min=0)
+            hidden = model.model(input_ids=ids, attention_mask=att, position_ids=pos, past_key_values=cache,
+                                 use_cache=True).last_hidden_state
+            feats, tokens = [hidden.to(torch.float16).cpu()], []
+            done = torch.zeros(len(chunk), dtype=torch.bool, device=device)
+            stop_ids = torch.tensor(sorted(stop), device=device)
+            for _ in range(max_new_tokens):
+                nxt = model.lm_head(hidden[:, -1]).argmax(-1)
+                tokens.append(nxt.cpu())
+                done |= torch.isin(nxt, stop_ids)
+                # one more pass for the feature after the newest token (the last one included)
+                att = torch.cat([att, torch.ones_like(att[:, :1])], 1)
+                pos = pos[:, -1:] + 1
+                hidden = model.model(input_ids=nxt[:, None], attention_mask=att, position_ids=pos,
+                                     past_key_values=cache, use_cache=True).last_hidden_state
+                feats.append(hidden.to(torch.float16).cpu())
+                if bool(done.all()):
+                    break
+            gen = torch.stack(tokens, 1).tolist()
+            every = torch.cat(feats, 1).numpy()
+            for r, i in enumerate(chunk):
+                reply = []
+                for t in gen[r]:
+                    reply.append(int(t))
+                    if t in stop:
+                        break
+                start = width - len(prompts[i])
+                out[i] = (reply, every[r, start : width + len(reply)].copy())
+    return out
+
+
+def stage_data(run: Path, model: str, prompts_file: Path, limit: int | None, max_new_tokens: int,
+               max_prompt_tokens: int, seed: int, batch: int = 8, device: str | None = None) -> int:
+    """Self-distillation: the target answers training prompts greedily with its chat template,
+    ``batch`` replies sharing each forward pass (on this engine each is token-identical to
+    generating it alone; with ``device`` the Hugging Face model generates padded batches, much
+    faster for large batches)."""
+    from ..decoding.decoder import Decoder, GenerationRequest
+    from ..engines.loading import load_target, resolve_model
+
+    if batch < 1:
+        raise LyannaError(f"--batch must be >= 1, got {batch}")
+    prompts = read_prompts(prompts_file, limit, seed, benchmark_prompts())
+    if not prompts:  # checked before the run exists: an empty run would only fail later, less clearly
+        raise LyannaError(f"{prompts_file} has no training prompts (empty, or every prompt is a benchmark question)")
+    start_run(run, {"model": model, "source": "self-distillation", "seed": seed, "prompts": Path(prompts_file).name,
+                     "max_new_tokens": max_new_tokens, "max_prompt_tokens": max_prompt_tokens,
+                     "generator": f"hf-{device}" if device else "engine"})
+    done = {row["id"] for row in iter_data(run)}
+    todo = [p for p in prompts if p["id"] not in done]
+    decoder = Decoder(load_target(model, weight_format=TRAINING_WEIGHTS))
+    hf = hf_model(resolve_model(model), device) if device else None
+    shard_idx = len(list((run / "data").glob("shard-*.jsonl")))
+    bar = progress(len(prompts), "data (self-distillation)", len(prompts) - len(todo))
+    request = GenerationRequest(max_new_tokens=max_new_tokens)
+    started, made = time.perf_counter(), 0
+    shard_started = started
+    for first in range(0, len(todo), SHARD_EXAMPLES):  # one shard at a time: a shard is the unit of resumption
+        rows: list[str] = []
+        feats: list[np.ndarray] = []
+        chunk = todo[first : first + SHARD_EXAMPLES]
+        for k in range(0, len(chunk), 4 * batch):  # progress every few batches
+            part = chunk[k : k + 4 * batch]
+            ids = [decoder.encode(p["prompt"])[:max_prompt_tokens] for p in part]
+            if device:
+                got = _hf_replies(hf, ids, max_new_tokens, decoder.eos_token_ids, batch)
+                replies = [reply for reply, _ in got]
+                feats += [f for _, f in got]
+            else:
+                replies = [out.tokens for out in decoder.generate_batch(ids, request, max_batch=batch)]
+            for p, pid, reply in zip(part, ids, replies):
+                rows.append(json.dumps({"id": p["id"], "prompt_ids": pid, "output_ids": reply}))
+            made += len(part)
+            bar.update(len(part))
+            bar.set_postfix(replies_per_s=f"{made / max(time.perf_counter() - started, 1e-9):.2f}", refresh=False)
+        if device:  # features before data: the data shard is what marks these prompts done
+            write_features(run / "features", shard_idx, [json.loads(r) for r in rows], feats, decoder.engine.config.num_layers)
+        write_shards(run, rows, shard_idx)
+        shard_idx += 1
+        _add_data_seconds(run, time.perf_counter() - shard_started, device)
+        shard_started = time.perf_counter()
+    bar.close()
+    return len(prompts)
+
+
+def _add_data_seconds(run: Path, seconds: float, device: str | None) -> None:
+    """Self-distillation's wall time, summed over resumed sessions (the model card's cost line)."""
+    f = run / "data" / "report.json"
+    report = json.loads(f.read_text()) if f.is_file() else {"seconds": 0.0}
+    report["seconds"] = round(report["seconds"] + seconds, 1)
+    report["device"] = f"hf-{device}, features included" if device else "engine"
+    f.write_text(json.dumps(report))
+
+
+def stage_corpus(run: Path, model: str, source: str, limit: int | None, reply_tokens: int | None,
+                 max_tokens: int, seed: int) -> int:
+    """Teacher-forcing data: conversations of a corpus (``sharegpt`` or a file) in the target's
+    chat template, in a seeded order, benchmark questions removed. Written once, whole."""
+    from ..engines.loading import load_tokenizer, resolve_model
+    from .corpus import read_corpus, sharegpt_path
+
+    path = sharegpt_path() if source == "sharegpt" else Path(source)
+    if not path.is_file():
+        raise LyannaError(f"corpus {source} not found (use sharegpt or a JSON/JSONL file)")
+    start_run(run, {"model": model, "source": source if source == "sharegpt" else path.name, "seed": seed,
+                     "max_tokens": max_tokens, "limit": limit, "reply_tokens": reply_tokens})
+    if list((run / "data").glob("shard-*.jsonl")):
+        n = sum(1 for _ in iter_data(run))
+        print(f"data: {run / 'data'} already holds {n} conversations")
+        return n
+    t0 = time.perf_counter()
+    tokenizer = load_tokenizer(resolve_model(model))
+    rows, skipped = read_corpus(path, tokenizer, benchmark_prompts(), max_tokens, seed, limit, reply_tokens)
+    if not rows:
+        raise LyannaError(f"{source}: no usable conversation ({dict(skipped)})")
+    write_shards(run, [json.dumps(r) for r in rows], 0)
+    report = {"conversations": len(rows), "tokens": sum(len(r["ids"]) for r in rows),
+              "reply_tokens": sum(b - a for r in rows for a, b in r["reply"]), "skipped": dict(skipped),
+              "seconds": round(time.perf_counter() - t0, 1)}
+    (run / "data" / "report.json").write_text(json.dumps(report, indent=2))
+    print(f"data: kept {report['conversations']} conversations ({report['tokens']} tokens, {report['reply_tokens']} "
+          f"assistant tokens); skipped {sum(skipped.values())}: " + ", ".join(f"{v} {k}" for k, v in skipped.most_common()))
+    return len(rows)

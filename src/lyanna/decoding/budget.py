@@ -17,8 +17,8 @@ the fixed alternative.
 Under ``auto`` the budget also bounds how deep the next tree is drafted (``limit_depth``): one
 level deeper than the deepest tree it kept in recent rounds. Levels it would cut anyway cost draft
 passes for nothing: on the 2-core CPU it keeps a few nodes a round (``lyanna`` in
-docs/bench/default.json, 2026-11-23: 3827 draft nodes verified in 1701 rounds, 2.25 a round), so
-a chain drafted deeper than the kept trees mostly adds drafting time.
+docs/bench/default.json, 2026-11-23: 3827 draft nodes verified in 1701 target passes, 2.25 a
+pass), so a chain drafted deeper than the kept trees mostly adds drafting time.
 """
 from __future__ import annotations
 

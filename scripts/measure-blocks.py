@@ -1,4 +1,4 @@
-"""Issue 16's route measurement: ms per forward block of 1 / 2 / 8 / 16 / 64 tokens after 256
+"""Whole forward passes: ms per forward block of 1 / 2 / 8 / 16 / 64 tokens after 256
 cached tokens, on the default model, for our engine on fp32 weights (numba kernels), our engine on
 the GGUF's quantized blocks (``--weights gguf``, ``quant.py``) and llama.cpp on the same GGUF
 (llama-cpp-python, logits for every row as verification needs).

@@ -1,4 +1,4 @@
-"""Issue 16, route 1, first measurement: a numba linear layer that reads Q4_1 blocks directly
+"""Prototypes of computing on GGUF blocks (before ``quant.py``): a numba linear layer that reads Q4_1 blocks directly
 against today's fp32 kernel (``kernels.linear``) over the same weights dequantized, for blocks of
 1 / 2 / 8 / 16 / 64 rows on the default model's weight shapes.
 

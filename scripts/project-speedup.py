@@ -6,7 +6,7 @@ depend on the drafter and the text, not on the target's device, so they come fro
 with fixed budgets (any machine); the latency curve is measured here, on ``--device``, with the
 torch backend (blocks of 1 to 128 tokens after 256 of context).
 
-    python scripts/project-speedup.py --bench docs/bench/fixed-budgets.json --device cuda --dtype bfloat16 \
+    python scripts/project-speedup.py --bench docs/bench/budgets.json --device cuda --dtype bfloat16 \
         --out docs/bench/projected-cuda.json
 
 Without ``--bench`` it only measures and writes the latency curve. The drafters run on the host

@@ -14,14 +14,13 @@ from .kernels import _FAST, LANES, _aligned, _launch, exp_nonpositive, ir_muladd
 
 def prefill_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, bias: np.ndarray) -> np.ndarray:
     """``attention`` for a prompt's prefill (``n`` rows from an empty cache, additive mask
-    [n, n]) by PyTorch's batched GEMMs, one per key/value head with its query heads stacked: our
-    kernel's one query at a time is 27 GFLOP/s there. What PyTorch's
+    [n, n]) by PyTorch's batched GEMMs, one per key/value head with its query heads stacked, where
+    our kernel takes one query at a time. It computes what PyTorch's
     ``scaled_dot_product_attention`` computes with that mask (its CPU path for a float mask is
-    these products and a softmax: identical bits with torch 2.13 here, tested to 1e-6) in less
-    time, without repeating each key/value head per query head (2-core Xeon, 2026-11-23, 30
-    layers of 48 / 60 / 200 / 450 / 700 rows: 10.9 / 18.6 / 75.8 / 274 / 633 ms fused, 7.0 / 9.3 /
-    55.6 / 245 / 483 ms here; /tmp measurement, in issue 13's note). Like ``linear_rows``, only
-    prefill goes this way, so a prompt's numbers are the same for every method and in a batch."""
+    these products and a softmax: identical bits with torch 2.13 here, tested to 1e-6) without
+    repeating each key/value head per query head, and was the faster of the two at every prompt
+    length tried on the 2-core Xeon (2026-11-23). Like ``linear_rows``, only prefill goes this
+    way, so a prompt's numbers are the same for every method and in a batch."""
     import torch
 
 
@@ -50,9 +49,9 @@ def _weighted_rows(typingctx, p, v, voff, n, hd, out, ooff, scale):
 
     Why IR: the same sum written as a numba loop keeps the head's accumulator in memory, a load
     and a store per key and vector, and was two thirds of the attention kernel's time. Here the
-    accumulators of up to ``_PV_VECTORS`` vectors stay in registers across the keys (8 rows x 256
-    keys of a 9-head layer: 78 -> 52 us; a 760-token prompt: 16.4 -> 11.4 ms a layer; 2-core
-    AMD EPYC, /tmp script, 2026-11-23). The terms are those of that loop in the same order (keys
+    accumulators of up to ``_PV_VECTORS`` vectors stay in registers across the keys, which was
+    faster for tree blocks and long prompts alike on the 2-core AMD EPYC (2026-11-23). The terms
+    are those of that loop in the same order (keys
     of weight 0 are skipped, not added), so a row gets the same bits alone, in a batch or in a tree
     block whose other keys it cannot see."""
     if not (isinstance(v, types.Array) and isinstance(out, types.Array) and v.layout == "C" and out.layout == "C"):

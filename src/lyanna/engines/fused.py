@@ -1,17 +1,19 @@
 """All decoder layers of a pass in one compiled call, on a GGUF's blocks: one sequence's block or
 the blocks of a whole batch, each sequence with its own cache.
 
-Why: a one-token step on the blocks engine computes for ~11 ms, but going through Python between
-its ~450 kernel calls (numba's argument checks, small numpy operations) added ~4 ms more (28%; a
-cProfile of 200 steps, issue 16's note of 2026-11-23). This function calls the same compiled
+Why: a one-token step on the blocks engine makes about 450 kernel calls, and going through
+Python between them (numba's argument checks, small numpy operations) was a large share of the
+step's time. ``python scripts/measure-blocks.py`` (whole passes after 256 cached tokens, 2-core
+Xeon, 2026-11-23) measured a one-token pass on the blocks at 13.1 ms before this path and 10.2 ms
+with it (``docs/bench/blocks.json``; the earlier run is that file's previous version in the
+repository's history). This function calls the same compiled
 kernels (``kernels``' RMSNorm, RoPE, attention and SiLU, ``quant``'s linear) from compiled code,
 so every row gets exactly the bits the layer-by-layer path gives it (tested in
 ``test_quant.py``), only without the trips through Python in between.
 
 It serves every pass whose matrices are all on blocks, without a qkv bias and without a prompt
 long enough for the GEMM path (which the blocks never take); anything else goes layer by layer
-(``engine.ragged_layer_forward``). A batch of 8 one-token blocks went from about 13.7 ms layer by
-layer to 11.6 ms here (2-core AMD EPYC, /tmp script, 2026-11-23; one sequence's 8-row block: 10.1).
+(``transformer.ragged_layer_forward``).
 """
 from __future__ import annotations
 
@@ -112,7 +114,7 @@ class FusedLayers:
         out = np.empty((len(taps), n, c.hidden_size), np.float32)
         span_of, lo, bias, bias_at = span_layout(n, [(lo, hi, bias) for lo, hi, _, _, _, bias in blocks])
         # A batch's caches as typed lists: one compiled ``_layers`` whatever the number of sequences.
-        # One sequence's as a 1-tuple, a second compilation whose steps ran 5-15% faster (/tmp script).
+        # One sequence's as a 1-tuple: a second compilation, specialized to one cache, whose steps ran faster.
         if len(blocks) == 1:
             k_caches, v_caches = (blocks[0][2],), (blocks[0][3],)
         else:

@@ -291,8 +291,7 @@ def rope_qk(qkv: np.ndarray, rot: np.ndarray, heads: int, kv_heads: int, head_di
     """Queries [n, heads, head_dim] (rotated and scaled by 1 / sqrt(head_dim)) and keys
     [n, kv_heads, head_dim] (rotated) from the fused projection rows ``qkv`` (rotary pairs
     adjacent) and the rotations ``rot`` [n, head_dim / 2] (complex unit factors). One compiled
-    pass instead of numpy's nine small operations: 4.6 against 17 us for a one-token layer of the
-    default model (timed alone, 2026-11-23; issue 12's note)."""
+    pass instead of numpy's nine small operations."""
     n = qkv.shape[0]
     if qkv.ndim != 2 or qkv.shape[1] < (heads + kv_heads) * head_dim or rot.shape != (n, head_dim // 2):
         raise ValueError(f"rope_qk shapes do not fit: qkv {qkv.shape}, rot {rot.shape}")
@@ -303,10 +302,8 @@ def rope_qk(qkv: np.ndarray, rot: np.ndarray, heads: int, kv_heads: int, head_di
 
 
 # Rows from which a prompt's prefill goes through PyTorch's kernels (``linear_rows``,
-# ``prefill_attention``): from here on its sgemm outruns ``linear`` on the 2-core Xeon for every
-# weight shape of the default model (GFLOP/s at 48 rows: 178-229 against 125-150; at 32 rows it
-# loses on one shape; at 155 rows 151-252 against 87-137; throwaway measurements of 2026-11-22,
-# in issue 13's note).
+# ``prefill_attention``): from here on its sgemm outran ``linear`` on the 2-core Xeon for every
+# weight shape of the default model (2026-11-22; at 32 rows it lost on one shape).
 BULK_MIN_ROWS = 48
 
 
@@ -318,8 +315,9 @@ def linear_rows(x: np.ndarray, w: np.ndarray | PackedMatrix, bulk: Sequence[tupl
     aligned copy of its rows), and verified or decoded rows never go through it.
 
     A packed ``w`` (a GGUF's blocks) keeps all rows on its own kernel: dequantizing it for a GEMM
-    lost at every prompt length measured (default model, whole prefill, AMD EPYC 2 cores,
-    2026-11-23, /tmp script in issue 13's note: 300 rows 469 vs 254 ms, 600 rows 1014 vs 724)."""
+    lost at every prompt length tried (default model, whole prefill, 2-core AMD EPYC, 2026-11-23),
+    and keeping prompts on the kernel makes a row's bits independent of how the prompt is split
+    into blocks, which the prefix cache needs."""
     ranges = [(lo, hi) for lo, hi in bulk if hi - lo >= BULK_MIN_ROWS]
     if not ranges or hasattr(w, "linear"):
         return linear(x, w)

@@ -46,8 +46,7 @@ _ACCUMULATORS = LANES
 GROUP = 8  # input rows sharing one conversion of a weight vector (the kernel's register block)
 _UNROLL = 4  # input positions per turn of the kernel's inner loop (32 fully unrolled ran 1.2-1.4x slower)
 # Bytes ahead of the weights being multiplied that the kernel asks the CPU to fetch. Without it the
-# sums and the stream from memory do not overlap: 30 layers at one row took 1.16x as long
-# (/tmp measurement, issue 16's note).
+# sums and the stream from memory do not overlap, and a one-row pass is slower.
 PREFETCH_BYTES = 4096
 
 

@@ -1,6 +1,6 @@
 """The target as a Hugging Face model in PyTorch, on any device and dtype (``--backend torch``).
 
-It speaks the same small interface as the numpy engine (``engine.TargetEngine``), so the decode
+It speaks the same small interface as the numpy engine (``base.TargetEngine``), so the decode
 loop, the verifier, the budget, the batch scheduler and the drafters are the same code: one
 forward runs a block of tree nodes with explicit position ids and a 4D attention mask, and the
 cache (a transformers ``DynamicCache``) keeps only the accepted rows afterwards. Logits and tapped

@@ -27,7 +27,8 @@ from lyanna.cli import main as cli_main
 from lyanna.decoding.decoder import GenerationRequest, GenerationResult
 from lyanna.drafters.base import NoDrafter
 from lyanna.drafters.tree import DraftTree
-from lyanna.serving.server import GracefulServer, create_app
+from lyanna.serving.app import create_app
+from lyanna.serving.server import GracefulServer
 
 WAIT = 20  # seconds a test waits for an event before it fails (never reached when things work)
 

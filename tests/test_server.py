@@ -28,6 +28,7 @@ from lyanna.decoding.decoder import GenerationRequest, GenerationResult
 from lyanna.drafters.base import NoDrafter
 from lyanna.drafters.tree import DraftTree
 from lyanna.serving.app import create_app
+from lyanna.serving.body import MAX_JSON_DEPTH, nesting_depth
 from lyanna.serving.server import GracefulServer
 
 WAIT = 20  # seconds a test waits for an event before it fails (never reached when things work)
@@ -442,12 +443,74 @@ def test_request_body_limit(stub_server):
     assert httpx.post(srv.url + "/v1/completions", json={"prompt": "x" * 500, "max_tokens": 1}).status_code == 200
 
 
+def nested(depth: int, inner: str = "1", array: bool = True) -> str:
+    """JSON ``inner`` wrapped in ``depth`` arrays (or objects under key "a")."""
+    return ("[" * depth + inner + "]" * depth) if array else ('{"a":' * depth + inner + "}" * depth)
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        nested(5000),  # [[[...]]]
+        nested(5000, array=False),  # {"a": {"a": ...}}
+        '{"prompt": "abc", "stop": ' + nested(5000, '"x"') + "}",  # inside a field that takes a list
+        '{"messages": [{"role": "user", "content": ' + nested(5000, '{"type": "text", "text": "x"}') + "}]}",
+    ],
+)
+def test_deeply_nested_bodies_get_400_not_500(stub_server, content):
+    srv = stub_server(StubDecoder(pace=0.0))
+    path = "/v1/chat/completions" if "messages" in content else "/v1/completions"
+    r = httpx.post(srv.url + path, content=content, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert f"{MAX_JSON_DEPTH}" in error_of(r)["message"] and "deep" in error_of(r)["message"]
+
+
+def test_depth_limit_is_exact_and_bodies_at_it_are_validated(stub_server):
+    """At the limit the body is parsed and validated (400 naming the field); one level deeper
+    it is refused before parsing."""
+    srv = stub_server(StubDecoder(pace=0.0))
+
+    def post(stop_depth: int) -> httpx.Response:  # the body object is one level, stop's lists the rest
+        body = '{"prompt": "abc", "stop": ' + nested(stop_depth, '"x"') + "}"
+        return httpx.post(srv.url + "/v1/completions", content=body, headers={"content-type": "application/json"})
+
+    at_limit, past_it = post(MAX_JSON_DEPTH - 1), post(MAX_JSON_DEPTH)
+    assert at_limit.status_code == 400 and error_of(at_limit)["param"] == "stop.0", at_limit.text
+    assert "deep" not in error_of(at_limit)["message"]
+    assert past_it.status_code == 400 and "deep" in error_of(past_it)["message"]
+
+
+def test_brackets_inside_strings_do_not_count_as_nesting(stub_server):
+    srv = stub_server(StubDecoder(pace=0.0))
+    prompt = '[{"\\' * 2000  # brackets, quotes and backslashes: escaped in JSON, text in the prompt
+    r = httpx.post(srv.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 1})
+    assert r.status_code == 200, r.text
+
+
+def json_depth(value) -> int:
+    """How deep arrays and objects nest in a parsed JSON value."""
+    if isinstance(value, list):
+        return 1 + max(map(json_depth, value), default=0)
+    if isinstance(value, dict):
+        return 1 + max(map(json_depth, value.values()), default=0)
+    return 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(value=st.recursive(st.none() | st.integers() | st.text(alphabet='[]{}"\\ax:,'),
+                          lambda children: st.lists(children, max_size=3)
+                          | st.dictionaries(st.text(alphabet='[]{}"\\a'), children, max_size=3)))
+def test_nesting_depth_of_json_is_its_parsed_depth(value):
+    assert nesting_depth(json.dumps(value)) == json_depth(value)
+
+
 @pytest.mark.parametrize(
     "method,path,content,status,param,needle",
     [
         ("POST", "/v1/completions", b'{"prompt": "\xff\xfe"}', 400, None, "UTF-8"),
         ("POST", "/v1/completions", b'{"prompt": "abc", "max_tokens": 4', 400, None, "not valid JSON"),
         ("POST", "/v1/completions", b'["abc"]', 400, None, "JSON object"),
+        ("POST", "/v1/completions", b'{"prompt": "abc", "seed": ' + b"7" * 5000 + b"}", 400, None, "5000 digits"),
         ("GET", "/v1/nothing", None, 404, None, "no such endpoint"),
         ("GET", "/v1/completions", None, 405, None, "GET"),
         ("GET", "/v1/models/gpt-4", None, 404, "model", "not served"),

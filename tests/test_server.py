@@ -511,6 +511,8 @@ def test_nesting_depth_of_json_is_its_parsed_depth(value):
         ("POST", "/v1/completions", b'{"prompt": "abc", "max_tokens": 4', 400, None, "not valid JSON"),
         ("POST", "/v1/completions", b'["abc"]', 400, None, "JSON object"),
         ("POST", "/v1/completions", b'{"prompt": "abc", "seed": ' + b"7" * 5000 + b"}", 400, None, "5000 digits"),
+        ("POST", "/v1/completions", {"prompt": "abc", "max_tokens": "4"}, 400, "max_tokens", "string"),
+        ("POST", "/v1/completions", {"prompt": "abc", "stream": 1}, 400, "stream", "boolean"),
         ("GET", "/v1/nothing", None, 404, None, "no such endpoint"),
         ("GET", "/v1/completions", None, 405, None, "GET"),
         ("GET", "/v1/models/gpt-4", None, 404, "model", "not served"),
@@ -538,6 +540,27 @@ def test_errors_have_openai_shape_and_param(stub_server, method, path, content, 
     error = error_of(r)
     assert error["param"] == param and needle in error["message"], error
     assert error["type"] == "invalid_request_error"
+
+
+def test_openapi_declares_bodies_errors_and_content_types(stub_server):
+    srv = stub_server(StubDecoder(pace=0.0, context=64))
+    doc = httpx.get(srv.url + "/openapi.json").json()
+    components = doc["components"]["schemas"]
+    for path, request in (("/v1/chat/completions", "ChatRequest"), ("/v1/completions", "CompletionRequest")):
+        operation = doc["paths"][path]["post"]
+        assert operation["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("/" + request)
+        fields = components[request]["properties"]
+        assert fields["max_tokens"]["anyOf"][0]["maximum"] == 63  # this server's window, less a prompt token
+        assert fields["lyanna_method"]["anyOf"][0]["enum"] == ["ar"] and fields["model"]["anyOf"][0]["enum"] == ["stub"]
+        assert set(operation["responses"]) == {"200", "400", "404", "413", "429", "500", "503", "504"}
+        assert "text/event-stream" in operation["responses"]["200"]["content"]
+        for status in ("400", "413", "429"):
+            assert operation["responses"][status]["content"]["application/json"]["schema"]["$ref"].endswith(
+                "/ErrorResponse")
+    assert set(components["ErrorDetail"]["required"]) == {"message", "type", "param", "code"}
+    metrics = doc["paths"]["/metrics"]["get"]["responses"]
+    assert list(metrics["200"]["content"]) == ["text/plain"] and list(metrics["500"]["content"]) == ["application/json"]
+    assert "/openapi.json" in httpx.get(srv.url + "/docs").text
 
 
 def test_openai_request_forms_we_can_honour(stub_server):

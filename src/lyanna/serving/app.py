@@ -17,12 +17,23 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException
 
+from .. import __version__
 from ..decoding.decoder import Decoder, GenerationRequest
 from ..decoding.sampling import SamplingParams
 from ..errors import LyannaError
 from .body import DEFAULT_MAX_BODY_BYTES, read_json
 from .metrics import Metrics
+from .openapi import completion_route, errors, install_openapi
 from .reply import Reply
+from .responses import (
+    ChatCompletion,
+    ChatCompletionChunk,
+    Health,
+    ModelCard,
+    ModelList,
+    TextCompletion,
+    TextCompletionChunk,
+)
 from .schema import ApiError, ChatRequest, CommonParams, CompletionRequest, validate
 from .worker import DEFAULT_MAX_BATCH, EngineWorker, Job
 
@@ -75,9 +86,8 @@ class Service:
         if (loop := self.loop) is not None and self.worker is not None:
             loop.call_soon_threadsafe(self.worker.close)
 
-    def model_card(self) -> dict[str, Any]:
-        return {"id": self.served, "object": "model", "created": 0, "owned_by": "lyanna",
-                "lyanna_methods": self.decoder.methods}
+    def model_card(self) -> ModelCard:
+        return ModelCard(id=self.served, created=0, owned_by="lyanna", lyanna_methods=self.decoder.methods)
 
     def require_model(self, name: str | None) -> None:
         if name is not None and name != self.served:
@@ -128,34 +138,35 @@ def _service(request: Request) -> Service:
 router = APIRouter()
 
 
-@router.get("/health")
-async def health(request: Request) -> dict[str, Any]:
+@router.get("/health", response_model=Health, responses=errors(500))
+async def health(request: Request) -> Health:
     service = _service(request)
     pc = getattr(service.decoder, "prefix_cache", None)  # a decoder without one (a test stub) has none
-    return {"status": "ok", "model": service.served, "method": service.method, "max_batch": service.max_batch,
-            "queue": service.worker.pending if service.worker else 0, "prefix_cache": None if pc is None else pc.stats()}
+    return Health(model=service.served, method=service.method, max_batch=service.max_batch,
+                  queue=service.worker.pending if service.worker else 0, prefix_cache=None if pc is None else pc.stats())
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=PlainTextResponse, responses={
+    200: {"description": "Prometheus text exposition format"}, **errors(500)})
 async def prometheus(request: Request) -> PlainTextResponse:
     service = _service(request)
     service.metrics.queue.set(service.worker.pending if service.worker else 0)
     return PlainTextResponse(service.metrics.render(), media_type="text/plain; version=0.0.4")
 
 
-@router.get("/v1/models")
-async def models(request: Request) -> dict[str, Any]:
-    return {"object": "list", "data": [_service(request).model_card()]}
+@router.get("/v1/models", response_model=ModelList, responses=errors(500))
+async def models(request: Request) -> ModelList:
+    return ModelList(data=[_service(request).model_card()])
 
 
-@router.get("/v1/models/{model_id:path}")
-async def model(request: Request, model_id: str) -> dict[str, Any]:
+@router.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=errors(404, 500))
+async def model(request: Request, model_id: str) -> ModelCard:
     service = _service(request)
     service.require_model(model_id)
     return service.model_card()
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", **completion_route(ChatRequest, ChatCompletion, ChatCompletionChunk))
 async def chat_completions(request: Request) -> Any:
     service = _service(request)
     deadline = asyncio.get_running_loop().time() + service.request_timeout
@@ -168,7 +179,7 @@ async def chat_completions(request: Request) -> Any:
     return await service.answer(request, body, job, "/v1/chat/completions", chat=True)
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", **completion_route(CompletionRequest, TextCompletion, TextCompletionChunk))
 async def completions(request: Request) -> Any:
     service = _service(request)
     deadline = asyncio.get_running_loop().time() + service.request_timeout
@@ -217,7 +228,7 @@ def create_app(decoder: Decoder, method: str = "ar", max_pending: int = 16, requ
         raise LyannaError(f"unknown method {method!r}; available: {', '.join(decoder.methods)}")
     service = Service(decoder, method, max_pending, request_timeout, model_name or decoder.target.name,
                       max_body_bytes, max_batch, run_engine)
-    app = FastAPI(title="Lyanna", version="0.1.0", lifespan=service.lifespan,
+    app = FastAPI(title="Lyanna", version=__version__, lifespan=service.lifespan,
                   description="OpenAI-compatible completions with lossless speculative decoding.")
     app.state.service = service
     app.state.begin_shutdown = service.begin_shutdown
@@ -225,4 +236,5 @@ def create_app(decoder: Decoder, method: str = "ar", max_pending: int = 16, requ
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(Exception, _crash)
     app.include_router(router)
+    install_openapi(app, service.served, decoder.methods, service.context)
     return app

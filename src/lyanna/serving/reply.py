@@ -17,15 +17,24 @@ from fastapi.responses import StreamingResponse
 
 from ..decoding.decoder import GenerationResult
 from .metrics import Metrics
+from .responses import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletion,
+    LyannaStats,
+    TextChoice,
+    TextCompletion,
+    Usage,
+)
 from .schema import ApiError, CommonParams
 from .worker import ABORTS, EngineWorker, Job
 
 _ABORT_MESSAGES = {"shutdown": "generation cancelled: the server is shutting down", "disconnect": "client disconnected"}
 
 
-def _usage(result: GenerationResult) -> dict[str, int]:
-    return {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.new_tokens,
-            "total_tokens": result.prompt_tokens + result.new_tokens}
+def _usage(result: GenerationResult) -> Usage:
+    return Usage(prompt_tokens=result.prompt_tokens, completion_tokens=result.new_tokens,
+                 total_tokens=result.prompt_tokens + result.new_tokens)
 
 
 class Reply:
@@ -88,19 +97,16 @@ class Reply:
         self.metrics.latency.labels(self.endpoint).observe(self.loop.time() - self.started)
         self.metrics.requests.labels(self.endpoint, "200").inc()
 
-    def _completion(self, result: GenerationResult) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0, "finish_reason": result.finish_reason, "logprobs": None}
+    def _completion(self, result: GenerationResult) -> ChatCompletion | TextCompletion:
+        head = {"id": self.id, "created": self.created, "model": self.served, "usage": _usage(result),
+                "lyanna": LyannaStats(method=result.method, tau=result.tau, waste_ratio=result.waste_ratio)}
         if self.chat:
-            choice["message"] = {"role": "assistant", "content": result.text}
-        else:
-            choice["text"] = result.text
-        return {"id": self.id, "created": self.created, "model": self.served,
-                "object": "chat.completion" if self.chat else "text_completion", "choices": [choice],
-                "usage": _usage(result),
-                "lyanna": {"method": result.method, "tau": result.tau, "waste_ratio": result.waste_ratio}}
+            choice = ChatChoice(index=0, finish_reason=result.finish_reason, message=AssistantMessage(content=result.text))
+            return ChatCompletion(**head, choices=[choice])
+        return TextCompletion(**head, choices=[TextChoice(index=0, finish_reason=result.finish_reason, text=result.text)])
 
     def _chunk(self, delta: str | None = None, finish: str | None = None, role: bool = False,
-               usage: dict[str, int] | None = None) -> str:
+               usage: Usage | None = None) -> str:
         """One server-sent event of the stream: a token's text, the first (role) or last (finish)
         chunk, or the usage chunk that has no choices."""
         choice: dict[str, Any]
@@ -112,7 +118,7 @@ class Reply:
         chunk = {"id": self.id, "created": self.created, "model": self.served,
                  "object": "chat.completion.chunk" if self.chat else "text_completion", "choices": [choice]}
         if usage is not None:
-            chunk.update(choices=[], usage=usage)
+            chunk.update(choices=[], usage=usage.model_dump())
         return f"data: {json.dumps(chunk)}\n\n"
 
     async def _events(self, watcher: asyncio.Task) -> AsyncIterator[str]:

@@ -1,8 +1,10 @@
 """What clients send and what they get back when it is refused: the request models and OpenAI's
 error shape.
 
-Parameters we cannot honour are refused with a 400 that names them, never ignored, and every
-error has OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``.
+The models are the server's contract: they validate every request and, through their JSON
+schemas, document it in ``/openapi.json``. Where a validator accepts more than its type says (a
+lone ``stop`` string, a list of text parts as ``content``) or refuses part of it (``n`` other than
+1), the field's JSON schema says so too, so the documented contract is the enforced one.
 """
 from __future__ import annotations
 
@@ -14,9 +16,27 @@ from pydantic import (
     ConfigDict,
     Field,
     FiniteFloat,
+    Strict,
     ValidationError,
+    WithJsonSchema,
     field_validator,
 )
+
+# At most this many stop strings, as OpenAI's API allows.
+MAX_STOPS = 4
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: Literal["invalid_request_error", "rate_limit_error", "server_error"]
+    param: str | None = Field(description="The request field at fault, when one is")
+    code: str | None = Field(description="A machine-readable reason, such as context_length_exceeded or timeout")
+
+
+class ErrorResponse(BaseModel):
+    """Every error response, in OpenAI's shape."""
+
+    error: ErrorDetail
 
 
 class ApiError(Exception):
@@ -28,29 +48,44 @@ class ApiError(Exception):
         self.status, self.message, self.param, self.headers, self.code = status, message, param, headers or {}, code
 
     @property
-    def kind(self) -> str:
+    def kind(self) -> Literal["invalid_request_error", "rate_limit_error", "server_error"]:
         if self.status == 429:
             return "rate_limit_error"
         return "invalid_request_error" if self.status < 500 else "server_error"
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+        detail = ErrorDetail(message=self.message, type=self.kind, param=self.param, code=self.code)
+        return ErrorResponse(error=detail).model_dump()
 
 
-def _not_bool(value: Any) -> Any:
-    """JSON ``true`` is not a number, though pydantic's lax mode would read it as 1."""
-    if isinstance(value, bool):
-        raise ValueError("expected a number, got a boolean")
+def _json_number(value: Any) -> Any:
+    """JSON ``true`` and ``"5"`` are not numbers, though pydantic's lax mode would read them as 1 and 5."""
+    if isinstance(value, (bool, str)):
+        raise ValueError(f"expected a number, got a {'boolean' if isinstance(value, bool) else 'string'}")
     return value
 
 
-Int = Annotated[int, BeforeValidator(_not_bool)]
-Float = Annotated[FiniteFloat, BeforeValidator(_not_bool)]
+Int = Annotated[int, BeforeValidator(_json_number)]
+# Bounds go before the validator so that the JSON schema shows them (as minimum) in a nullable field.
+TokenCount = Annotated[int, Field(ge=1), BeforeValidator(_json_number)]
+Seed = Annotated[int, Field(ge=0), BeforeValidator(_json_number)]  # numpy seeds; -1 ("random" in some UIs) is refused
+Float = Annotated[FiniteFloat, BeforeValidator(_json_number)]
+Bool = Annotated[bool, Strict()]  # lax mode would read 1, "yes" and "on" as true
+
+
+def _one_stop_is_a_list(value: Any) -> Any:
+    return [value] if isinstance(value, str) else value
+
+
+_STOP_SCHEMA = {"anyOf": [{"type": "string", "minLength": 1},
+                          {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": MAX_STOPS},
+                          {"type": "null"}]}
+Stops = Annotated[list[str] | None, BeforeValidator(_one_stop_is_a_list), WithJsonSchema(_STOP_SCHEMA)]
 
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    include_usage: bool = False
+    include_usage: Bool = False
 
 
 class CommonParams(BaseModel):
@@ -58,21 +93,25 @@ class CommonParams(BaseModel):
     penalties, logprobs) are accepted only at the value that changes nothing, and refused by name
     otherwise."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(
+        extra="forbid",
+        # stream_options needs stream true: the server refuses it otherwise.
+        json_schema_extra={"anyOf": [{"properties": {"stream_options": {"type": "null"}}},
+                                     {"properties": {"stream": {"const": True}}, "required": ["stream"]}]})
 
     model: str | None = None
-    max_tokens: Int | None = Field(None, ge=1)
-    max_completion_tokens: Int | None = Field(None, ge=1)
+    max_tokens: TokenCount | None = None
+    max_completion_tokens: TokenCount | None = None
     temperature: Float = Field(1.0, ge=0.0, le=2.0)
     top_p: Float = Field(1.0, ge=0.0, le=1.0)
-    seed: Int | None = Field(None, ge=0)  # numpy seeds are non-negative; -1 ("random" in some UIs) is refused
-    stop: list[str] | None = None
-    stream: bool = False
+    seed: Seed | None = None
+    stop: Stops = None
+    stream: Bool = False
     stream_options: StreamOptions | None = None
-    n: Int = 1
-    presence_penalty: Float = 0.0
-    frequency_penalty: Float = 0.0
-    logprobs: bool | None = None
+    n: Int = Field(1, json_schema_extra={"const": 1})
+    presence_penalty: Float = Field(0.0, json_schema_extra={"const": 0})
+    frequency_penalty: Float = Field(0.0, json_schema_extra={"const": 0})
+    logprobs: Annotated[Bool | None, WithJsonSchema({"enum": [False, None]})] = None
     user: str | None = None
     lyanna_method: str | None = Field(None, description="Lyanna extension: the decoding method for this request")
 
@@ -97,42 +136,42 @@ class CommonParams(BaseModel):
             raise ValueError("logprobs are not supported")
         return v
 
-    @field_validator("stop", mode="before")
-    @classmethod
-    def _one_stop_is_a_list(cls, v: Any) -> Any:
-        return [v] if isinstance(v, str) else v
-
     @field_validator("stop")
     @classmethod
     def _stops(cls, v: list[str] | None) -> list[str] | None:
-        if len(v or ()) > 4 or any(not s for s in v or ()):
-            raise ValueError("stop takes at most 4 non-empty strings")
+        if len(v or ()) > MAX_STOPS or any(not s for s in v or ()):
+            raise ValueError(f"stop takes at most {MAX_STOPS} non-empty strings")
         return v
 
     def stop_strings(self) -> tuple[str, ...]:
         return tuple(self.stop or ())
 
 
+def _text_parts(value: Any) -> Any:
+    """A list of text parts is their text, concatenated as sent; other parts (images, audio,
+    files) need a model this server does not run."""
+    if not isinstance(value, list):
+        return value
+    texts = []
+    for i, part in enumerate(value):
+        if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise ValueError(f"part {i} is {kind!r}: only text parts ({{'type': 'text', 'text': ...}}) are supported")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+_TEXT_PART = {"type": "object", "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+              "required": ["type", "text"]}
+Content = Annotated[str, BeforeValidator(_text_parts),
+                    WithJsonSchema({"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART}]})]
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "developer", "user", "assistant"]
-    content: str
+    content: Content
     name: str | None = None
-
-    @field_validator("content", mode="before")
-    @classmethod
-    def _text_parts(cls, v: Any) -> Any:
-        """A list of text parts is their text, concatenated as sent; other parts (images, audio,
-        files) need a model this server does not run."""
-        if not isinstance(v, list):
-            return v
-        texts = []
-        for i, part in enumerate(v):
-            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise ValueError(f"part {i} is {kind!r}: only text parts ({{'type': 'text', 'text': ...}}) are supported")
-            texts.append(part["text"])
-        return "".join(texts)
 
     def template_dict(self) -> dict[str, str]:
         """The message as chat templates know it: ``developer`` is OpenAI's new name for ``system``."""

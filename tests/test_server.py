@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
@@ -620,23 +621,29 @@ def test_fuzzed_requests_never_get_500(server, body, chat, with_valid_core):
     assert r.headers["content-type"].startswith(("application/json", "text/event-stream"))
 
 
-def test_sigterm_shuts_down_gracefully(tiny_model_dir):
-    port = free_port()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "lyanna.cli", "--model", str(tiny_model_dir), "serve", "--port", str(port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+def serve_in_subprocess(model_dir, port: int, log, env: dict | None = None) -> subprocess.Popen:
+    """``lyanna serve`` of ``model_dir`` on ``port`` in a process of its own, its output (stdout
+    and stderr) written to the file ``log``; returned once ``/health`` answers."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    with open(log, "wb") as out:  # a file, not a pipe: a pipe nobody reads would block the server's logging
+        proc = subprocess.Popen([sys.executable, "-m", "lyanna.cli", "--model", str(model_dir), "serve",
+                                 "--port", str(port)], stdout=out, stderr=subprocess.STDOUT, env=env)
+    for _ in range(300):
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    proc.kill()
+    pytest.fail("server did not come up: " + Path(log).read_text()[-2000:])
+
+
+def test_sigterm_shuts_down_gracefully(tiny_model_dir, tmp_path):
+    proc = serve_in_subprocess(tiny_model_dir, free_port(), tmp_path / "serve.log")
     try:
-        for _ in range(300):
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.1)
-        else:
-            pytest.fail("server did not come up: " + proc.stdout.read().decode()[-2000:])
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(timeout=20)
-        log = proc.stdout.read().decode()
+        log = (tmp_path / "serve.log").read_text()
         # uvicorn re-raises the signal after a clean shutdown, so -SIGTERM is a graceful exit too
         assert code in (0, -signal.SIGTERM), log
         assert "Application shutdown complete" in log

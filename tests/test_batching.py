@@ -12,7 +12,7 @@ from lyanna.decoding import verify as verify_module
 from lyanna.decoding.decoder import GenerationRequest
 from lyanna.engines.base import Block
 from lyanna.measure.bench import load_questions
-from lyanna.serving.server import create_app
+from lyanna.serving.app import create_app
 
 from .conftest import ALPHA, chi2_pvalue, no_residual
 from .test_server import Server

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
@@ -27,7 +28,9 @@ from lyanna.cli import main as cli_main
 from lyanna.decoding.decoder import GenerationRequest, GenerationResult
 from lyanna.drafters.base import Drafter, NoDrafter
 from lyanna.drafters.tree import DraftTree
-from lyanna.serving.server import GracefulServer, create_app
+from lyanna.serving.app import create_app
+from lyanna.serving.body import MAX_JSON_DEPTH, nesting_depth
+from lyanna.serving.server import GracefulServer
 
 WAIT = 20  # seconds a test waits for an event before it fails (never reached when things work)
 
@@ -441,12 +444,76 @@ def test_request_body_limit(stub_server):
     assert httpx.post(srv.url + "/v1/completions", json={"prompt": "x" * 500, "max_tokens": 1}).status_code == 200
 
 
+def nested(depth: int, inner: str = "1", array: bool = True) -> str:
+    """JSON ``inner`` wrapped in ``depth`` arrays (or objects under key "a")."""
+    return ("[" * depth + inner + "]" * depth) if array else ('{"a":' * depth + inner + "}" * depth)
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        nested(5000),  # [[[...]]]
+        nested(5000, array=False),  # {"a": {"a": ...}}
+        '{"prompt": "abc", "stop": ' + nested(5000, '"x"') + "}",  # inside a field that takes a list
+        '{"messages": [{"role": "user", "content": ' + nested(5000, '{"type": "text", "text": "x"}') + "}]}",
+    ],
+)
+def test_deeply_nested_bodies_get_400_not_500(stub_server, content):
+    srv = stub_server(StubDecoder(pace=0.0))
+    path = "/v1/chat/completions" if "messages" in content else "/v1/completions"
+    r = httpx.post(srv.url + path, content=content, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert f"{MAX_JSON_DEPTH}" in error_of(r)["message"] and "deep" in error_of(r)["message"]
+
+
+def test_depth_limit_is_exact_and_bodies_at_it_are_validated(stub_server):
+    """At the limit the body is parsed and validated (400 naming the field); one level deeper
+    it is refused before parsing."""
+    srv = stub_server(StubDecoder(pace=0.0))
+
+    def post(stop_depth: int) -> httpx.Response:  # the body object is one level, stop's lists the rest
+        body = '{"prompt": "abc", "stop": ' + nested(stop_depth, '"x"') + "}"
+        return httpx.post(srv.url + "/v1/completions", content=body, headers={"content-type": "application/json"})
+
+    at_limit, past_it = post(MAX_JSON_DEPTH - 1), post(MAX_JSON_DEPTH)
+    assert at_limit.status_code == 400 and error_of(at_limit)["param"] == "stop.0", at_limit.text
+    assert "deep" not in error_of(at_limit)["message"]
+    assert past_it.status_code == 400 and "deep" in error_of(past_it)["message"]
+
+
+def test_brackets_inside_strings_do_not_count_as_nesting(stub_server):
+    srv = stub_server(StubDecoder(pace=0.0))
+    prompt = '[{"\\' * 2000  # brackets, quotes and backslashes: escaped in JSON, text in the prompt
+    r = httpx.post(srv.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 1})
+    assert r.status_code == 200, r.text
+
+
+def json_depth(value) -> int:
+    """How deep arrays and objects nest in a parsed JSON value."""
+    if isinstance(value, list):
+        return 1 + max(map(json_depth, value), default=0)
+    if isinstance(value, dict):
+        return 1 + max(map(json_depth, value.values()), default=0)
+    return 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(value=st.recursive(st.none() | st.integers() | st.text(alphabet='[]{}"\\ax:,'),
+                          lambda children: st.lists(children, max_size=3)
+                          | st.dictionaries(st.text(alphabet='[]{}"\\a'), children, max_size=3)))
+def test_nesting_depth_of_json_is_its_parsed_depth(value):
+    assert nesting_depth(json.dumps(value)) == json_depth(value)
+
+
 @pytest.mark.parametrize(
     "method,path,content,status,param,needle",
     [
         ("POST", "/v1/completions", b'{"prompt": "\xff\xfe"}', 400, None, "UTF-8"),
         ("POST", "/v1/completions", b'{"prompt": "abc", "max_tokens": 4', 400, None, "not valid JSON"),
         ("POST", "/v1/completions", b'["abc"]', 400, None, "JSON object"),
+        ("POST", "/v1/completions", b'{"prompt": "abc", "seed": ' + b"7" * 5000 + b"}", 400, None, "5000 digits"),
+        ("POST", "/v1/completions", {"prompt": "abc", "max_tokens": "4"}, 400, "max_tokens", "string"),
+        ("POST", "/v1/completions", {"prompt": "abc", "stream": 1}, 400, "stream", "boolean"),
         ("GET", "/v1/nothing", None, 404, None, "no such endpoint"),
         ("GET", "/v1/completions", None, 405, None, "GET"),
         ("GET", "/v1/models/gpt-4", None, 404, "model", "not served"),
@@ -474,6 +541,27 @@ def test_errors_have_openai_shape_and_param(stub_server, method, path, content, 
     error = error_of(r)
     assert error["param"] == param and needle in error["message"], error
     assert error["type"] == "invalid_request_error"
+
+
+def test_openapi_declares_bodies_errors_and_content_types(stub_server):
+    srv = stub_server(StubDecoder(pace=0.0, context=64))
+    doc = httpx.get(srv.url + "/openapi.json").json()
+    components = doc["components"]["schemas"]
+    for path, request in (("/v1/chat/completions", "ChatRequest"), ("/v1/completions", "CompletionRequest")):
+        operation = doc["paths"][path]["post"]
+        assert operation["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("/" + request)
+        fields = components[request]["properties"]
+        assert fields["max_tokens"]["anyOf"][0]["maximum"] == 63  # this server's window, less a prompt token
+        assert fields["lyanna_method"]["anyOf"][0]["enum"] == ["ar"] and fields["model"]["anyOf"][0]["enum"] == ["stub"]
+        assert set(operation["responses"]) == {"200", "400", "404", "413", "429", "500", "503", "504"}
+        assert "text/event-stream" in operation["responses"]["200"]["content"]
+        for status in ("400", "413", "429"):
+            assert operation["responses"][status]["content"]["application/json"]["schema"]["$ref"].endswith(
+                "/ErrorResponse")
+    assert set(components["ErrorDetail"]["required"]) == {"message", "type", "param", "code"}
+    metrics = doc["paths"]["/metrics"]["get"]["responses"]
+    assert list(metrics["200"]["content"]) == ["text/plain"] and list(metrics["500"]["content"]) == ["application/json"]
+    assert "/openapi.json" in httpx.get(srv.url + "/docs").text
 
 
 def test_openai_request_forms_we_can_honour(stub_server):
@@ -533,23 +621,29 @@ def test_fuzzed_requests_never_get_500(server, body, chat, with_valid_core):
     assert r.headers["content-type"].startswith(("application/json", "text/event-stream"))
 
 
-def test_sigterm_shuts_down_gracefully(tiny_model_dir):
-    port = free_port()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "lyanna.cli", "--model", str(tiny_model_dir), "serve", "--port", str(port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+def serve_in_subprocess(model_dir, port: int, log, env: dict | None = None) -> subprocess.Popen:
+    """``lyanna serve`` of ``model_dir`` on ``port`` in a process of its own, its output (stdout
+    and stderr) written to the file ``log``; returned once ``/health`` answers."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    with open(log, "wb") as out:  # a file, not a pipe: a pipe nobody reads would block the server's logging
+        proc = subprocess.Popen([sys.executable, "-m", "lyanna.cli", "--model", str(model_dir), "serve",
+                                 "--port", str(port)], stdout=out, stderr=subprocess.STDOUT, env=env)
+    for _ in range(300):
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    proc.kill()
+    pytest.fail("server did not come up: " + Path(log).read_text()[-2000:])
+
+
+def test_sigterm_shuts_down_gracefully(tiny_model_dir, tmp_path):
+    proc = serve_in_subprocess(tiny_model_dir, free_port(), tmp_path / "serve.log")
     try:
-        for _ in range(300):
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.1)
-        else:
-            pytest.fail("server did not come up: " + proc.stdout.read().decode()[-2000:])
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(timeout=20)
-        log = proc.stdout.read().decode()
+        log = (tmp_path / "serve.log").read_text()
         # uvicorn re-raises the signal after a clean shutdown, so -SIGTERM is a graceful exit too
         assert code in (0, -signal.SIGTERM), log
         assert "Application shutdown complete" in log

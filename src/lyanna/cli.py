@@ -231,7 +231,9 @@ def _bench(args: argparse.Namespace) -> None:
 
 
 def _serve(args: argparse.Namespace) -> None:
-    from .serving.server import DEFAULT_MAX_BATCH, DEFAULT_MAX_BODY_BYTES, serve
+    from .serving.body import DEFAULT_MAX_BODY_BYTES
+    from .serving.server import serve
+    from .serving.worker import DEFAULT_MAX_BATCH
 
     serve(_decoder(args), args.host, args.port, args.method, args.queue_size, args.request_timeout,
           args.max_body_bytes or DEFAULT_MAX_BODY_BYTES, args.max_batch or DEFAULT_MAX_BATCH)

@@ -28,6 +28,41 @@ def _require_loopback(url: str) -> None:
         raise LyannaError(f"load tests target loopback addresses only (127.0.0.0/8, ::1, localhost), not {host!r}")
 
 
+def _stream_one(url: str, body: dict[str, Any], deadline: float) -> dict[str, Any]:
+    """One streamed chat request: latency, time to its first text, and completion tokens."""
+    import httpx
+
+    if time.perf_counter() > deadline:
+        return {"ok": False, "status": "skipped: time limit", "seconds": 0.0, "ttft": None, "tokens": 0}
+    t0 = time.perf_counter()
+    ttft, tokens, ok, status = None, 0, False, None
+    try:
+        with httpx.stream("POST", url.rstrip("/") + "/v1/chat/completions", json=body,
+                          timeout=max(1.0, deadline - t0)) as r:
+            status = r.status_code
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    ok = ok or line == "data: [DONE]"
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    status = chunk["error"].get("type", "error")
+                    break
+                if ttft is None and any(c.get("delta", {}).get("content") for c in chunk.get("choices", [])):
+                    ttft = time.perf_counter() - t0
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+        ok = ok and status == 200
+    except httpx.HTTPError as e:
+        ok, status = False, type(e).__name__
+    return {"ok": ok, "status": status, "seconds": time.perf_counter() - t0, "ttft": ttft,
+            "tokens": tokens if ok else 0}
+
+
+def _percentile(values: np.ndarray, q: float) -> float | None:
+    return round(float(np.percentile(values, q)), 3) if values.size else None
+
+
 def run_load(url: str, prompts: Sequence[str], requests: int, concurrency: int, max_tokens: int,
              time_limit: float = 1800.0, method: str | None = None) -> dict[str, Any]:
     """``method``: ask for this decoding method (``lyanna_method``) instead of the server's default."""
@@ -38,36 +73,10 @@ def run_load(url: str, prompts: Sequence[str], requests: int, concurrency: int, 
         raise LyannaError("requests and concurrency must be >= 1")
     deadline = time.perf_counter() + time_limit
 
-    def one(i: int) -> dict[str, Any]:
-        """One streamed request: latency, time to its first text, and completion tokens."""
-        if time.perf_counter() > deadline:
-            return {"ok": False, "status": "skipped: time limit", "seconds": 0.0, "ttft": None, "tokens": 0}
-        body = {"messages": [{"role": "user", "content": prompts[i % len(prompts)]}], "max_tokens": max_tokens,
+    def body(i: int) -> dict[str, Any]:
+        return {"messages": [{"role": "user", "content": prompts[i % len(prompts)]}], "max_tokens": max_tokens,
                 "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
                 **({"lyanna_method": method} if method else {})}
-        t0 = time.perf_counter()
-        ttft, tokens, ok, status = None, 0, False, None
-        try:
-            with httpx.stream("POST", url.rstrip("/") + "/v1/chat/completions", json=body,
-                              timeout=max(1.0, deadline - t0)) as r:
-                status = r.status_code
-                for line in r.iter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        ok = ok or line == "data: [DONE]"
-                        continue
-                    chunk = json.loads(line[6:])
-                    if "error" in chunk:
-                        status = chunk["error"].get("type", "error")
-                        break
-                    if ttft is None and any(c.get("delta", {}).get("content") for c in chunk.get("choices", [])):
-                        ttft = time.perf_counter() - t0
-                    if chunk.get("usage"):
-                        tokens = chunk["usage"]["completion_tokens"]
-            ok = ok and status == 200
-        except httpx.HTTPError as e:
-            ok, status = False, type(e).__name__
-        return {"ok": ok, "status": status, "seconds": time.perf_counter() - t0, "ttft": ttft,
-                "tokens": tokens if ok else 0}
 
     try:
         server = httpx.get(url.rstrip("/") + "/health", timeout=10).json()
@@ -75,7 +84,7 @@ def run_load(url: str, prompts: Sequence[str], requests: int, concurrency: int, 
         raise LyannaError(f"no Lyanna server answers at {url}: {e}") from None
     start = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
-        rows = list(pool.map(one, range(requests)))
+        rows = list(pool.map(lambda i: _stream_one(url, body(i), deadline), range(requests)))
     wall = time.perf_counter() - start
     try:  # the prefix cache's counters after the load (None: the server has none)
         prefix_cache = httpx.get(url.rstrip("/") + "/health", timeout=10).json().get("prefix_cache")
@@ -102,10 +111,10 @@ def run_load(url: str, prompts: Sequence[str], requests: int, concurrency: int, 
         "failed": int(sum(not r["ok"] for r in rows)),
         "failures": sorted({str(r["status"]) for r in rows if not r["ok"]}),
         "wall_seconds": round(wall, 2),
-        "latency_p50_s": round(float(np.percentile(lat, 50)), 3) if lat.size else None,
-        "latency_p95_s": round(float(np.percentile(lat, 95)), 3) if lat.size else None,
-        "ttft_p50_s": round(float(np.percentile(ttft, 50)), 3) if ttft.size else None,
-        "ttft_p95_s": round(float(np.percentile(ttft, 95)), 3) if ttft.size else None,
+        "latency_p50_s": _percentile(lat, 50),
+        "latency_p95_s": _percentile(lat, 95),
+        "ttft_p50_s": _percentile(ttft, 50),
+        "ttft_p95_s": _percentile(ttft, 95),
         "completion_tokens": tokens,
         "tokens_per_s": round(tokens / wall, 2) if wall > 0 else None,
     }

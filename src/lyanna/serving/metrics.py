@@ -1,0 +1,53 @@
+"""The server's Prometheus metrics, in a registry of its own (two apps in one process, as in
+the tests, count apart). ``GET /metrics`` renders them."""
+from __future__ import annotations
+
+from ..decoding.decoder import GenerationResult
+
+
+class Metrics:
+    """Requests, tokens, draft acceptance, latency and queue depth."""
+
+    def __init__(self) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("lyanna_requests", "HTTP requests by endpoint and status", ["endpoint", "status"], registry=r)
+        self.tokens = Counter("lyanna_generated_tokens", "Completion tokens generated (cancelled generations included)", registry=r)
+        self.prompt_tokens = Counter("lyanna_prompt_tokens", "Prompt tokens processed", registry=r)
+        self.drafted = Counter("lyanna_draft_tokens", "Draft tokens sent to verification", registry=r)
+        self.accepted = Counter("lyanna_accepted_draft_tokens", "Draft tokens accepted", registry=r)
+        self.passes = Counter("lyanna_target_passes", "Target forward passes", registry=r)
+        self.latency = Histogram("lyanna_request_latency_seconds", "End-to-end request latency", ["endpoint"], registry=r,
+                                 buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128))
+        self.ttft = Histogram("lyanna_time_to_first_token_seconds", "Time to the first token", registry=r,
+                              buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8))
+        self.tau = Gauge("lyanna_tau", "Tokens per target pass over all requests so far", registry=r)
+        self.acceptance = Gauge("lyanna_acceptance_rate", "Accepted / drafted tokens over all requests so far", registry=r)
+        self.queue = Gauge("lyanna_queue_depth", "Requests queued or running", registry=r)
+        self._totals = {"tokens": 0, "passes": 0, "drafted": 0, "accepted": 0}
+
+    def record(self, result: GenerationResult) -> None:
+        """Count one generation's work (called on the engine thread only)."""
+        self.tokens.inc(result.new_tokens)
+        self.prompt_tokens.inc(result.prompt_tokens)
+        self.drafted.inc(result.draft_tokens)
+        self.accepted.inc(result.accepted_draft_tokens)
+        self.passes.inc(result.target_passes)
+        if result.new_tokens:
+            self.ttft.observe(result.prefill_seconds)
+        t = self._totals
+        t["tokens"] += result.new_tokens
+        t["passes"] += result.target_passes
+        t["drafted"] += result.draft_tokens
+        t["accepted"] += result.accepted_draft_tokens
+        if t["passes"]:
+            self.tau.set(t["tokens"] / t["passes"])
+        if t["drafted"]:
+            self.acceptance.set(t["accepted"] / t["drafted"])
+
+    def render(self) -> str:
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry).decode()

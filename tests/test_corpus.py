@@ -13,7 +13,7 @@ from lyanna.data import SPEC_BENCH, packaged
 from lyanna.engines.loading import load_tokenizer
 from lyanna.errors import LyannaError
 from lyanna.train import main as train_main
-from lyanna.training import features, fit_stage, run
+from lyanna.training import features, fit_stage
 from lyanna.training.corpus import (
     Skip,
     encode_conversation,
@@ -23,6 +23,7 @@ from lyanna.training.corpus import (
     reply_mask,
 )
 from lyanna.training.fit import Example, batch_loss, init_lyanna_head, make_batch, pack
+from lyanna.training.run import iter_data, load_examples
 
 CONVS = [
     {"id": "a", "conversations": [{"from": "human", "value": "hi there"}, {"from": "gpt", "value": "hello you"},
@@ -109,18 +110,18 @@ def test_corpus_stage_features_and_fit_end_to_end(tmp_path, tiny_model_dir):
     report = json.loads((run / "data" / "report.json").read_text())
     assert report["conversations"] == 3 and sum(report["skipped"].values()) == 4
     assert train_main(["features", "--run-dir", str(run)]) == 0
-    examples = run.load_examples(run)
+    examples = load_examples(run)
     assert len(examples) == 3 and all(ex.mask.any() and not ex.mask.all() for _, ex in examples)
     assert train_main(["data", "--run-dir", str(run), "--model", str(tiny_model_dir), "--prompts", str(f)]) == 1  # other source
     state = fit_stage.stage_fit(run, "lyanna", steps=4, batch=2, lr=1e-3, depth=2, rank=4, draft_vocab=50, eval_every=4,
                                row_len=64, warmup=2, eval_run=run)
     assert state["step"] == 4 and state["train_reply_tokens"] > 0 and len(state["history"][-1]["agreement"]) == 2
     # the data grows (one more conversation in the same shard): its features shard is stale and redone
-    rows = list(run.iter_data(run))
+    rows = list(iter_data(run))
     extra = {"id": "new#9", "ids": rows[0]["ids"], "reply": rows[0]["reply"]}
     (run / "data" / "shard-00000.jsonl").write_text("\n".join(json.dumps(r) for r in rows + [extra]) + "\n")
     features.stage_features(run)
-    assert len(run.load_examples(run)) == 4
+    assert len(load_examples(run)) == 4
 
 
 def test_packed_rows_equal_single_sequence_unrolls(tiny_decoder, tiny_examples):

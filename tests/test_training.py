@@ -15,7 +15,8 @@ from lyanna.decoding.decoder import Decoder, GenerationRequest
 from lyanna.engines.loading import load_target
 from lyanna.errors import LyannaError
 from lyanna.train import main as train_main
-from lyanna.training import data, export, features, fit_stage, run
+from lyanna.training import data, export, features, fit_stage
+from lyanna.training.run import iter_data, load_examples
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +39,7 @@ def run_dir(tmp_path_factory, tiny_model_dir):
 
 
 def test_data_is_resumable_and_deterministic(run_dir, tiny_model_dir, tmp_path):
-    rows = list(run.iter_data(run_dir))
+    rows = list(iter_data(run_dir))
     assert len(rows) == 22 and {r["id"] for r in rows} == {f"p{i}" for i in range(22)}
     decoder = Decoder(load_target(tiny_model_dir))
     for r in rows:  # generated 8 at a time: each reply is what generating it alone gives
@@ -48,7 +49,7 @@ def test_data_is_resumable_and_deterministic(run_dir, tiny_model_dir, tmp_path):
     root = run_dir.parent
     assert data.stage_data(run_dir, str(tiny_model_dir), root / "prompts.jsonl", None, 24, 64, 0) == 22
     assert sorted((run_dir / "data").glob("shard-*.jsonl")) == shards
-    assert list(run.iter_data(run_dir)) == rows
+    assert list(iter_data(run_dir)) == rows
     with pytest.raises(LyannaError, match="made for model"):
         data.stage_data(run_dir, "another-model", root / "prompts.jsonl", None, 24, 64, 0)
 
@@ -57,11 +58,11 @@ def test_features_are_fp16_and_match_the_engine(run_dir, tiny_model_dir):
     shard = load_file(str(sorted((run_dir / "features").glob("shard-*.safetensors"))[0]))
     feats = [k for k in shard if k.endswith("/features")]
     assert len(feats) == 22 and all(shard[k].dtype == np.float16 for k in feats)
-    examples = run.load_examples(run_dir)
+    examples = load_examples(run_dir)
     assert len(examples) == 22
     engine = Decoder(load_target(tiny_model_dir)).engine
     eid, ex = examples[0]
-    row = next(r for r in run.iter_data(run_dir) if r["id"] == eid)
+    row = next(r for r in iter_data(run_dir) if r["id"] == eid)
     assert ex.mask.tolist() == [False] * len(row["prompt_ids"]) + [True] * len(row["output_ids"])  # only replies are scored
     ref = engine.forward(ex.tokens, np.arange(len(ex.tokens)), engine.new_cache(len(ex.tokens)),
                          taps=(engine.config.num_layers,)).hidden[engine.config.num_layers]
@@ -157,8 +158,8 @@ def test_self_distillation_through_the_hf_model_gives_the_greedy_replies(run_dir
     pfile = run_dir.parent / "prompts.jsonl"
     assert train_main(["data", "--run-dir", str(run), "--model", str(tiny_model_dir), "--prompts", str(pfile),
                        "--max-new-tokens", "24", "--batch", "5", "--device", "cpu"]) == 0
-    got = {r["id"]: r for r in run.iter_data(run)}
-    want = {r["id"]: r for r in run.iter_data(run_dir)}  # the engine's replies, same prompts and limit
+    got = {r["id"]: r for r in iter_data(run)}
+    want = {r["id"]: r for r in iter_data(run_dir)}  # the engine's replies, same prompts and limit
     assert got.keys() == want.keys()
     eos = set(load_target(tiny_model_dir).config.eos_token_ids)
     for eid, row in got.items():
@@ -169,8 +170,8 @@ def test_self_distillation_through_the_hf_model_gives_the_greedy_replies(run_dir
         assert out == want[eid]["output_ids"], eid
     assert json.loads((run / "run.json").read_text())["generator"] == "hf-cpu"
     # the features came with the replies: the same as the features stage computes teacher-forced
-    mine = dict(run.load_examples(run))
-    theirs = dict(run.load_examples(run_dir))
+    mine = dict(load_examples(run))
+    theirs = dict(load_examples(run_dir))
     assert mine.keys() == theirs.keys()
     for eid, ex in mine.items():
         assert ex.tokens.tolist() == theirs[eid].tokens.tolist() and ex.mask.tolist() == theirs[eid].mask.tolist()

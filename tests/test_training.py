@@ -122,9 +122,11 @@ def test_distributed_fit_equals_single_process(run_dir):
     assert proc.returncode == 0, proc.stderr[-3000:]
     a = load_file(str(run_dir / "fit" / "single" / "state.safetensors"))
     b = load_file(str(run_dir / "fit" / "ddp" / "state.safetensors"))
-    for k in a:
-        if k.startswith("head/"):
-            np.testing.assert_allclose(a[k], b[k], atol=1e-5, err_msg=k)
+    # Two ranks sum each gradient in another order than one process, and Adam divides every
+    # element's gradient by its own running scale: an element whose gradient is near zero can move
+    # by up to lr on rounding alone. A rank's rows lost or counted twice moves most elements.
+    diffs = np.concatenate([np.abs(a[k] - b[k]).ravel() for k in a if k.startswith("head/")])
+    assert diffs.max() < 1e-4 and (diffs > 1e-5).mean() < 1e-3, (diffs.max(), (diffs > 1e-5).sum())
     assert json.loads((run_dir / "fit" / "ddp" / "state.json").read_text())["step"] == single["step"]
 
 

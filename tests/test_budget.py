@@ -423,7 +423,7 @@ def test_health_warns_only_when_speculation_does_not_pay():
     (tau_note,) = health({**row, "tau": 1.05})
     assert "tau 1.05" in tau_note
     (slow_note,) = health({**row, "speedup": 0.9})
-    assert "0.90x ar" in slow_note and "--fallback" in slow_note
+    assert "0.90x ar" in slow_note and "method ar" in slow_note
     assert len(health({**row, "tau": 1.05, "speedup": 0.9})) == 2
     assert health({**row, "tau": None, "speedup": None}) == []
 

@@ -25,7 +25,7 @@ from lyanna.decoding.budget import (
     save_curve,
 )
 from lyanna.decoding.decoder import Decoder, GenerationRequest
-from lyanna.decoding.loop import FALLBACK_WARMUP_ROUNDS
+from lyanna.decoding.loop import FALLBACK_WARMUP_ROUNDS, FIRST_PAUSE_ROUNDS, PROBE_ROUNDS, Fallback
 from lyanna.decoding.sampling import SamplingParams
 from lyanna.drafters.base import Drafter
 from lyanna.drafters.eagle import EagleDrafter
@@ -379,12 +379,37 @@ def test_a_useless_drafter_falls_back_to_plain_decoding(decoder, ar_outputs, mon
         assert r.accepted_draft_tokens == 0
         # every round commits one token: the prefill's, then one per warm-up round
         assert r.extra["fell_back_after_tokens"] == FALLBACK_WARMUP_ROUNDS + 1
-        assert r.draft_tokens == 3 * FALLBACK_WARMUP_ROUNDS  # and no drafting after that
+        # then a pause of plain rounds, one probe that does not pay either, and a longer pause
+        probed = min(PROBE_ROUNDS, N_NEW - (FALLBACK_WARMUP_ROUNDS + 1 + FIRST_PAUSE_ROUNDS))
+        assert r.draft_tokens == 3 * (FALLBACK_WARMUP_ROUNDS + probed) and r.extra["fallback_pauses"] == 2
         auto = decoder.generate(ids, req, method="wrong", budget="auto", fallback=True)
         assert auto.tokens == ar.tokens and auto.extra["fell_back_after_tokens"] == FALLBACK_WARMUP_ROUNDS + 1
         kept = decoder.generate(ids, req, method="wrong", budget=None, fallback=False)
         assert kept.tokens == ar.tokens and "fell_back_after_tokens" not in kept.extra
         assert kept.draft_tokens > 3 * FALLBACK_WARMUP_ROUNDS
+
+
+def test_the_fallback_pauses_probes_and_learns_back():
+    """The policy alone, on a one-token step of 1 s: a stretch of rounds slower than that pauses
+    drafting, each failed probe doubles the pause, and a probe that pays resumes drafting."""
+    fb = Fallback(lambda: 1.0, warmup_rounds=3, probe_rounds=2, first_pause=4, max_pause=8)
+
+    def stretch(rounds: int, seconds: float, tokens: int) -> list[bool]:
+        return [fb.keep_drafting(seconds, tokens) for _ in range(rounds)]
+
+    def paused_rounds() -> int:
+        n = 0
+        while not fb.wants_drafts():
+            n += 1
+        return n
+
+    assert fb.wants_drafts() and stretch(3, 2.0, 1) == [True, True, False]  # 3 tokens in 6 s: slower
+    assert paused_rounds() == 4 and stretch(2, 2.0, 1) == [True, False]
+    assert paused_rounds() == 8 and stretch(2, 2.0, 1) == [True, False]
+    assert paused_rounds() == 8  # capped
+    assert stretch(2, 2.0, 3) == [True, True]  # the text turned predictable: 6 tokens in 4 s
+    assert paused_rounds() == 0 and stretch(3, 2.0, 3) == [True, True, True]  # judged by the warm-up stretch again
+    assert stretch(3, 2.0, 1)[-1] is False and paused_rounds() == 4 and fb.pauses == 4  # the pause starts over
 
 
 # ---------------------------------------------------------------- bench
@@ -398,7 +423,7 @@ def test_health_warns_only_when_speculation_does_not_pay():
     (tau_note,) = health({**row, "tau": 1.05})
     assert "tau 1.05" in tau_note
     (slow_note,) = health({**row, "speedup": 0.9})
-    assert "0.90x ar" in slow_note and "--fallback" in slow_note
+    assert "0.90x ar" in slow_note and "method ar" in slow_note
     assert len(health({**row, "tau": 1.05, "speedup": 0.9})) == 2
     assert health({**row, "tau": None, "speedup": None}) == []
 

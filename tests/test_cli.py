@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
 from lyanna.cli import main
+from lyanna.decoding.decoder import DEFAULT_METHODS
 
 
 def run_cli(capsys, *args):
@@ -20,13 +22,24 @@ def test_generate_json(capsys, tiny_model_dir):
     row = json.loads(out)
     for key in ("method", "text", "new_tokens", "seconds", "tokens_per_s", "tau", "waste_ratio"):
         assert key in row
-    assert row["method"] == "ar" and 1 <= row["new_tokens"] <= 12
+    assert row["method"] == DEFAULT_METHODS[0] and 1 <= row["new_tokens"] <= 12  # the default method
     assert "tokens/s" in err
 
 
 def test_generate_streams_text(capsys, tiny_model_dir):
-    code, out, err = run_cli(capsys, "--model", str(tiny_model_dir), "generate", "hi", "--max-new-tokens", "8", "--seed", "1")
+    code, out, err = run_cli(capsys, "--model", str(tiny_model_dir), "generate", "hi", "--max-new-tokens", "8", "--seed", "1",
+                             "--method", "ar")
     assert code == 0 and out.endswith("\n") and "[ar]" in err
+
+
+def test_demo_compares_the_default_method_with_ar_on_every_category(capsys, tiny_model_dir):
+    code, out, err = run_cli(capsys, "--model", str(tiny_model_dir), "demo")
+    assert code == 0
+    method = DEFAULT_METHODS[0]
+    assert re.search(rf"ar, {method} on \d+ Spec-Bench questions \(one per category\)", out) and f"| {method} |" in out
+    line = next(x for x in out.splitlines() if x.startswith(f"{method} (the default method): "))
+    assert "x ar over these questions" in line and "every output token-identical to ar" in line
+    assert "no Lyanna draft head" in out  # the tiny model has none
 
 
 @pytest.mark.parametrize(

@@ -64,8 +64,9 @@ def _budget_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget", type=_budget, default="auto",
                    help="draft nodes verified per round: 'auto' (default; from this machine's latency, see "
                         "lyanna calibrate) or a number; in bench, METHOD@N overrides it per method")
-    p.add_argument("--fallback", action="store_true",
-                   help="stop drafting for the rest of a generation once speculation is slower than ar")
+    p.add_argument("--fallback", action=argparse.BooleanOptionalAction, default=True,
+                   help="pause drafting while a stretch of rounds commits tokens more slowly than ar would, "
+                        "and probe again later (default on)")
 
 
 def _known_methods() -> str:
@@ -95,7 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="generate a reply to one prompt (streamed)")
     g.add_argument("prompt")
-    g.add_argument("--method", default="ar")
+    g.add_argument("--method", default=None, help="decoding method (default: the model's default method, "
+                   "the fastest lossless one measured on its default engine)")
     g.add_argument("--max-new-tokens", type=_positive_int, default=256)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--no-chat", action="store_true", help="do not wrap the prompt in the chat template")
@@ -149,7 +151,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("train", help="draft training pipeline: lyanna train {data,features,select,fit,export} ...")
 
-    sub.add_parser("demo", help="load the model and generate a reply to a fixed prompt (make run)")
+    dm = sub.add_parser("demo", help="a reply by the default method, then its speed against ar on Spec-Bench questions "
+                                     "(make run)")
+    dm.add_argument("--fallback", action=argparse.BooleanOptionalAction, default=True,
+                    help="pause drafting while it does not pay (default on)")
     return parser
 
 
@@ -166,7 +171,8 @@ def _generate(args: argparse.Namespace) -> None:
     decoder = _decoder(args)
     ids = decoder.encode(args.prompt, chat=not args.no_chat)
     stream = None if args.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
-    result = decoder.generate(ids, request, method=args.method, on_text=stream, budget=args.budget,
+    result = decoder.generate(ids, request, method=args.method or decoder.default_method, on_text=stream,
+                              budget=args.budget,
                               fallback=args.fallback)
     if args.json:
         print(json.dumps(result.to_json()))
@@ -271,28 +277,53 @@ def _report(args: argparse.Namespace) -> None:
     print(f"wrote {write_report(args.bench_json, args.out)}")
 
 
+DEMO_NEW_TOKENS = 64  # per question: 13 questions x 64 tokens for each method, a minute or two on two cores
+
+
+def _demo_questions(decoder, new_tokens: int) -> list:
+    """The first Spec-Bench question of each category whose prompt leaves room for ``new_tokens``
+    in the model's context window."""
+    from .measure.bench import load_questions
+
+    room = decoder.target.config.max_position_embeddings - new_tokens
+    chosen: dict[str, object] = {}
+    for q in load_questions():
+        if q.category not in chosen and len(decoder.encode(q.prompt)) <= room:
+            chosen[q.category] = q
+    return list(chosen.values())
+
+
 def _demo(args: argparse.Namespace) -> None:
-    """The product's point in one screen: the same reply by plain decoding (``ar``) and by
-    Lyanna, token-identical, and what Lyanna bought (speedup, tokens per target pass)."""
+    """The product's point in one screen: a streamed reply by the default method, then the default
+    method, ``lyanna`` and plain decoding (``ar``) on the same Spec-Bench questions, one of each
+    category: their speed, tokens per target pass, and whether every output equals ``ar``'s."""
     from .decoding.decoder import GenerationRequest
+    from .measure.bench import format_table, run_bench
 
     decoder = _decoder(args)
+    method = decoder.default_method
     print(f"model: {args.model} (engine: {decoder.engine.name})\nprompt: {DEMO_PROMPT}\n")
     ids = decoder.encode(DEMO_PROMPT)
-    request = GenerationRequest(max_new_tokens=128)
-    method = "lyanna" if "lyanna" in decoder.methods else None
-    decoder.generate(ids, GenerationRequest(max_new_tokens=8), method=method or "ar")  # warm the kernels and caches
-    ar = decoder.generate(ids, request, method="ar", on_text=lambda s: (sys.stdout.write(s), sys.stdout.flush()))
-    print("\n")
-    print(_stats_line(ar))
-    if method is None:
+    decoder.generate(ids, GenerationRequest(max_new_tokens=8), method=method)  # warm the kernels and caches
+    reply = decoder.generate(ids, GenerationRequest(max_new_tokens=128), method=method, fallback=args.fallback,
+                             on_text=lambda s: (sys.stdout.write(s), sys.stdout.flush()))
+    print(f"\n\n{method}: {_stats_line(reply)}\n")
+    methods = list(dict.fromkeys(["ar", method, *(["lyanna"] if "lyanna" in decoder.methods else [])]))
+    questions = _demo_questions(decoder, DEMO_NEW_TOKENS)
+    print(f"{', '.join(methods)} on {len(questions)} Spec-Bench questions (one per category), "
+          f"{DEMO_NEW_TOKENS} new tokens each:")
+    report = run_bench(decoder, methods, questions, DEMO_NEW_TOKENS, progress=False, fallback=args.fallback)
+    print(format_table(report) + "\n")
+    rows = {r["method"]: r for r in report["results"]}
+    for m in methods[1:]:
+        r = rows[m]
+        same = ("every output token-identical to ar" if r["equal_to_ar"]
+                else "outputs DIFFERENT from ar (a bug: please report it)")
+        role = "the default method" if m == method else "Lyanna's hidden-state drafter"
+        print(f"{m} ({role}): {r['speedup']:.2f}x ar over these questions, tau {r['tau']:.2f} tokens per "
+              f"target pass, {same}")
+    if "lyanna" not in decoder.methods:
         print("(no Lyanna draft head for this model: train one with `lyanna train`)")
-        return
-    spec = decoder.generate(ids, request, method=method)
-    print(_stats_line(spec))
-    same = "token-identical to ar" if spec.tokens == ar.tokens else "DIFFERENT from ar (a bug: please report it)"
-    print(f"\n{method}: {spec.tokens_per_s / ar.tokens_per_s:.2f}x ar end to end, tau {spec.tau:.2f} tokens per "
-          f"target pass, {same}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

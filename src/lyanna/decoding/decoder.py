@@ -92,6 +92,9 @@ class GenerationResult:
 
 
 DRAFTS_DIR = Path(__file__).parents[1] / "drafts"  # trained heads shipped with the package, by model alias
+# The default method: the first of these a decoder has. The order is the measured one on the default
+# engine, fastest lossless method first (lyanna bench, docs/bench/default-gguf-epyc.json).
+DEFAULT_METHODS = ("suffix", PLAIN_METHOD)
 # Tree positions past the committed context that a cache must hold: the largest verification block.
 MAX_TREE_TOKENS = 256
 
@@ -153,6 +156,11 @@ class Decoder:
         return self._curve
 
     @property
+    def default_method(self) -> str:
+        """The method ``lyanna generate`` and ``make run`` use when none is named."""
+        return next(m for m in DEFAULT_METHODS if m in self.methods)
+
+    @property
     def methods(self) -> list[str]:
         return [PLAIN_METHOD, *self.drafters]
 
@@ -183,7 +191,8 @@ class Decoder:
 
         Speculative methods only: ``budget`` is the number of draft nodes verified per round,
         ``"auto"`` (this machine's latency curve decides each round) or None (the drafter's whole
-        tree); ``fallback`` stops drafting once speculation is slower than plain decoding."""
+        tree); ``fallback`` pauses drafting while it is slower than plain decoding and probes
+        again later (``loop.Fallback``; the command line turns it on by default)."""
         return run_alone(self.steps(prompt_ids, request, method, on_text, should_cancel, budget, fallback), self.engine)
 
     def generate_batch(

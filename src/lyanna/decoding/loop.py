@@ -58,7 +58,8 @@ class RoundStats:
     other_seconds: float = 0.0
     tried_by_depth: Counter[int] = field(default_factory=Counter)
     accepted_by_depth: Counter[int] = field(default_factory=Counter)
-    fell_back_after_tokens: int | None = None  # when the fallback stopped drafting
+    fell_back_after_tokens: int | None = None  # tokens committed when the fallback first paused drafting
+    fallback_pauses: int = 0
 
     def record(self, tree: DraftTree, verdict: Verdict, committed_drafts: int) -> None:
         self.rounds += 1
@@ -76,7 +77,8 @@ class RoundStats:
 
     def to_extra(self) -> dict[str, Any]:
         """The ``GenerationResult.extra`` entries."""
-        fell_back = {} if self.fell_back_after_tokens is None else {"fell_back_after_tokens": self.fell_back_after_tokens}
+        fell_back = ({} if self.fell_back_after_tokens is None else
+                     {"fell_back_after_tokens": self.fell_back_after_tokens, "fallback_pauses": self.fallback_pauses})
         return {
             **fell_back,
             "rounds": self.rounds,
@@ -89,28 +91,64 @@ class RoundStats:
         }
 
 
-FALLBACK_WARMUP_ROUNDS = 8  # drafting rounds judged before the fallback may stop drafting
+FALLBACK_WARMUP_ROUNDS = 8  # drafting rounds judged before the fallback may first pause drafting
+# After a pause, a few drafting rounds judge whether drafting pays again: enough that one lucky or
+# unlucky round does not decide, few enough that a probe of a drafter that never pays costs little.
+PROBE_ROUNDS = 4
+# Plain rounds of the first pause, doubled after each probe that does not pay (up to the last):
+# text that turns repetitive (a summary quoting its source) is found again within a few dozen
+# tokens, while a drafter that never pays probes ever more rarely.
+FIRST_PAUSE_ROUNDS = 16
+MAX_PAUSE_ROUNDS = 256
 
 
 class Fallback:
-    """Stops drafting for the rest of a generation once, after a warm-up, the rounds that drafted
-    commit tokens more slowly than plain decoding would. Rounds where the drafter proposed nothing
-    are plain decoding already and are not judged (so ``ar`` never needs the latency curve)."""
+    """Pauses drafting while it does not pay, and probes again later.
 
-    def __init__(self, step_seconds: Callable[[], float], warmup_rounds: int = FALLBACK_WARMUP_ROUNDS):
+    Drafting rounds are judged in stretches (``FALLBACK_WARMUP_ROUNDS`` at first, ``PROBE_ROUNDS``
+    after a pause): a stretch whose rounds committed tokens more slowly than plain decoding would
+    (tokens times the one-token latency against their measured seconds) starts a pause of plain
+    rounds, each longer than the last; a stretch that paid keeps drafting, judged afresh. Rounds
+    where the drafter proposed nothing are plain decoding already and are not judged (so ``ar``
+    never needs the latency curve)."""
+
+    def __init__(self, step_seconds: Callable[[], float], warmup_rounds: int = FALLBACK_WARMUP_ROUNDS,
+                 probe_rounds: int = PROBE_ROUNDS, first_pause: int = FIRST_PAUSE_ROUNDS,
+                 max_pause: int = MAX_PAUSE_ROUNDS):
         """``step_seconds``: the target's one-token latency, asked for only when first needed."""
         self._step_seconds = step_seconds
-        self.warmup_rounds = warmup_rounds
-        self.rounds = 0
-        self.seconds = 0.0
-        self.tokens = 0
+        self.warmup_rounds, self.probe_rounds = warmup_rounds, probe_rounds
+        self.first_pause, self.max_pause = first_pause, max_pause
+        self._stretch = warmup_rounds  # drafting rounds in the stretch being judged
+        self._rounds, self._seconds, self._tokens = 0, 0.0, 0
+        self._next_pause = first_pause
+        self._pause_left = 0
+        self.pauses = 0  # pauses started so far
+
+    def wants_drafts(self) -> bool:
+        """Whether this round may draft (False while a pause lasts; each call is one round)."""
+        if self._pause_left:
+            self._pause_left -= 1
+            return False
+        return True
 
     def keep_drafting(self, seconds: float, tokens: int) -> bool:
-        """Account one drafting round; False once drafting has proved slower than plain decoding."""
-        self.rounds += 1
-        self.seconds += seconds
-        self.tokens += tokens
-        return self.rounds < self.warmup_rounds or self.tokens * self._step_seconds() >= self.seconds
+        """Account one drafting round (its seconds, the tokens it committed); False when it ends a
+        stretch that did not pay, which starts a pause."""
+        self._rounds += 1
+        self._seconds += seconds
+        self._tokens += tokens
+        if self._rounds < self._stretch:
+            return True
+        paid = self._tokens * self._step_seconds() >= self._seconds
+        self._rounds, self._seconds, self._tokens = 0, 0.0, 0
+        if paid:
+            self._stretch, self._next_pause = self.warmup_rounds, self.first_pause
+            return True
+        self._stretch, self._pause_left = self.probe_rounds, self._next_pause
+        self._next_pause = min(2 * self._next_pause, self.max_pause)
+        self.pauses += 1
+        return False
 
 
 def _block(tree: DraftTree, root: int, start: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
@@ -151,8 +189,9 @@ def rounds(state: DecodeState, drafter: Drafter, budget: Budget | None = None,
            fallback: Fallback | None = None) -> Forwards:
     """The decode loop, as a generator that yields each round's verification block and is sent
     the target's output for it (so one loop serves a sequence alone and inside a batch).
-    ``budget`` trims each proposed tree (None: verify it whole); ``fallback`` may stop drafting
-    for the rest of this generation. Returns the rounds' statistics."""
+    ``budget`` trims each proposed tree (None: verify it whole); ``fallback`` pauses drafting
+    while it does not pay. The drafter is told every commit, paused or not, so it can draft again
+    at any round. Returns the rounds' statistics."""
     cache, tracker = state.cache, state.tracker
     stats = RoundStats()
     drafter.start(state.prompt_ids, state.prefill_hidden)
@@ -161,16 +200,15 @@ def rounds(state: DecodeState, drafter: Drafter, budget: Budget | None = None,
     tracker.extend([root])
     context = [*state.prompt_ids, root]  # prompt + committed tokens, grown in place
     empty = DraftTree.empty()
-    drafting = True
     while not tracker.finished:
         t0 = time.perf_counter()
         tree = empty
-        if drafting and (budget is None or budget.wants_drafts()):
+        if (fallback is None or fallback.wants_drafts()) and (budget is None or budget.wants_drafts()):
             depth = tracker.max_new_tokens - len(tracker.tokens) - 1  # room left after the bonus token
             if budget is not None:
                 depth = budget.limit_depth(depth)
             tree = drafter.propose(context, depth).prune_depth(depth)
-        elif drafting:
+        else:
             drafter.skip()  # this round verifies no draft: per-round speculative state is stale
         proposed = len(tree) > 0  # judged by the fallback even when the budget keeps nothing
         if proposed and budget is not None:
@@ -178,7 +216,7 @@ def rounds(state: DecodeState, drafter: Drafter, budget: Budget | None = None,
         t1 = time.perf_counter()
         start = cache.length
         tokens, positions, mask = _block(tree, root, start)
-        out = yield Block(tokens, positions, cache, mask, taps=drafter.taps if drafting else ())
+        out = yield Block(tokens, positions, cache, mask, taps=drafter.taps)
         state.target_passes += 1
         verdict = verify(tree, out.logits, state.params, state.rng)
         taken = tracker.extend(verdict.tokens)
@@ -187,17 +225,17 @@ def rounds(state: DecodeState, drafter: Drafter, budget: Budget | None = None,
         if len(tree):  # drop the rejected nodes (a lone root has nothing to drop)
             cache.compact(start, keep)
         t2 = time.perf_counter()
-        if budget is not None and drafting:
+        if budget is not None:
             budget.observe(tree, len(verdict.path))
         stats.record(tree, verdict, min(len(verdict.path), taken))
         if not tracker.finished:
-            if drafting:
-                drafter.commit(tokens[keep].tolist(), {k: v[keep] for k, v in out.hidden.items()})
+            drafter.commit(tokens[keep].tolist(), {k: v[keep] for k, v in out.hidden.items()})
             root = verdict.tokens[-1]
         t3 = time.perf_counter()
         if proposed and fallback is not None and not fallback.keep_drafting(t3 - t0, taken):
-            drafting = False
-            stats.fell_back_after_tokens = len(tracker.tokens)
+            if stats.fell_back_after_tokens is None:
+                stats.fell_back_after_tokens = len(tracker.tokens)
+            stats.fallback_pauses += 1
         stats.draft_seconds += t1 - t0
         stats.verify_seconds += t2 - t1
         stats.other_seconds += t3 - t2

@@ -143,7 +143,8 @@ def health(result: dict[str, Any]) -> list[str]:
     if result["tau"] is not None and result["draft_tokens"] and result["tau"] < HEALTHY_TAU:
         notes.append(f"tau {result['tau']:.2f} is near 1: its drafts are rarely accepted here")
     if result["speedup"] is not None and result["method"] != "ar" and result["speedup"] < 1.0:
-        hint = " (use method ar, or --fallback to stop drafting when it does not pay)" if result["draft_tokens"] else ""
+        hint = (" (use method ar; the --fallback, on by default, pauses drafting only after a stretch of slower rounds)"
+                if result["draft_tokens"] else "")
         notes.append(f"{result['speedup']:.2f}x ar: slower than plain decoding on this machine{hint}")
     return notes
 

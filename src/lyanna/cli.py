@@ -307,7 +307,7 @@ def _demo(args: argparse.Namespace) -> None:
     decoder.generate(ids, GenerationRequest(max_new_tokens=8), method=method)  # warm the kernels and caches
     reply = decoder.generate(ids, GenerationRequest(max_new_tokens=128), method=method, fallback=args.fallback,
                              on_text=lambda s: (sys.stdout.write(s), sys.stdout.flush()))
-    print(f"\n\n{method}: {_stats_line(reply)}\n")
+    print(f"\n\n{_stats_line(reply)}\n")
     methods = list(dict.fromkeys(["ar", method, *(["lyanna"] if "lyanna" in decoder.methods else [])]))
     questions = _demo_questions(decoder, DEMO_NEW_TOKENS)
     print(f"{', '.join(methods)} on {len(questions)} Spec-Bench questions (one per category), "

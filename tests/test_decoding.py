@@ -119,6 +119,9 @@ def test_target_probs_filters():
     np.testing.assert_allclose(p, np.array([0.5, 0.2, 0.15, 0, 0]) / 0.85)
     p = target_probs(logits, SamplingParams(temperature=1.0, top_p=0.01))
     np.testing.assert_allclose(p, [1, 0, 0, 0, 0])
+    for tiny in (1e-300, 1e-320, 5e-324):  # logits / temperature overflows: the limit is greedy, ties shared
+        np.testing.assert_array_equal(target_probs(np.array([1.0, 3.0, -2.0, 3.0]), SamplingParams(temperature=tiny)),
+                                      [0, 0.5, 0, 0.5])
     for bad in (dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(top_k=-1)):
         with pytest.raises(LyannaError):
             SamplingParams(**bad)

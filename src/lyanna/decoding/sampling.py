@@ -40,11 +40,13 @@ def target_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     """The sampling distribution (float64, rows sum to 1) for logits of shape [..., vocab]."""
     if params.greedy:
         raise ValueError("greedy decoding has no sampling distribution; use argmax")
-    z = np.asarray(logits, dtype=np.float64) / params.temperature
+    z = np.asarray(logits, dtype=np.float64)
+    # Shifted before dividing: the largest logit becomes 0 at any temperature, so a tiny one (down
+    # to subnormals) gives its limit, the greedy distribution, instead of inf - inf = NaN.
+    z = (z - z.max(axis=-1, keepdims=True)) / params.temperature
     if params.top_k and params.top_k < z.shape[-1]:
         kth = np.partition(z, -params.top_k, axis=-1)[..., -params.top_k, None]
         z = np.where(z < kth, -np.inf, z)
-    z = z - z.max(axis=-1, keepdims=True)
     p = np.exp(z)
     p /= p.sum(axis=-1, keepdims=True)
     if params.top_p < 1.0:

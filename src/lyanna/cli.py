@@ -64,6 +64,10 @@ def _budget_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget", type=_budget, default="auto",
                    help="draft nodes verified per round: 'auto' (default; from this machine's latency, see "
                         "lyanna calibrate) or a number; in bench, METHOD@N overrides it per method")
+    _fallback_arg(p)
+
+
+def _fallback_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fallback", action=argparse.BooleanOptionalAction, default=True,
                    help="pause drafting while a stretch of rounds commits tokens more slowly than ar would, "
                         "and probe again later (default on)")
@@ -153,8 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     dm = sub.add_parser("demo", help="a reply by the default method, then its speed against ar on Spec-Bench questions "
                                      "(make run)")
-    dm.add_argument("--fallback", action=argparse.BooleanOptionalAction, default=True,
-                    help="pause drafting while it does not pay (default on)")
+    _fallback_arg(dm)
     return parser
 
 

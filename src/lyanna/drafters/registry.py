@@ -36,7 +36,7 @@ def register(cls: D) -> D:
     clash = sorted(taken & set(cls.VARIANTS))
     if clash:
         raise TypeError(f"{cls.__name__}: method name(s) {', '.join(clash)} already taken")
-    if cls.ARCH is not None and any(c.ARCH == cls.ARCH for c in others):
+    if cls.ARCH is not None and any(c.ARCH == cls.ARCH for c in _heads(others)):
         raise TypeError(f"{cls.__name__}: checkpoint arch {cls.ARCH!r} already registered")
     _CLASSES[:] = [*others, cls]  # re-registering a class (a reloaded module) replaces it
     return cls
@@ -56,17 +56,23 @@ def method_names() -> list[str]:
     return [PLAIN_METHOD, *(m for c in _CLASSES for m in c.VARIANTS)]
 
 
+def _heads(classes: list[type[Drafter]] = _CLASSES) -> list[type[Drafter]]:
+    """The draft heads among ``classes`` (drafters that load a checkpoint arch)."""
+    return [c for c in classes if c.ARCH is not None]
+
+
+def _known_archs() -> str:
+    return " or ".join(repr(c.ARCH) for c in _heads())
+
+
 def trainable_archs() -> list[str]:
     """The head archs ``lyanna train`` can fit (those with a training recipe)."""
-    return [c.ARCH for c in _CLASSES if c.ARCH is not None and c.TRAINING is not None]
+    return [c.ARCH for c in _heads() if c.TRAINING is not None]
 
 
-def head_class(arch: str) -> type[Drafter]:
-    for c in _CLASSES:
-        if c.ARCH is not None and c.ARCH == arch:
-            return c
-    known = " or ".join(repr(c.ARCH) for c in _CLASSES if c.ARCH is not None)
-    raise LyannaError(f"unknown draft-head arch {arch!r}; known: {known}")
+def head_class(arch: str | None) -> type[Drafter] | None:
+    """The registered head that loads checkpoints of ``arch`` (None: no such head)."""
+    return next((c for c in _heads() if c.ARCH == arch), None)
 
 
 def model_free_methods(target: "Target", engine: "TargetEngine") -> dict[str, Drafter]:
@@ -90,15 +96,12 @@ def checkpoint_arch(path: str | Path) -> str | None:
 
 def load_methods(path: str | Path, target: "Target", engine: "TargetEngine") -> dict[str, Drafter]:
     """The methods (name -> drafter) the checkpoint at ``path`` provides for ``target``."""
-    arch = checkpoint_arch(path)
-    heads = [c for c in _CLASSES if c.ARCH is not None]
-    cls = next((c for c in heads if c.ARCH == arch), None)
+    cls = head_class(checkpoint_arch(path))
     if cls is None:
-        known = " or ".join(repr(c.ARCH) for c in heads)
-        raise LyannaError(f"{path}: not a known draft checkpoint (need config.json with arch {known})")
+        raise LyannaError(f"{path}: not a known draft checkpoint (need config.json with arch {_known_archs()})")
     return cls.build(target, engine, Path(path))
 
 
 def arch_providing(method: str) -> str | None:
     """The checkpoint arch whose drafter provides ``method``, if any."""
-    return next((c.ARCH for c in _CLASSES if c.ARCH is not None and method in c.VARIANTS), None)
+    return next((c.ARCH for c in _heads() if method in c.VARIANTS), None)

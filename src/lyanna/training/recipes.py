@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..drafters.registry import head_class
+from ..drafters.registry import head_class, trainable_archs
 from ..engines.base import TargetEngine
 from ..errors import LyannaError
 
@@ -80,6 +80,8 @@ class LyannaRecipe(HeadRecipe):
 def recipe_for(arch: str) -> HeadRecipe:
     """The recipe the registered drafter of ``arch`` names."""
     cls = head_class(arch)
+    if cls is None:
+        raise LyannaError(f"unknown draft-head arch {arch!r}; known: {' or '.join(map(repr, trainable_archs()))}")
     if cls.TRAINING is None:
         raise LyannaError(f"the {arch} head has no training recipe: `lyanna train` cannot fit it")
     module, _, name = cls.TRAINING.partition(":")

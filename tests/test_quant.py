@@ -8,25 +8,26 @@ import pytest
 from gguf import GGMLQuantizationType, quants
 
 from lyanna.engines.kernels import linear
-from lyanna.engines.quant import SUPPORTED, QuantMatrix, from_blocks, hf_name, quantize_q8_0
+from lyanna.engines.quant import KERNELS, SUPPORTED, QuantMatrix, from_blocks, hf_name, quantize_q8_0
 
 ROWS = (1, 2, 3, 5, 8, 17, 31, 64)
 
 
-def gguf_matrix(kind: str, n: int, k: int, seed: int = 0) -> tuple[QuantMatrix, np.ndarray]:
+def gguf_matrix(kind: str, n: int, k: int, seed: int = 0, kernel: str = "int8") -> tuple[QuantMatrix, np.ndarray]:
     """A random [n, k] matrix quantized by gguf's reference quantizer, as our blocks and as gguf's
     own fp32 dequantization."""
     rng = np.random.default_rng(seed)
     w = (rng.standard_normal((n, k)) * rng.uniform(0.01, 1.0, (n, 1))).astype(np.float32)
     qtype = GGMLQuantizationType[kind]
     raw = quants.quantize(w, qtype)
-    return from_blocks(kind, raw, (n, k)), quants.dequantize(raw, qtype).astype(np.float32)
+    return from_blocks(kind, raw, (n, k), kernel), quants.dequantize(raw, qtype).astype(np.float32)
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("kind", SUPPORTED)
 @pytest.mark.parametrize("shape", [(48, 64), (37, 96), (200, 32), (1040, 608)])
-def test_blocks_read_exactly_as_gguf_dequantizes_them(kind, shape):
-    matrix, reference = gguf_matrix(kind, *shape)
+def test_blocks_read_exactly_as_gguf_dequantizes_them(kind, shape, kernel):
+    matrix, reference = gguf_matrix(kind, *shape, kernel=kernel)
     assert matrix.shape == shape
     assert np.array_equal(matrix.dense(), reference)
     rows = np.array([shape[0] - 1, 0, 5])
@@ -34,24 +35,30 @@ def test_blocks_read_exactly_as_gguf_dequantizes_them(kind, shape):
     assert np.array_equal(matrix[3], reference[3])
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("kind", SUPPORTED)
 @pytest.mark.parametrize("shape", [(48, 64), (37, 96), (1040, 608)])
-def test_quantized_linear_equals_fp32_over_the_same_weights(kind, shape):
-    matrix, reference = gguf_matrix(kind, *shape, seed=1)
+def test_quantized_linear_equals_fp32_over_the_same_weights(kind, shape, kernel):
+    matrix, reference = gguf_matrix(kind, *shape, seed=1, kernel=kernel)
     x = np.random.default_rng(2).standard_normal((max(ROWS), shape[1])).astype(np.float32)
     exact = x.astype(np.float64) @ reference.astype(np.float64).T
     scale = np.abs(x).astype(np.float64) @ np.abs(reference).astype(np.float64).T
+    # int8: each input moves by at most half its block's step (max |x| / 127 / 2) when rounded
+    step = np.repeat(np.abs(x.reshape(len(x), -1, 32)).max(axis=-1) / 127 / 2, 32, axis=1)
+    rounding = step @ np.abs(reference).astype(np.float64).T if kernel == "int8" else 0
     for rows in ROWS:
         out = linear(x[:rows], matrix)
         assert out.shape == (rows, shape[0]) and out.dtype == np.float32
         # fp32 sums of at most k terms: a few units of rounding of the sum of magnitudes
-        assert np.all(np.abs(out - exact[:rows]) <= 1e-6 * shape[1] * scale[:rows] + 1e-30)
+        bound = 1e-6 * shape[1] * scale[:rows] + 1e-30 + (rounding[:rows] * (1 + 1e-5) if kernel == "int8" else 0)
+        assert np.all(np.abs(out - exact[:rows]) <= bound)
     assert np.array_equal(linear(x[0], matrix), linear(x[:1], matrix)[0])
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
-def test_a_rows_output_does_not_depend_on_its_block(kind):
-    matrix, _ = gguf_matrix(kind, 1040, 608, seed=3)
+def test_a_rows_output_does_not_depend_on_its_block(kind, kernel):
+    matrix, _ = gguf_matrix(kind, 1040, 608, seed=3, kernel=kernel)
     x = np.random.default_rng(4).standard_normal((max(ROWS), 608)).astype(np.float32)
     alone = np.stack([linear(x[i : i + 1], matrix)[0] for i in range(max(ROWS))])
     for rows in ROWS:
@@ -71,10 +78,12 @@ def test_a_prompts_rows_stay_on_the_blocks_kernel():
     assert np.array_equal(linear_rows(x[5:], matrix, [(0, x.shape[0] - 5)]), linear(x[5:], matrix))
 
 
-def test_take_and_concat_keep_the_weights():
-    a, ra = gguf_matrix("Q4_1", 64, 96, seed=5)
-    b, rb = gguf_matrix("Q8_0", 37, 96, seed=6)
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_take_and_concat_keep_the_weights(kernel):
+    a, ra = gguf_matrix("Q4_1", 64, 96, seed=5, kernel=kernel)
+    b, rb = gguf_matrix("Q8_0", 37, 96, seed=6, kernel=kernel)
     both = QuantMatrix.concat([a, b])
+    assert both.kernel == kernel
     assert np.array_equal(both.dense(), np.concatenate([ra, rb]))
     order = np.random.default_rng(7).permutation(101)
     assert np.array_equal(both.take(order).dense(), np.concatenate([ra, rb])[order])
@@ -98,6 +107,8 @@ def test_bad_blocks_are_refused():
         from_blocks("Q6_K", np.zeros((4, 210), np.uint8), (4, 256))
     with pytest.raises(ValueError, match="int8"):
         QuantMatrix(np.zeros((4, 1), np.float32), np.zeros((4, 1), np.float32), np.zeros((4, 32), np.uint8))
+    with pytest.raises(ValueError, match="choose one of int8, float"):
+        QuantMatrix(np.zeros((4, 1), np.float32), np.zeros((4, 1), np.float32), np.zeros((4, 32), np.int8), "int4")
     with pytest.raises(ValueError, match="linear needs"):
         linear(np.zeros((2, 64), np.float32), gguf_matrix("Q8_0", 16, 96)[0])
 
@@ -143,7 +154,8 @@ def test_default_model_runs_on_its_gguf_blocks(gguf_decoder, default_decoder):
     assert isinstance(head.layer.w_down, QuantMatrix) and isinstance(head.fc_w, QuantMatrix)
 
 
-def test_fused_layers_give_the_layer_by_layer_bits(tiny_model_dir):
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_fused_layers_give_the_layer_by_layer_bits(tiny_model_dir, kernel):
     """One sequence's pass through every layer in one compiled call (``fused.py``) equals the
     layer-by-layer path bit for bit: logits, tapped hidden states and KV cache, for a prompt, a
     tree-masked block and a single token; and a batch (layer by layer) equals each sequence alone."""
@@ -152,7 +164,7 @@ def test_fused_layers_give_the_layer_by_layer_bits(tiny_model_dir):
     from lyanna.engines.transformer import Transformer
 
     target = load_target(tiny_model_dir)
-    weights = {name: quantize_q8_0(w) if w.ndim == 2 and ".layers." in name else w
+    weights = {name: quantize_q8_0(w, kernel) if w.ndim == 2 and ".layers." in name else w
                for name, w in target.weights.items()}
     fused = Transformer(target.config, weights)
     assert fused._fused is not None

@@ -90,9 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="what computes the target: our numpy engine (default, the faster one on a CPU) or "
                              "the Hugging Face model in PyTorch (any device)")
     parser.add_argument("--weights", choices=WEIGHT_FORMATS, default="auto",
-                        help="numpy backend: gguf computes on a GGUF target's quantized blocks (the same weights, a "
-                             "third of the bytes per token); fp32 streams them dequantized; auto (default): gguf for "
-                             "a GGUF target, else fp32")
+                        help="numpy backend: gguf computes on a GGUF target's quantized blocks with 8-bit inputs "
+                             "and integer dot products (the fastest); gguf-float on the same blocks with fp32 inputs; "
+                             "fp32 streams the weights dequantized; auto (default): gguf for a GGUF target, else fp32")
     parser.add_argument("--device", default=None, help="torch backend: cpu (default), cuda, cuda:1, ...")
     parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                         help="torch backend: the model's dtype (default float32; greedy output equals ar only in float32)")
@@ -189,8 +189,8 @@ def _decoder(args: argparse.Namespace):
     from .engines.loading import load_target
 
     cache_tokens = getattr(args, "prefix_cache_tokens", 0)  # the server's option
-    if args.backend == "torch" and args.weights == "gguf":
-        raise LyannaError("--weights gguf is a numpy-backend engine: drop --backend torch or --weights")
+    if args.backend == "torch" and args.weights.startswith("gguf"):
+        raise LyannaError(f"--weights {args.weights} is a numpy-backend engine: drop --backend torch or --weights")
     if args.backend == "torch":
         from .engines.torch_engine import load_torch_target
 

@@ -28,7 +28,7 @@ class DraftHead:
                 w = np.ascontiguousarray(weights[name], dtype=np.float32)
             except KeyError:
                 raise LyannaError(f"draft head weight {name!r} is missing") from None
-            return quantize_q8_0(w) if blocks and w.ndim == 2 else w
+            return quantize_q8_0(w, target.lm_head.kernel) if blocks and w.ndim == 2 else w
 
         self.config = c
         self.fc_w = get("fc.weight")

@@ -21,12 +21,25 @@ from typing import Sequence
 
 import numpy as np
 from numba import njit
+from numba.extending import overload
 from numba.typed import List
 
 from .attention import _attention_kernel, span_layout
 from .config import ModelConfig
 from .kernels import _rms_norm_kernel, _rope_kernel, _silu_mul_kernel
+from .intdot import int_linear_kernel
 from .quant import QuantMatrix, _quant_linear_kernel
+
+
+def _linear(x, d, m, q, out):  # pragma: no cover - replaced in compiled code by the overload below
+    """``out = x @ W.T`` by the matrix's kernel (``QuantMatrix.kernel``), told apart by its layout."""
+
+
+@overload(_linear)
+def _linear_by_layout(x, d, m, q, out):
+    if q.ndim == 4:  # intdot's layout [tiles, blocks, vectors, bytes]
+        return lambda x, d, m, q, out: int_linear_kernel(x, d, m, q, out, False)
+    return lambda x, d, m, q, out: _quant_linear_kernel(x, d, m, q, out)
 
 
 @njit(nogil=True, cache=True)
@@ -57,7 +70,7 @@ def _layers(x, rot, attn_norms, mlp_norms, d, m, q, k_caches, v_caches, span_of,
             taps[tap_slot[layer]] = x
         w = 4 * layer
         _rms_norm_kernel(x, attn_norms[layer], eps, h)
-        _quant_linear_kernel(h, d[w], m[w], q[w], qkv)
+        _linear(h, d[w], m[w], q[w], qkv)
         _rope_kernel(qkv, rot, heads, kv_heads, head_dim, scale, qh, kh)
         for i in range(n):
             s = span_of[i]
@@ -67,12 +80,12 @@ def _layers(x, rot, attn_norms, mlp_norms, d, m, q, k_caches, v_caches, span_of,
                     k_cache[layer, g, slot, e] = kh[i, g, e]
                     v_cache[layer, g, slot, e] = qkv[i, q_dim + kv_dim + g * head_dim + e]
         _attention_kernel(qh, k_caches, v_caches, layer, span_of, lo, ends, bias, bias_at, o)
-        _quant_linear_kernel(o, d[w + 1], m[w + 1], q[w + 1], a)
+        _linear(o, d[w + 1], m[w + 1], q[w + 1], a)
         x = x + a
         _rms_norm_kernel(x, mlp_norms[layer], eps, h)
-        _quant_linear_kernel(h, d[w + 2], m[w + 2], q[w + 2], gate_up)
+        _linear(h, d[w + 2], m[w + 2], q[w + 2], gate_up)
         _silu_mul_kernel(gate_up, act)
-        _quant_linear_kernel(act, d[w + 3], m[w + 3], q[w + 3], a)
+        _linear(act, d[w + 3], m[w + 3], q[w + 3], a)
         x = x + a
     return x
 
@@ -84,7 +97,7 @@ def _matrices(layers: Sequence) -> list:
 
 class FusedLayers:
     """The layers' weights gathered for ``_layers``; ``None`` from ``of`` when some layer does not
-    fit it (fp32 matrices, a qkv bias, padded matrices)."""
+    fit it (fp32 matrices, a qkv bias, padded matrices, matrices on different kernels)."""
 
     def __init__(self, layers: Sequence, config: ModelConfig):
         mats = _matrices(layers)
@@ -95,8 +108,10 @@ class FusedLayers:
 
     @classmethod
     def of(cls, layers: Sequence, config: ModelConfig) -> "FusedLayers | None":
-        unpadded = all(isinstance(w, QuantMatrix) and w.d.shape[0] * w.d.shape[2] == w.shape[0] for w in _matrices(layers))
-        if not layers or not unpadded or any(layer.bqkv is not None for layer in layers):
+        mats = _matrices(layers)
+        unpadded = all(isinstance(w, QuantMatrix) and w.padded_rows == w.shape[0] for w in mats)
+        one_kernel = len({getattr(w, "kernel", None) for w in mats}) == 1  # one typed list per field
+        if not layers or not unpadded or not one_kernel or any(layer.bqkv is not None for layer in layers):
             return None
         return cls(layers, config)
 

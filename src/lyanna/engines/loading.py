@@ -176,7 +176,10 @@ def load_tokenizer(model_dir: Path) -> Any:
         raise LyannaError(f"cannot load the tokenizer in {model_dir}: {type(e).__name__}: {str(e).splitlines()[0]}") from None
 
 
-WEIGHT_FORMATS = ("auto", "fp32", "gguf")
+# gguf: a GGUF's blocks with 8-bit inputs and integer dot products (``intdot``); gguf-float: the
+# same blocks with fp32 inputs (``quant``'s float kernel); fp32: the weights dequantized.
+WEIGHT_FORMATS = ("auto", "fp32", "gguf", "gguf-float")
+_KERNEL_OF = {"gguf": "int8", "gguf-float": "float"}
 
 
 def load_target(name_or_path: str | os.PathLike = DEFAULT_MODEL, weights: bool = True,
@@ -184,9 +187,10 @@ def load_target(name_or_path: str | os.PathLike = DEFAULT_MODEL, weights: bool =
     """Load a target model by alias, GGUF file or Hugging Face directory, ready for the engine
     (``weights=False``: everything but the weights, for an engine that loads its own).
 
-    ``weight_format``: ``"gguf"`` keeps the weight matrices as the GGUF file's quantized blocks
-    (``quant``: the same weights, a third of the bytes, about 2x faster one-token steps here),
-    ``"fp32"`` dequantizes them, ``"auto"`` (default) is gguf for a GGUF target, else fp32."""
+    ``weight_format``: ``"gguf"`` keeps the weight matrices as the GGUF file's quantized blocks and
+    multiplies them by inputs quantized to 8 bits (``intdot``: the same weights, a fifth of the
+    bytes of fp32, integer dot products), ``"gguf-float"`` keeps the blocks but multiplies in fp32
+    (``quant``), ``"fp32"`` dequantizes them, ``"auto"`` (default) is gguf for a GGUF target, else fp32."""
     if weight_format not in WEIGHT_FORMATS:
         raise LyannaError(f"weight format {weight_format!r}: choose one of {', '.join(WEIGHT_FORMATS)}")
     if weight_format == "auto":
@@ -195,12 +199,12 @@ def load_target(name_or_path: str | os.PathLike = DEFAULT_MODEL, weights: bool =
     config = ModelConfig.from_pretrained(model_dir)
     if not weights:
         arrays = {}
-    elif weight_format == "gguf":
+    elif weight_format in _KERNEL_OF:
         gguf = source_gguf(name_or_path)
         if gguf is None:
-            raise LyannaError(f"--weights gguf computes on a GGUF file's blocks; {name_or_path} is not a .gguf file "
-                              "or an alias of one: use --weights fp32")
-        arrays = _load_gguf_blocks(gguf, model_dir, config)
+            raise LyannaError(f"--weights {weight_format} computes on a GGUF file's blocks; {name_or_path} is not a "
+                              ".gguf file or an alias of one: use --weights fp32")
+        arrays = _load_gguf_blocks(gguf, model_dir, config, _KERNEL_OF[weight_format])
     else:
         arrays = load_weights(model_dir)
     tokenizer = load_tokenizer(model_dir)
@@ -231,9 +235,9 @@ def _gguf_row_orders(name: str, n: int, config: ModelConfig) -> list[np.ndarray]
     return orders
 
 
-def _load_gguf_blocks(gguf: Path, model_dir: Path, config: ModelConfig) -> dict[str, Any]:
+def _load_gguf_blocks(gguf: Path, model_dir: Path, config: ModelConfig, kernel: str) -> dict[str, Any]:
     """The checkpoint's weights with every matrix the GGUF file holds in a supported block type as
-    those blocks (``quant.QuantMatrix``), the rest (norms, unsupported types) fp32. The blocks are
+    those blocks (``quant.QuantMatrix`` on ``kernel``), the rest (norms, unsupported types) fp32. The blocks are
     checked once against the fp32 checkpoint, bit for bit, so the target stays the same model, and
     cached (parsing a GGUF file takes seconds, reading the cache does not)."""
     from safetensors import safe_open
@@ -258,7 +262,8 @@ def _load_gguf_blocks(gguf: Path, model_dir: Path, config: ModelConfig) -> dict[
         cached.unlink(missing_ok=True)
         raise LyannaError(f"cannot read {cached} ({type(e).__name__}); it was removed, load again to rebuild it") from None
     names = sorted({key.rsplit(".", 1)[0] for key in tensors})
-    arrays: dict[str, Any] = {n: QuantMatrix(tensors[f"{n}.d"], tensors[f"{n}.m"], tensors[f"{n}.q"]) for n in names}
+    arrays: dict[str, Any] = {n: QuantMatrix(tensors[f"{n}.d"], tensors[f"{n}.m"], tensors[f"{n}.q"], kernel)
+                                for n in names}
     arrays.update(load_weights(model_dir, skip=set(names)))
     if kept:
         print(f"lyanna: {len(kept)} weight matrices stay fp32 ({'; '.join(sorted(set(kept.values())))})",

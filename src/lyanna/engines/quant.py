@@ -31,6 +31,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from . import intdot
 from .kernels import LANES, _launch, ir_muladd, ir_splat
 
 QK = 32  # weights per block in every type supported here
@@ -214,22 +215,35 @@ def _tile_width(n: int) -> int:
     return max(even or widths)
 
 
+KERNELS = ("int8", "float")  # intdot's integer dot products on 8-bit inputs; this module's fp32 inputs
+
+
 class QuantMatrix:
-    """A weight matrix [n, k] kept as blocks: one byte per weight and, per 32 weights, an fp32
-    scale ``d`` and offset ``m`` (given in row layout: q int8 [n, k], d and m [n, k / 32]).
+    """A weight matrix [n, k] kept as blocks: per 32 weights a scale ``d`` and offset ``m`` (given
+    in row layout: q int8 [n, k], d and m fp32 [n, k / 32]), computed by one of two kernels:
+    ``"int8"`` (``intdot``: inputs quantized to 8 bits per block of 32, integer dot products, 4-bit
+    weights kept packed) or ``"float"`` (this module's: one byte per weight widened to fp32, fp32
+    inputs). Both read the same weights; their outputs differ in the last bits of a block's sum
+    (int8: the input's rounding to 8 bits).
 
     Indexing reads rows as fp32 (an embedding lookup, a draft vocabulary's LM-head rows), like an
     array; ``take`` / ``concat`` reorder and stack rows without leaving the blocks (load-time work:
     they untile and retile)."""
 
-    def __init__(self, d: np.ndarray, m: np.ndarray, q: np.ndarray):
+    def __init__(self, d: np.ndarray, m: np.ndarray, q: np.ndarray, kernel: str = "int8"):
         n, k = q.shape
         if q.dtype != np.int8 or k % QK or d.shape != (n, k // QK) or m.shape != d.shape:
             raise ValueError(f"QuantMatrix needs q int8 [n, k] (k a multiple of {QK}) and d, m [n, k / {QK}]")
-        self.shape = (n, k)
-        padded = -(-n // LANES) * LANES  # zero rows up to a multiple of LANES, dropped from outputs
+        if kernel not in KERNELS:
+            raise ValueError(f"kernel {kernel!r}: choose one of {', '.join(KERNELS)}")
+        self.shape, self.kernel = (n, k), kernel
+        step = intdot.OUT if kernel == "int8" else LANES
+        padded = -(-n // step) * step  # zero rows up to a whole vector of outputs, dropped from outputs
         pad = ((0, padded - n), (0, 0))
         d, m, q = (np.pad(a, pad) for a in (np.asarray(d, np.float32), np.asarray(m, np.float32), q))
+        if kernel == "int8":
+            self.d, self.m, self.q = intdot.pack(d, m, q)
+            return
         tw = _tile_width(padded)
         tiles, nb = padded // tw, k // QK
         # q as [tile, block, vector, 32 inputs, LANES outputs]: the bytes one kernel step reads
@@ -240,12 +254,19 @@ class QuantMatrix:
         self.m = np.ascontiguousarray(m.reshape(tiles, tw, nb).transpose(0, 2, 1))
 
     @property
+    def padded_rows(self) -> int:
+        """Output rows the kernels compute (``shape[0]`` rounded up to a whole vector)."""
+        return self.d.shape[0] * self.d.shape[2]
+
+    @property
     def nbytes(self) -> int:
         return self.q.nbytes + self.d.nbytes + self.m.nbytes
 
     def row_layout(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(d, m, q)`` as given to the constructor (what the cache file stores)."""
         n, k = self.shape
+        if self.kernel == "int8":
+            return tuple(np.ascontiguousarray(a[:n]) for a in intdot.unpack(self.d, self.m, self.q))
         d, m = (np.ascontiguousarray(a.transpose(0, 2, 1).reshape(-1, a.shape[1])[:n]) for a in (self.d, self.m))
         q = np.ascontiguousarray(self.q.transpose(0, 2, 4, 1, 3).reshape(-1, k)[:n])
         return d, m, q
@@ -260,7 +281,7 @@ class QuantMatrix:
         out = np.empty((flat.size, self.shape[1]), np.float32)
         if flat.size:
             with _launch:
-                _dequantize_kernel(self.d, self.m, self.q, flat, out)
+                (intdot.dequantize_rows if self.kernel == "int8" else _dequantize_kernel)(self.d, self.m, self.q, flat, out)
         return out.reshape(*np.shape(rows), self.shape[1])
 
     def dense(self) -> np.ndarray:
@@ -271,24 +292,28 @@ class QuantMatrix:
         """Rows ``indices`` as a new matrix (``ndarray.take`` along rows, for code written for both)."""
         if axis != 0:
             raise ValueError("a QuantMatrix is reordered by rows only")
-        return QuantMatrix(*(a[indices] for a in self.row_layout()))
+        return QuantMatrix(*(a[indices] for a in self.row_layout()), kernel=self.kernel)
 
     @staticmethod
     def concat(parts: Sequence["QuantMatrix"]) -> "QuantMatrix":
+        """The rows of ``parts`` stacked, computed by the first part's kernel."""
         layouts = [p.row_layout() for p in parts]
-        return QuantMatrix(*(np.concatenate([lay[f] for lay in layouts]) for f in range(3)))
+        return QuantMatrix(*(np.concatenate([lay[f] for lay in layouts]) for f in range(3)), kernel=parts[0].kernel)
 
     def linear(self, x: np.ndarray) -> np.ndarray:
         """``x @ W.T`` for ``x`` [rows, k] fp32 contiguous."""
         rows = x.shape[0]
-        out = np.empty((rows, self.d.shape[0] * self.d.shape[2]), np.float32)
+        out = np.empty((rows, self.padded_rows), np.float32)
         if rows:
             with _launch:
-                _quant_linear_kernel(x, self.d, self.m, self.q, out)
+                if self.kernel == "int8":
+                    intdot.int_linear_kernel(x, self.d, self.m, self.q, out, False)
+                else:
+                    _quant_linear_kernel(x, self.d, self.m, self.q, out)
         return out if out.shape[1] == self.shape[0] else np.ascontiguousarray(out[:, : self.shape[0]])
 
 
-def from_blocks(kind: str, raw: np.ndarray, shape: tuple[int, int]) -> QuantMatrix:
+def from_blocks(kind: str, raw: np.ndarray, shape: tuple[int, int], kernel: str = "int8") -> QuantMatrix:
     """A matrix [n, k] from GGUF's raw blocks (``raw`` uint8 [n, bytes per row]) of type ``kind``."""
     n, k = shape
     if kind not in _BLOCK_BYTES:
@@ -296,16 +321,16 @@ def from_blocks(kind: str, raw: np.ndarray, shape: tuple[int, int]) -> QuantMatr
     blocks = np.ascontiguousarray(raw).reshape(n, k // QK, _BLOCK_BYTES[kind])
     d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
     if kind == "Q8_0":
-        return QuantMatrix(d, np.zeros_like(d), blocks[..., 2:].copy().view(np.int8).reshape(n, k))
+        return QuantMatrix(d, np.zeros_like(d), blocks[..., 2:].copy().view(np.int8).reshape(n, k), kernel)
     packed = blocks[..., 4:] if kind == "Q4_1" else blocks[..., 2:]  # 16 bytes: weight t low, t + 16 high
     nibbles = np.concatenate([packed & 15, packed >> 4], axis=-1).astype(np.int8)
     if kind == "Q4_1":
         m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-        return QuantMatrix(d, m, nibbles.reshape(n, k))
-    return QuantMatrix(d, np.zeros_like(d), (nibbles - 8).reshape(n, k))
+        return QuantMatrix(d, m, nibbles.reshape(n, k), kernel)
+    return QuantMatrix(d, np.zeros_like(d), (nibbles - 8).reshape(n, k), kernel)
 
 
-def quantize_q8_0(w: np.ndarray) -> QuantMatrix:
+def quantize_q8_0(w: np.ndarray, kernel: str = "int8") -> QuantMatrix:
     """An fp32 matrix [n, k] as Q8_0 blocks, quantized by gguf's reference quantizer (for weights
     that need not equal any file's, like a draft head's: its drafts are checked by the target)."""
     from gguf import GGMLQuantizationType, quants
@@ -313,7 +338,7 @@ def quantize_q8_0(w: np.ndarray) -> QuantMatrix:
     w = np.ascontiguousarray(w, np.float32)
     if w.ndim != 2 or w.shape[1] % QK:
         raise ValueError(f"Q8_0 needs a matrix [n, k] with k a multiple of {QK}, got {w.shape}")
-    return from_blocks("Q8_0", quants.quantize(w, GGMLQuantizationType.Q8_0), w.shape)
+    return from_blocks("Q8_0", quants.quantize(w, GGMLQuantizationType.Q8_0), w.shape, kernel)
 
 
 # GGUF tensor names of the Llama family -> Hugging Face names ({} is the layer index).

@@ -1,0 +1,75 @@
+"""The integer kernel (``intdot``): every instruction-set path equals the numpy statement of its
+rule bit for bit, whatever the number of rows, the layout or the tile, and the layouts round-trip."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from lyanna.engines import intdot
+
+ROWS = (1, 2, 3, 7, 8, 9, 16, 33)
+
+
+def matrix(kind: str, n: int, k: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Row-layout ``(d, m, q)`` with the value range of a GGUF block type."""
+    rng = np.random.default_rng(seed)
+    low, high = {"Q4_1": (0, 16), "Q4_0": (-8, 8), "Q8_0": (-128, 128)}[kind]  # -128: |q| = 128 still fits the sign trick
+    q = rng.integers(low, high, (n, k)).astype(np.int8)
+    q[0, :32] = high - 1  # a block of extreme weights
+    d = (rng.random((n, k // 32)) * 0.02).astype(np.float32)
+    m = (rng.standard_normal((n, k // 32)) * 0.01).astype(np.float32) if kind == "Q4_1" else np.zeros_like(d)
+    return d, m, q
+
+
+def inputs(rows: int, k: int, seed: int) -> np.ndarray:
+    x = np.random.default_rng(seed).standard_normal((rows, k)).astype(np.float32) * 3
+    x[0, :32] = 0  # a block of zeros: step 0
+    if rows > 1:
+        x[1, 32:64] = 1e-30  # a block of tiny values
+        x[1, :32] *= 1e4  # and one of large ones
+    return x
+
+
+@pytest.mark.parametrize("path", intdot.PATHS)
+@pytest.mark.parametrize("kind", ["Q4_1", "Q4_0", "Q8_0"])
+@pytest.mark.parametrize("shape", [(8, 32), (64, 96), (1040, 608)])
+def test_each_path_equals_the_reference(path, kind, shape):
+    d, m, q = matrix(kind, *shape, seed=1)
+    packed = intdot.pack(d, m, q)
+    x = inputs(max(ROWS), shape[1], seed=2)
+    want = intdot.reference(x, d, m, q)
+    for rows in ROWS:
+        out = np.empty((rows, shape[0]), np.float32)
+        intdot.int_linear_kernel(x[:rows], *packed, out, path == "portable")
+        assert np.array_equal(out, want[:rows]), (rows, kind, shape)
+
+
+@pytest.mark.parametrize("kind,size", [("Q4_1", intdot.NIBBLE_BYTES), ("Q4_0", intdot.BYTE_BYTES),
+                                       ("Q8_0", intdot.BYTE_BYTES)])
+def test_layouts_round_trip(kind, size):
+    d, m, q = matrix(kind, 1040, 96, seed=3)
+    packed = intdot.pack(d, m, q)
+    assert packed[2].shape[-1] == size  # 4-bit values packed two to a byte, others one
+    for want, got in zip((d, m, q), intdot.unpack(*packed)):
+        assert np.array_equal(want, got)
+    rows = np.array([1039, 0, 517, 8])
+    out = np.empty((len(rows), 96), np.float32)
+    intdot.dequantize_rows(*packed, rows, out)
+    dense = d.repeat(32, axis=1) * q.astype(np.float32) + m.repeat(32, axis=1)
+    assert np.array_equal(out, dense[rows])
+
+
+def test_the_reference_is_the_stated_rule():
+    """A hand-computed case: inputs rounded to 8 bits per block, integer sums, scaled once."""
+    x = np.zeros((1, 32), np.float32)
+    x[0, :3] = [1.27, -0.5, 0.004]  # step 0.01: 127, -50, 0 (0.4 rounds down)
+    q = np.zeros((1, 32), np.int8)
+    q[0, :3] = [2, 3, 7]
+    d, m = np.full((1, 1), 0.5, np.float32), np.full((1, 1), 0.25, np.float32)
+    step = np.float32(1.27) / np.float32(127)
+    want = np.float32(0.5) * step * np.float32(127 * 2 - 50 * 3) + np.float32(0.25) * np.float32(1.27 - 0.5 + 0.004)
+    assert np.isclose(intdot.reference(x, d, m, q)[0, 0], want, rtol=1e-6)
+
+
+def test_the_path_in_use_is_named():
+    assert intdot.PATH in intdot.PATHS and "portable" in intdot.PATHS

@@ -1,7 +1,8 @@
 """Whole forward passes: ms per forward block of 1 / 2 / 8 / 16 / 64 tokens after 256
 cached tokens, on the default model, for our engine on fp32 weights (numba kernels), our engine on
-the GGUF's quantized blocks (``--weights gguf``, ``quant.py``) and llama.cpp on the same GGUF
-(llama-cpp-python, logits for every row as verification needs).
+the GGUF's quantized blocks with 8-bit inputs (``--weights gguf``, ``intdot.py``) and with fp32
+inputs (``--weights gguf-float``, ``quant.py``), and llama.cpp on the same GGUF (llama-cpp-python,
+logits for every row as verification needs). Also each block's cost in one-token steps.
 Writes docs/bench/blocks.json. Usage: .venv/bin/python scripts/measure-blocks.py
 """
 from __future__ import annotations
@@ -46,9 +47,11 @@ def llamacpp_ms(gguf: Path, vocab: int) -> list[float]:
 
 def main() -> None:
     ms = {}
-    for weights in ("fp32", "gguf"):
+    kernels = {}
+    for weights in ("fp32", "gguf-float", "gguf"):
         target = load_target(DEFAULT_MODEL, weight_format=weights)
         engine = Transformer(target.config, target.weights)
+        kernels[f"ours-{weights}"] = engine.kernel
         curve = calibrate(engine, DEFAULT_MODEL, sizes=SIZES, context=CONTEXT, repeats=REPEATS)
         ms[f"ours-{weights}"] = [round(s * 1e3, 2) for s in curve.seconds]
         vocab = target.config.vocab_size
@@ -60,6 +63,7 @@ def main() -> None:
         "model": DEFAULT_MODEL,
         "context": CONTEXT,
         "sizes": list(SIZES),
+        "kernels": kernels,
         "ms": ms,
     }
     try:
@@ -67,8 +71,9 @@ def main() -> None:
     except ImportError:
         report["llamacpp"] = "llama-cpp-python is not installed"
     out = Path(__file__).resolve().parent.parent / "docs" / "bench" / "blocks.json"
+    report["x_one_token"] = {k: [round(t / v[0], 2) for t in v] for k, v in report["ms"].items()}
     out.write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps(report["ms"], indent=1))
+    print(json.dumps({k: report[k] for k in ("ms", "x_one_token")}, indent=1))
 
 
 if __name__ == "__main__":

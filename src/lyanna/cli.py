@@ -265,6 +265,7 @@ def _calibrate(args: argparse.Namespace) -> None:
     decoder = _decoder(args)
     curve = decoder.latency_curve(recalibrate=args.force)
     print(f"model {curve.model} on {curve.machine}, {curve.context} tokens of context, measured {curve.date}")
+    print(f"engine {decoder.engine.name}, kernel {getattr(decoder.engine, 'kernel', decoder.engine.name)}")
     print("| block tokens | ms | x one-token step |\n|---|---|---|")
     for n, t in zip(curve.sizes, curve.seconds):
         print(f"| {n} | {t * 1e3:.1f} | {t / curve.seconds[0]:.2f} |")

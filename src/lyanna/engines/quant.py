@@ -1,17 +1,19 @@
-"""A GGUF file's quantized weight matrices, computed on their blocks (``--weights gguf``).
+"""A GGUF file's quantized weight matrices, computed on their blocks (``--weights gguf`` and
+``gguf-float``), and this module's kernel for fp32 inputs (``gguf-float``).
 
 Why: the default model's GGUF stores its layers as Q4_1 blocks (20 bytes per 32 weights) and its
 token embedding, also the tied LM head, as Q8_0 (34 bytes per 32). Dequantized to fp32 the engine
-streams 513 MiB per token; on the blocks 160 MiB (one byte per weight, see below), and a block of
-input rows converts each weight byte to a float once for up to 8 rows instead of multiplying fp32.
+streams 513 MiB per token; on the blocks far less. ``QuantMatrix`` holds a matrix for one of two
+kernels: ``intdot``'s (8-bit inputs, integer dot products, 4-bit weights packed: the default) or
+the one below (fp32 inputs, one byte per weight, 160 MiB a token).
 
 The weights are the same: a weight is ``d * q + m`` with fp16 scales widened to fp32, which is
 how GGUF's dequantizer, and so our converted fp32 checkpoint, computes it (``load_target``
-checks every matrix bit for bit). The kernel sums per block, ``d * sum(q * x) + m * sum(x)``, so
+checks every matrix bit for bit). This kernel sums per block, ``d * sum(q * x) + m * sum(x)``, so
 its outputs differ from the fp32 kernel's in the last bits: another engine, and "lossless" compares
 each engine with its own ``ar``.
 
-Layout: Q4_0 / Q4_1 / Q8_0 all become one signed byte per weight (Q4_1's nibbles 0..15, Q4_0's
+Layout (this kernel): Q4_0 / Q4_1 / Q8_0 all become one signed byte per weight (Q4_1's nibbles 0..15, Q4_0's
 nibble - 8, Q8_0's value) with one fp32 scale ``d`` and offset ``m`` per 32 weights (``m = 0``
 for the symmetric types): one layout, one kernel, and matrices of different types can be stacked
 (q, k and v become one fused matrix). One byte per weight because the byte-to-float

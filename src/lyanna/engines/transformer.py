@@ -23,12 +23,13 @@ from .base import Block, ForwardOutput, TargetEngine, block_inputs, compaction
 from .config import ModelConfig, rope_inv_freq
 from .fused import FusedLayers
 from .kernels import BULK_MIN_ROWS, _launch, linear, linear_rows, rms_norm, rope_qk, silu_mul
+from . import intdot
 from .quant import QuantMatrix
 
 Weight = np.ndarray | QuantMatrix  # a matrix in fp32, or computed on a GGUF's blocks (``quant``)
 
 # Bumped whenever the forward pass's cost changes, so cached latency calibrations are redone.
-ENGINE_REVISION = 11
+ENGINE_REVISION = 12
 
 
 class KVCache:
@@ -217,9 +218,12 @@ class Transformer(TargetEngine):
         self.lm_head = self.embed if c.tie_word_embeddings or "lm_head.weight" not in weights else get("lm_head.weight")
         self.layers = [LayerWeights.from_hf(get, f"model.layers.{i}.", c) for i in range(c.num_layers)]
         self.inv_freq = rope_inv_freq(c)
-        # Calibrations are cached per engine name: computing on blocks has another latency curve.
-        if any(isinstance(w, QuantMatrix) for w in weights.values()):
-            self.name = "numpy-gguf"
+        # Calibrations are cached per engine name: each kernel has its own latency curve.
+        kernels = {w.kernel for w in weights.values() if isinstance(w, QuantMatrix)}
+        if kernels:
+            self.name = "numpy-gguf" if kernels == {"int8"} else "numpy-gguf-float"
+        # What multiplies the matrices, for calibrations and bench reports to name.
+        self.kernel = f"intdot-{intdot.PATH}" if "int8" in kernels else "blocks-fp32" if kernels else "fp32"
         # One sequence's passes through every layer in one compiled call where the layers allow it.
         self._fused = FusedLayers.of(self.layers, c)
         # Whether a prompt's prefill may take PyTorch's GEMMs (``Block.prefill``), whose rows can
@@ -227,7 +231,7 @@ class Transformer(TargetEngine):
         # over dequantized weights at every length (``kernels.linear_rows``), and without that route
         # every row's numbers are the same however the prompt is split into blocks, which lets a
         # cached prefix stand in for its rows bit for bit (``prefix_cache.py``).
-        self.blockwise_prefill = self.name == "numpy-gguf"
+        self.blockwise_prefill = bool(kernels)
 
     def new_cache(self, capacity: int) -> KVCache:
         c = self.config

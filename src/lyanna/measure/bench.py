@@ -248,6 +248,7 @@ def run_bench(
     return {
         "model": decoder.target.name,
         "engine": decoder.engine.name,
+        "kernel": getattr(decoder.engine, "kernel", decoder.engine.name),
         "memory": memory_info(decoder),
         "machine": machine_info(),
         "settings": {

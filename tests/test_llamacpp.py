@@ -29,8 +29,8 @@ class FakeLlama:
     script = [5, 6, 7, 2, 9]
     instances: list["FakeLlama"] = []
 
-    def __init__(self, model_path, n_ctx, n_threads, verbose):
-        self.model_path, self.n_ctx, self.verbose = model_path, n_ctx, verbose
+    def __init__(self, model_path, n_ctx, n_threads, verbose, draft_model=None):
+        self.model_path, self.n_ctx, self.verbose, self.draft_model = model_path, n_ctx, verbose, draft_model
         self.n_tokens = 0
         self.resets = 0
         FakeLlama.instances.append(self)
@@ -55,6 +55,8 @@ class FakeLlama:
 def fake_llama_cpp(monkeypatch):
     FakeLlama.instances = []
     monkeypatch.setitem(sys.modules, "llama_cpp", types.SimpleNamespace(Llama=FakeLlama))
+    lookup = types.SimpleNamespace(LlamaPromptLookupDecoding=lambda num_pred_tokens: ("lookup", num_pred_tokens))
+    monkeypatch.setitem(sys.modules, "llama_cpp.llama_speculative", lookup)
 
 
 def test_llamacpp_needs_a_gguf_model(tiny_decoder, fake_llama_cpp):
@@ -81,7 +83,18 @@ def test_llamacpp_generation_loop(tiny_decoder, fake_llama_cpp, tmp_path):
     assert 0 <= r.prefill_seconds <= r.seconds
     short = gen.generate(prompt, 2)
     assert (short.tokens, short.finish_reason, short.target_passes) == ([5, 6], "length", 2)
-    assert llm.resets == 2
+    assert llm.resets == 2 and llm.draft_model is None
+
+
+def test_llamacpp_lookup_drafts_by_prompt_lookup(tiny_decoder, fake_llama_cpp, tmp_path):
+    from lyanna.measure.llamacpp_baseline import LOOKUP_TOKENS, LlamaCppGenerate
+
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    gen = LlamaCppGenerate(dataclasses.replace(tiny_decoder.target, name=str(gguf)), [2], lookup=True)
+    (llm,) = FakeLlama.instances
+    assert llm.draft_model == ("lookup", LOOKUP_TOKENS)
+    assert gen.generate([1, 70, 71], 10).method == "llamacpp-lookup"
 
 
 @pytest.mark.slow
@@ -91,8 +104,10 @@ def test_llamacpp_on_the_default_model(default_target):
     from lyanna.measure.llamacpp_baseline import LlamaCppGenerate
 
     decoder = Decoder(default_target, default_drafts=False)
-    gen = LlamaCppGenerate(default_target, decoder.eos_token_ids)
     ids = decoder.encode("Name three primary colors.")
+    lookup = LlamaCppGenerate(default_target, decoder.eos_token_ids, lookup=True).generate(ids, 8)
+    assert lookup.method == "llamacpp-lookup" and 1 <= lookup.new_tokens <= 8
+    gen = LlamaCppGenerate(default_target, decoder.eos_token_ids)
     r = gen.generate(ids, 8)
     assert r.method == "llamacpp" and 1 <= r.new_tokens <= 8
     assert r.finish_reason == ("stop" if r.tokens[-1] in decoder.eos_token_ids else "length")

@@ -1,14 +1,17 @@
 """The draft head's forward pass in numpy: a fusion FC over [feature ; token embedding] and one
 decoder layer with its own KV cache. Embedding and LM head are the target's own (frozen, shared).
 
-The layer uses the target's layer shape and the engine's ``layer_forward``, so the head's numbers
-follow the same code path as the target's.
+The layer uses the target's layer shape and the engine's kernels (``layer_forward``, or on a GGUF's
+blocks the fused all-layers call), so the head's numbers follow the same code path as the target's.
 """
 from __future__ import annotations
+
+from typing import Sequence
 
 import numpy as np
 
 from ..engines.base import TargetEngine
+from ..engines.fused import FusedLayers
 from ..engines.kernels import linear
 from ..engines.quant import QuantMatrix, quantize_q8_0
 from ..engines.transformer import KVCache, LayerWeights, Weight, attention_bias, layer_forward, rotation
@@ -36,6 +39,9 @@ class DraftHead:
         if self.fc_w.shape != (c.hidden_size, 2 * c.hidden_size):
             raise LyannaError(f"draft head fc.weight has shape {self.fc_w.shape}, expected {(c.hidden_size, 2 * c.hidden_size)}")
         self.layer = LayerWeights.from_hf(get, "layer.", c)
+        # On blocks the layer runs as one compiled call (as the target's layers do): a draft step
+        # is one row, so the ~10 kernel launches of the layer-by-layer path cost more than its math.
+        self._fused = FusedLayers.of([self.layer], c)
         self.embed = target.embed
         self.lm_head = target.lm_head
         self.inv_freq = target.inv_freq
@@ -48,10 +54,18 @@ class DraftHead:
              bias: np.ndarray | None) -> np.ndarray:
         """Predict the next features for n (feature, token) pairs appended to ``cache``."""
         x = linear(np.concatenate([features, self.embed[tokens]], axis=-1), self.fc_w) + self.fc_b
-        out = layer_forward(self.layer, self.config, x, rotation(self.inv_freq, positions),
-                            cache.k[0], cache.v[0], cache.length, bias)
+        out = self.layer_step(x, positions, cache, bias)
         cache.length += len(tokens)
         return out
+
+    def layer_step(self, x: np.ndarray, positions: np.ndarray | Sequence[int], cache: KVCache,
+                   bias: np.ndarray | None) -> np.ndarray:
+        """The head's decoder layer over rows ``x`` at ``positions``, written to the cache after
+        its ``length`` rows (the caller advances ``length``)."""
+        rot = rotation(self.inv_freq, positions)
+        if self._fused is not None:
+            return self._fused(x, rot, [(0, x.shape[0], cache.k, cache.v, cache.length, bias)], [])[0]
+        return layer_forward(self.layer, self.config, x, rot, cache.k[0], cache.v[0], cache.length, bias)
 
     def log_probs(self, features: np.ndarray) -> np.ndarray:
         logits = linear(features, self.lm_head)

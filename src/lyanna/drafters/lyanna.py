@@ -30,7 +30,6 @@ from numba import njit
 from ..engines.base import TargetEngine
 from ..engines.kernels import exp_nonpositive, linear, rms_norm
 from ..engines.loading import Target
-from ..engines.transformer import layer_forward, rotation
 from ..errors import LyannaError
 from .base import Drafter
 from .checkpoint import decode_settings, load_head
@@ -94,8 +93,7 @@ class ChainHead(DraftHead):
 
     def chain_step(self, feature: np.ndarray, position: int, cache) -> np.ndarray:
         """``f_k = layer(f_{k-1})``: one row, no token input."""
-        out = layer_forward(self.layer, self.config, feature[None], rotation(self.inv_freq, [position]),
-                            cache.k[0], cache.v[0], cache.length, None)
+        out = self.layer_step(feature[None], [position], cache, None)
         cache.length += 1
         return out[0]
 

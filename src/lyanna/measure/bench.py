@@ -18,12 +18,13 @@ from ..data import SPEC_BENCH, packaged
 from ..decoding.decoder import Decoder, GenerationRequest, GenerationResult
 from ..decoding.sampling import SamplingParams
 from ..errors import LyannaError
+from .llamacpp_baseline import METHODS as LLAMACPP_METHODS
 
 if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
 
 EXTERNAL_METHODS = ("hf", "hf-pld")
-PEER_METHODS = (*EXTERNAL_METHODS, "llamacpp")  # methods that are another library, not our loop
+PEER_METHODS = (*EXTERNAL_METHODS, *LLAMACPP_METHODS)  # methods that are another library, not our loop
 PLD_TOKENS = 10  # Hugging Face's documented example value for prompt_lookup_num_tokens
 
 
@@ -100,12 +101,12 @@ def make_runners(decoder: Decoder, methods: Sequence[str], sampling: SamplingPar
         m, b = split_budget(spec, budget)
         if "@" in spec and (m not in decoder.drafters):
             raise LyannaError(f"{spec}: only speculative methods take a tree budget")
-        if m == "llamacpp":
+        if m in LLAMACPP_METHODS:
             from .llamacpp_baseline import LlamaCppGenerate
 
             if not sampling.greedy:
-                raise LyannaError("method llamacpp is benchmarked greedy only (temperature 0)")
-            runners[spec] = LlamaCppGenerate(decoder.target, decoder.eos_token_ids).generate
+                raise LyannaError(f"method {m} is benchmarked greedy only (temperature 0)")
+            runners[spec] = LlamaCppGenerate(decoder.target, decoder.eos_token_ids, lookup=m != "llamacpp").generate
         elif m in EXTERNAL_METHODS:
             if not sampling.greedy:
                 raise LyannaError(f"method {m} is benchmarked greedy only (temperature 0)")
@@ -118,7 +119,7 @@ def make_runners(decoder: Decoder, methods: Sequence[str], sampling: SamplingPar
             runners[spec] = lambda ids, n, m=m, b=b: decoder.generate(
                 ids, GenerationRequest(max_new_tokens=n, sampling=sampling), method=m, budget=b, fallback=fallback)
         else:
-            known = ", ".join([*EXTERNAL_METHODS, "llamacpp", *decoder.methods])
+            known = ", ".join([*PEER_METHODS, *decoder.methods])
             raise LyannaError(f"unknown method {m!r}; available: {known}")
     return runners
 
@@ -130,7 +131,7 @@ def default_methods(decoder: Decoder, sampling: SamplingParams) -> list[str]:
 
     external = list(EXTERNAL_METHODS) if sampling.greedy else []
     if sampling.greedy and importlib.util.find_spec("llama_cpp") is not None:
-        external.append("llamacpp")
+        external.extend(LLAMACPP_METHODS)
     return [*external, *decoder.methods]
 
 

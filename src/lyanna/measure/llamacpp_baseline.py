@@ -1,9 +1,10 @@
 """llama.cpp (through llama-cpp-python) on the model's own GGUF file: the native CPU peer for benchmarks.
 
 It runs the quantized GGUF with its own numerics (int8 activations), so its tokens can differ from
-``ar`` on near ties; it is a speed reference, not a losslessness check. Greedy only, one token per
-eval call after the prompt. llama-cpp-python is optional: it is imported only when this method is
-asked for.
+``ar`` on near ties; it is a speed reference, not a losslessness check. Greedy only. ``llamacpp`` evaluates one token per call after the prompt; ``llamacpp-lookup``
+adds llama-cpp-python's prompt-lookup drafting (``LlamaPromptLookupDecoding``: n-gram matches in
+the context, verified by llama.cpp in one call). llama-cpp-python is optional: it is imported
+only when one of these methods is asked for.
 """
 from __future__ import annotations
 
@@ -22,10 +23,17 @@ INSTALL = ('CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F1
            "pip install llama-cpp-python==0.3.36 diskcache")
 
 
-class LlamaCppGenerate:
-    """Greedy token-by-token generation with ``llama_cpp.Llama`` over the same prompt ids."""
+# Drafted tokens per lookup: llama-cpp-python's documentation advises 10 on a GPU and 2 on a CPU,
+# where a longer block costs nearly its length in one-token steps.
+LOOKUP_TOKENS = 2
+METHODS = ("llamacpp", "llamacpp-lookup")
 
-    def __init__(self, target: Target, eos_token_ids: Sequence[int]):
+
+class LlamaCppGenerate:
+    """Greedy generation with ``llama_cpp.Llama`` over the same prompt ids, token by token or
+    (``lookup``) with prompt-lookup drafts."""
+
+    def __init__(self, target: Target, eos_token_ids: Sequence[int], lookup: bool = False):
         try:
             import llama_cpp
         except ImportError:
@@ -34,8 +42,14 @@ class LlamaCppGenerate:
         if gguf is None:
             raise LyannaError(f"method llamacpp needs a GGUF model (the default alias or a .gguf file); "
                               f"{target.name} is not one")
+        draft = None
+        if lookup:
+            from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+            draft = LlamaPromptLookupDecoding(num_pred_tokens=LOOKUP_TOKENS)
+        self.method = METHODS[lookup]
         self.llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=target.config.max_position_embeddings,
-                                   n_threads=os.cpu_count(), verbose=False)
+                                   n_threads=os.cpu_count(), draft_model=draft, verbose=False)
         self.tokenizer = target.tokenizer
         self.eos_token_ids = {int(t) for t in eos_token_ids}
         self.evals = 0
@@ -63,7 +77,7 @@ class LlamaCppGenerate:
                     break  # before the generator evaluates this token: it is never needed
         t1 = time.perf_counter()
         return GenerationResult(
-            method="llamacpp",
+            method=self.method,
             prompt_tokens=len(prompt_ids),
             tokens=tokens,
             text=self.tokenizer.decode(tokens, skip_special_tokens=True),

@@ -8,6 +8,7 @@ from typing import Any, Sequence
 from ..errors import LyannaError
 from .bench import format_table, health
 from .llamacpp_baseline import INSTALL as LLAMACPP_INSTALL
+from .llamacpp_baseline import LOOKUP_TOKENS
 
 
 def _figures(report: dict[str, Any], fig_dir: Path, stem: str) -> list[tuple[str, Path]]:
@@ -146,8 +147,9 @@ def write_report(bench_files: Sequence[str | Path], out: str | Path = "BENCHMARK
                f"peak resident {report['memory']['peak_rss_mb']} MiB"] if report.get("memory") else []),
             "", format_table(report), "",
         ]
-        if any(r["method"] == "llamacpp" for r in report["results"]):
-            lines += [f"- `llamacpp` is llama-cpp-python on the same GGUF, an optional extra built with `{LLAMACPP_INSTALL}`", ""]
+        if any(r["method"].startswith("llamacpp") for r in report["results"]):
+            lines += [f"- `llamacpp` is llama-cpp-python on the same GGUF, an optional extra built with `{LLAMACPP_INSTALL}`; "
+                      f"`llamacpp-lookup` adds its prompt-lookup drafting ({LOOKUP_TOKENS} tokens a lookup)", ""]
         lines += [f"- {line}" for line in findings(report)] + [""]
         extra = [r for r in report["results"] if r.get("recovered_tokens") is not None or r.get("draft_passes_per_token") is not None]
         if extra:

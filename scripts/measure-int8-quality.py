@@ -1,6 +1,8 @@
 """What 8-bit inputs cost in quality: the default model on its GGUF's blocks with integer dot
 products (``--weights gguf``, ``intdot``) against the same blocks with fp32 inputs
-(``--weights gguf-float``) and against Hugging Face transformers in fp32 on the checkpoint.
+(``--weights gguf-float``) and against Hugging Face transformers in fp32 on the checkpoint; and,
+where llama-cpp-python is installed, llama.cpp on the same GGUF (its own 8-bit inputs), to show
+what the same choice costs there.
 
 1. Top-1 agreement, teacher-forced: for each of Spec-Bench's first ``--limit`` questions the
    fp32-input engine's greedy reply of ``--tokens`` tokens is fixed, every engine reads prompt +
@@ -13,6 +15,7 @@ Writes docs/bench/int8-quality.json. Usage: .venv/bin/python scripts/measure-int
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 from datetime import datetime, timezone
 
@@ -22,16 +25,34 @@ from tqdm import tqdm
 from lyanna.data import MT_BENCH, packaged
 from lyanna.decoding.decoder import Decoder, GenerationRequest
 from lyanna.engines.intdot import PATH
-from lyanna.engines.loading import DEFAULT_MODEL, load_target
+from lyanna.engines.loading import DEFAULT_MODEL, load_target, source_gguf
 from lyanna.engines.torch_engine import load_torch_target
 from lyanna.measure.bench import load_questions, machine_info
 
 WINDOW = 512  # tokens per perplexity window: every token predicted from at least its window's start
-ENGINES = ("gguf", "gguf-float", "hf-fp32")
+
+
+class LlamaCppLogits:
+    """llama.cpp's logits for every position of a sequence (one eval on a reset context)."""
+
+    def __init__(self, gguf):
+        import os
+
+        import llama_cpp
+
+        self.llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=4096, n_batch=4096, n_threads=os.cpu_count(),
+                                   logits_all=True, verbose=False)
+
+    def logits(self, ids: list[int]) -> np.ndarray:
+        self.llm.reset()
+        self.llm.eval(ids)
+        return np.array(self.llm.scores[: len(ids)], np.float32)
 
 
 def all_logits(engine, ids: list[int]) -> np.ndarray:
     """Logits of every position of ``ids`` from one pass on a fresh cache."""
+    if isinstance(engine, LlamaCppLogits):
+        return engine.logits(ids)
     return engine.forward(np.asarray(ids), np.arange(len(ids)), engine.new_cache(len(ids))).logits
 
 
@@ -52,8 +73,11 @@ def main() -> None:
     decoders = {w: Decoder(load_target(DEFAULT_MODEL, weight_format=w)) for w in ("gguf", "gguf-float")}
     engines = {w: d.engine for w, d in decoders.items()}
     engines["hf-fp32"] = load_torch_target(DEFAULT_MODEL)[1]
-    reference = decoders["gguf-float"]
     pairs = [("gguf", "gguf-float"), ("gguf", "hf-fp32"), ("gguf-float", "hf-fp32")]
+    if importlib.util.find_spec("llama_cpp") is not None:
+        engines["llamacpp"] = LlamaCppLogits(source_gguf(DEFAULT_MODEL))
+        pairs.append(("llamacpp", "hf-fp32"))
+    reference = decoders["gguf-float"]
     agree = {f"{a} vs {b}": 0 for a, b in pairs}
     positions = 0
     for q in tqdm(load_questions(limit=args.limit), desc="agreement"):

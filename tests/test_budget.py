@@ -14,6 +14,7 @@ from lyanna.cli import main
 from lyanna.decoding import budget as budget_module
 from lyanna.decoding.budget import (
     DEPTH_WINDOW,
+    MAX_SKIP,
     PROBE_EVERY,
     Budget,
     LatencyCurve,
@@ -202,20 +203,42 @@ def test_auto_in_a_batch_pays_for_the_whole_pass():
     assert len(Budget("auto", FLAT_THEN_STEEP, load=lambda: (7, 16)).choose(coin_flips, 0.0)) == 0
 
 
-def test_a_loaded_batch_skips_drafting_then_probes_again():
-    """Once a loaded pass leaves no room for a tree, the next PROBE_EVERY - 1 rounds draft
-    nothing (their drafting time would be spent for nothing), then one drafts again; alone, or
-    when the load is gone, every round drafts."""
+def test_drafting_that_does_not_pay_is_skipped_then_probed_again():
+    """Once no tree beats plain decoding (a loaded pass leaves no room, or the drafting time
+    costs more than the tree saves), the next PROBE_EVERY - 1 rounds draft nothing (their
+    drafting time would be spent for nothing), then one drafts again; each probe that still does
+    not pay doubles the wait (up to MAX_SKIP), and one that pays resets it."""
     load = [(7, 16)]
     budget = Budget("auto", FLAT_THEN_STEEP, load=lambda: load[0])
     assert budget.wants_drafts()
     assert len(budget.choose(binary_tree(20, 0.5), 0.0)) == 0
     assert [budget.wants_drafts() for _ in range(PROBE_EVERY)] == [False] * (PROBE_EVERY - 1) + [True]
     assert len(budget.choose(binary_tree(20, 0.5), 0.0)) == 0
-    load[0] = (0, 0)  # the others left
-    assert budget.wants_drafts()
-    alone = Budget("auto", curve([1, 2, 64], [0.01, 0.02, 0.64]))  # every token costs a full step
-    assert len(alone.choose(binary_tree(20, 0.05), 0.0)) == 0 and alone.wants_drafts()
+    waits = [budget.wants_drafts() for _ in range(2 * PROBE_EVERY)]
+    assert waits == [False] * (2 * PROBE_EVERY - 1) + [True]  # the wait doubled
+    load[0] = (0, 0)  # the others left: now a tree pays, and the wait resets
+    assert len(budget.choose(binary_tree(20, 0.5), 0.0)) > 0 and budget.wants_drafts()
+    # Alone: a tree that pays for its verification but not for its drafting time is not drafted again.
+    flat = curve([1, 2, 64], [0.01, 0.0101, 0.02])
+    cheap, dear = Budget("auto", flat), Budget("auto", flat)
+    assert len(cheap.choose(binary_tree(20, 0.5), 0.001)) > 0 and cheap.wants_drafts()
+    assert len(dear.choose(binary_tree(20, 0.5), 0.2)) > 0 and not dear.wants_drafts()
+    assert [dear.wants_drafts() for _ in range(PROBE_EVERY - 1)] == [False] * (PROBE_EVERY - 2) + [True]
+    assert MAX_SKIP >= PROBE_EVERY
+
+
+def test_the_cost_model_follows_a_slower_host():
+    """Pass times measured above the curve's scale every verification cost: a tree that paid at
+    calibration speed but not with the host 3x slower... is still chosen by its rate, and the
+    measured ratio is what ``slowdown`` holds."""
+    budget = Budget("auto", curve([1, 2, 64], [0.01, 0.012, 0.2]))
+    budget.choose(binary_tree(4, 0.9), 0.0)  # loads the curve
+    for _ in range(40):
+        budget.observe(DraftTree.empty(), 0, 0.012)  # one-token passes 20% slower than calibrated
+    assert abs(budget.slowdown - 1.2) < 1e-3
+    # Drafting time is not scaled: the same 5 ms now weighs less against the slower passes.
+    fast = Budget("auto", curve([1, 2, 64], [0.01, 0.012, 0.2]))
+    assert len(budget.choose(binary_tree(6, 0.6), 0.005)) >= len(fast.choose(binary_tree(6, 0.6), 0.005))
 
 
 def test_correction_learns_from_rejections_and_forgets_them():
@@ -374,6 +397,7 @@ def test_a_useless_drafter_falls_back_to_plain_decoding(decoder, ar_outputs, mon
         drafter.reference = ar.tokens
         ids = decoder.encode(prompt)
         req = GenerationRequest(max_new_tokens=N_NEW)
+        decoder._fallbacks.clear()  # each prompt from a fresh fallback (they carry over otherwise)
         r = decoder.generate(ids, req, method="wrong", budget=None, fallback=True)
         assert r.tokens == ar.tokens
         assert r.accepted_draft_tokens == 0
@@ -382,8 +406,14 @@ def test_a_useless_drafter_falls_back_to_plain_decoding(decoder, ar_outputs, mon
         # then a pause of plain rounds, one probe that does not pay either, and a longer pause
         probed = min(PROBE_ROUNDS, N_NEW - (FALLBACK_WARMUP_ROUNDS + 1 + FIRST_PAUSE_ROUNDS))
         assert r.draft_tokens == 3 * (FALLBACK_WARMUP_ROUNDS + probed) and r.extra["fallback_pauses"] == 2
+        # The next generation starts where this one left off: in its pause, so it opens with plain rounds.
+        again = decoder.generate(ids, req, method="wrong", budget=None, fallback=True)
+        assert again.tokens == ar.tokens and again.draft_tokens < r.draft_tokens
+        # Under the auto budget the drafting time alone (against passes that look free) stops the
+        # drafts before the fallback has a stretch to judge: a probe now and then.
+        decoder._fallbacks.clear()
         auto = decoder.generate(ids, req, method="wrong", budget="auto", fallback=True)
-        assert auto.tokens == ar.tokens and auto.extra["fell_back_after_tokens"] == FALLBACK_WARMUP_ROUNDS + 1
+        assert auto.tokens == ar.tokens and auto.draft_tokens < r.draft_tokens
         kept = decoder.generate(ids, req, method="wrong", budget=None, fallback=False)
         assert kept.tokens == ar.tokens and "fell_back_after_tokens" not in kept.extra
         assert kept.draft_tokens > 3 * FALLBACK_WARMUP_ROUNDS

@@ -158,9 +158,12 @@ def parse_budget(text: str | int) -> int | str:
     raise LyannaError(f"budget must be 'auto' or a number of draft nodes, got {text!r}")
 
 
-# In a loaded batch, after a round whose tree the budget cut to nothing, one round in this many
-# drafts again to see whether the load or the drafter's estimates changed.
+# After a round whose best tree, drafting time included, commits tokens more slowly than plain
+# decoding would (alone, or in a loaded batch), one round in this many drafts again to see whether
+# the text, the load or the drafter's estimates changed; each probe that still does not pay doubles
+# the wait, up to MAX_SKIP rounds.
 PROBE_EVERY = 8
+MAX_SKIP = 8 * PROBE_EVERY
 # Rounds whose kept trees set the next drafting depth: long enough to ride out one short tree, short
 # enough to follow the text into a more predictable stretch within a few rounds.
 DEPTH_WINDOW = 8
@@ -181,7 +184,11 @@ class Budget:
         self._predicted = 0.0  # decayed sums of predicted and accepted draft tokens
         self._accepted = 0.0
         self._draft_seconds: float | None = None
-        self._skip_left = 0  # rounds still to go without drafting (a loaded batch, see wants_drafts)
+        self._skip_left = 0  # rounds still to go without drafting (see wants_drafts)
+        self._skip = PROBE_EVERY - 1  # the next wait's length
+        # Measured pass seconds over the curve's prediction, decayed: a shared host that has slowed
+        # down since calibration (or sped up) scales every verification cost, not the drafting time.
+        self.slowdown = 1.0
         self._kept_depths: deque[int] = deque(maxlen=DEPTH_WINDOW)  # depth of each recent auto-sized tree
 
     @property
@@ -215,10 +222,15 @@ class Budget:
         closed = tree.closed_scores()
         p = np.sort(closed)[::-1]
         gain = others + 1.0 + np.concatenate([[0.0], np.cumsum(np.minimum(p * self.correction, 1.0))])
-        cost = self._draft_seconds + self.curve(other_rows + np.arange(1, len(p) + 2))
-        keep = int(np.argmax(gain / cost))
-        if keep == 0 and others:
-            self._skip_left = PROBE_EVERY - 1
+        passes = self.slowdown * self.curve(other_rows + np.arange(1, len(p) + 2))
+        rate = gain / (self._draft_seconds + passes)
+        keep = int(np.argmax(rate))
+        # Drafting pays only if the best tree beats plain decoding's rate with its drafting time
+        # counted; if not, skip the next drafts (they would cost that time for nothing).
+        if keep == 0 or rate[keep] < (others + 1.0) / passes[0]:
+            self._skip_left, self._skip = self._skip, min(2 * self._skip + 1, MAX_SKIP)
+        else:
+            self._skip = PROBE_EVERY - 1
         chosen = tree.best(keep, closed)
         self._kept_depths.append(int(chosen.depths.max()) if len(chosen) else 0)
         return chosen
@@ -232,18 +244,20 @@ class Budget:
         return min(room, max(self._kept_depths) + 1)
 
     def wants_drafts(self) -> bool:
-        """Whether to propose a tree this round. In a batch where the last tree was cut to nothing
-        by the load, drafting again at once would cost every sequence its drafting time for
-        nothing: skip ``PROBE_EVERY - 1`` rounds, then try again (alone, always draft)."""
-        if self._skip_left and self._load is not None and self._load()[0] > 0:
+        """Whether to propose a tree this round: not while a wait set by ``choose`` lasts (the
+        last tree did not beat plain decoding, drafting time included)."""
+        if self._skip_left:
             self._skip_left -= 1
             return False
-        self._skip_left = 0
         return True
 
-    def observe(self, tree: DraftTree, accepted: int) -> None:
+    def observe(self, tree: DraftTree, accepted: int, seconds: float | None = None) -> None:
         """Learn how the drafter's estimates compare with what verification accepted (every
-        round, empty trees included, so old evidence decays)."""
+        round, empty trees included, so old evidence decays), and, given the pass's measured
+        ``seconds`` alone, how this host's speed compares with the latency curve's."""
+        if seconds is not None and isinstance(self._curve, LatencyCurve) and (self._load is None or not self._load()[0]):
+            ratio = seconds / float(self._curve(len(tree) + 1))
+            self.slowdown = self.decay * self.slowdown + (1 - self.decay) * ratio
         predicted = float(np.minimum(tree.closed_scores(), 1.0).sum()) if len(tree) else 0.0
         self._predicted = self.decay * self._predicted + predicted
         self._accepted = self.decay * self._accepted + accepted

@@ -118,6 +118,10 @@ class Decoder:
         self.eos_token_ids = target.config.eos_token_ids
         self.drafters: dict[str, Drafter] = {}  # the speculative methods
         self._plain = NoDrafter()
+        # One fallback per method for the decoder's life: a method that did not pay on the last
+        # generation starts the next where that one left off (paused, or probing), instead of
+        # paying a fresh stretch of slow rounds on every request.
+        self._fallbacks: dict[str, Fallback] = {}
         self._curve: LatencyCurve | None = None
         for name, drafter in model_free_methods(target, self.engine).items():
             self.add_drafter(name, drafter)
@@ -192,7 +196,8 @@ class Decoder:
         Speculative methods only: ``budget`` is the number of draft nodes verified per round,
         ``"auto"`` (this machine's latency curve decides each round) or None (the drafter's whole
         tree); ``fallback`` pauses drafting while it is slower than plain decoding and probes
-        again later (``loop.Fallback``; the command line turns it on by default)."""
+        again later (``loop.Fallback``, one per method that carries over from one generation to
+        the next; the command line turns it on by default)."""
         return run_alone(self.steps(prompt_ids, request, method, on_text, should_cancel, budget, fallback), self.engine)
 
     def generate_batch(
@@ -264,6 +269,11 @@ class Decoder:
             raise LyannaError(f"prompt token ids must lie in [0, {self.target.config.vocab_size})")
         return self._steps(drafter, method, prompt_ids, request, on_text, should_cancel, budget, fallback, load)
 
+    def _fallback(self, method: str) -> Fallback:
+        if method not in self._fallbacks:
+            self._fallbacks[method] = Fallback(lambda: float(self.latency_curve()(1)))
+        return self._fallbacks[method]
+
     def _steps(self, drafter: Drafter, method: str, prompt_ids: list[int], request: GenerationRequest,
                on_text: Callable[[str], None] | None, should_cancel: Callable[[], bool] | None,
                budget: int | str | None, fallback: bool,
@@ -290,7 +300,7 @@ class Decoder:
         )
         # The latency curve is asked for only when a round needs it: ``ar`` never measures anything.
         stats = yield from rounds(state, drafter, None if budget is None else Budget(budget, self.latency_curve, load=load),
-                                  Fallback(lambda: float(self.latency_curve()(1))) if fallback else None)
+                                  self._fallback(method) if fallback else None)
         t1 = time.perf_counter()
         return GenerationResult(
             method=method,

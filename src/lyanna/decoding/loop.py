@@ -217,6 +217,7 @@ def rounds(state: DecodeState, drafter: Drafter, budget: Budget | None = None,
         start = cache.length
         tokens, positions, mask = _block(tree, root, start)
         out = yield Block(tokens, positions, cache, mask, taps=drafter.taps)
+        t_pass = time.perf_counter() - t1
         state.target_passes += 1
         verdict = verify(tree, out.logits, state.params, state.rng)
         taken = tracker.extend(verdict.tokens)
@@ -226,7 +227,7 @@ def rounds(state: DecodeState, drafter: Drafter, budget: Budget | None = None,
             cache.compact(start, keep)
         t2 = time.perf_counter()
         if budget is not None:
-            budget.observe(tree, len(verdict.path))
+            budget.observe(tree, len(verdict.path), t_pass)
         stats.record(tree, verdict, min(len(verdict.path), taken))
         if not tracker.finished:
             drafter.commit(tokens[keep].tolist(), {k: v[keep] for k, v in out.hidden.items()})

@@ -397,7 +397,8 @@ def test_a_useless_drafter_falls_back_to_plain_decoding(decoder, ar_outputs, mon
         drafter.reference = ar.tokens
         ids = decoder.encode(prompt)
         req = GenerationRequest(max_new_tokens=N_NEW)
-        decoder._fallbacks.clear()  # each prompt from a fresh fallback (they carry over otherwise)
+        decoder._fallbacks.clear()  # each prompt from a fresh fallback and budget (they carry over otherwise)
+        decoder._budgets.clear()
         r = decoder.generate(ids, req, method="wrong", budget=None, fallback=True)
         assert r.tokens == ar.tokens
         assert r.accepted_draft_tokens == 0
@@ -412,6 +413,7 @@ def test_a_useless_drafter_falls_back_to_plain_decoding(decoder, ar_outputs, mon
         # Under the auto budget the drafting time alone (against passes that look free) stops the
         # drafts before the fallback has a stretch to judge: a probe now and then.
         decoder._fallbacks.clear()
+        decoder._budgets.clear()
         auto = decoder.generate(ids, req, method="wrong", budget="auto", fallback=True)
         assert auto.tokens == ar.tokens and auto.draft_tokens < r.draft_tokens
         kept = decoder.generate(ids, req, method="wrong", budget=None, fallback=False)

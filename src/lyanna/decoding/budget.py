@@ -181,6 +181,7 @@ class Budget:
         if self.spec == "auto" and curve is None:
             raise LyannaError("budget 'auto' needs a latency curve (lyanna calibrate)")
         self._curve, self.decay, self._load = curve, decay, load
+        self._curve_used = False  # whether a round needed the curve (``ar`` never does)
         self._predicted = 0.0  # decayed sums of predicted and accepted draft tokens
         self._accepted = 0.0
         self._draft_seconds: float | None = None
@@ -199,9 +200,10 @@ class Budget:
 
     @property
     def curve(self) -> LatencyCurve:
-        if not isinstance(self._curve, LatencyCurve):
-            self._curve = self._curve()
-        return self._curve
+        """The latency curve; a function giving it is asked every time (a decoder's budget lives
+        across generations, and ``lyanna calibrate --force`` may replace its curve)."""
+        self._curve_used = True
+        return self._curve if isinstance(self._curve, LatencyCurve) else self._curve()
 
     def choose(self, tree: DraftTree, draft_seconds: float) -> DraftTree:
         """The nodes to verify this round. Trees with sampled children are kept whole under
@@ -255,8 +257,8 @@ class Budget:
         """Learn how the drafter's estimates compare with what verification accepted (every
         round, empty trees included, so old evidence decays), and, given the pass's measured
         ``seconds`` alone, how this host's speed compares with the latency curve's."""
-        if seconds is not None and isinstance(self._curve, LatencyCurve) and (self._load is None or not self._load()[0]):
-            ratio = seconds / float(self._curve(len(tree) + 1))
+        if seconds is not None and self._curve_used and (self._load is None or not self._load()[0]):
+            ratio = seconds / float(self.curve(len(tree) + 1))
             self.slowdown = self.decay * self.slowdown + (1 - self.decay) * ratio
         predicted = float(np.minimum(tree.closed_scores(), 1.0).sum()) if len(tree) else 0.0
         self._predicted = self.decay * self._predicted + predicted

@@ -122,6 +122,9 @@ class Decoder:
         # generation starts the next where that one left off (paused, or probing), instead of
         # paying a fresh stretch of slow rounds on every request.
         self._fallbacks: dict[str, Fallback] = {}
+        # Likewise one auto/fixed budget per method for generations alone (a batch sizes trees by
+        # its load, per sequence): its skip waits, drafting time and corrections carry over.
+        self._budgets: dict[tuple[str, int | str], Budget] = {}
         self._curve: LatencyCurve | None = None
         for name, drafter in model_free_methods(target, self.engine).items():
             self.add_drafter(name, drafter)
@@ -269,6 +272,16 @@ class Decoder:
             raise LyannaError(f"prompt token ids must lie in [0, {self.target.config.vocab_size})")
         return self._steps(drafter, method, prompt_ids, request, on_text, should_cancel, budget, fallback, load)
 
+    def _budget(self, method: str, spec: int | str | None, load: Callable[[], tuple[int, int]] | None) -> Budget | None:
+        if spec is None:
+            return None
+        if load is not None:
+            return Budget(spec, self.latency_curve, load=load)
+        key = (method, parse_budget(spec))
+        if key not in self._budgets:
+            self._budgets[key] = Budget(spec, self.latency_curve)
+        return self._budgets[key]
+
     def _fallback(self, method: str) -> Fallback:
         if method not in self._fallbacks:
             self._fallbacks[method] = Fallback(lambda: float(self.latency_curve()(1)))
@@ -299,7 +312,7 @@ class Decoder:
             out.logits[-1], hidden, target_passes=1,
         )
         # The latency curve is asked for only when a round needs it: ``ar`` never measures anything.
-        stats = yield from rounds(state, drafter, None if budget is None else Budget(budget, self.latency_curve, load=load),
+        stats = yield from rounds(state, drafter, self._budget(method, budget, load),
                                   self._fallback(method) if fallback else None)
         t1 = time.perf_counter()
         return GenerationResult(

@@ -84,16 +84,32 @@ class PairContext:
     def __init__(self, head: DraftHead, tap: int):
         self.head, self.tap = head, tap
         self.cache = head.new_cache(1024)
-        self.features = np.zeros((0, head.config.hidden_size), np.float32)
+        # Committed features in a buffer that doubles when full: appending a round's rows costs
+        # their size, not a copy of the whole context (which every round paid, drafting or not).
+        self._rows = np.zeros((0, head.config.hidden_size), np.float32)
+        self._count = 0
         self.base = 0
         self.passes = 0  # head forward passes, for statistics
 
+    @property
+    def features(self) -> np.ndarray:
+        """The target features of the committed tokens, one row each."""
+        return self._rows[: self._count]
+
     def start(self, hidden: dict[int, np.ndarray]) -> None:
-        self.features = hidden[self.tap]
+        self._count = 0
+        self.commit(hidden)
         self.cache.length = self.base = 0
 
     def commit(self, hidden: dict[int, np.ndarray]) -> None:
-        self.features = np.concatenate([self.features, hidden[self.tap]])
+        rows = hidden[self.tap]
+        need = self._count + len(rows)
+        if need > len(self._rows):
+            grown = np.empty((max(need, 2 * len(self._rows)), self._rows.shape[1]), np.float32)
+            grown[: self._count] = self._rows[: self._count]
+            self._rows = grown
+        self._rows[self._count : need] = rows
+        self._count = need
 
     def catch_up(self, ctx: np.ndarray, extra: int) -> np.ndarray:
         """Feed every committed pair not fed yet, the root (``ctx[-1]``) last, and return the

@@ -29,8 +29,9 @@ class FakeLlama:
     script = [5, 6, 7, 2, 9]
     instances: list["FakeLlama"] = []
 
-    def __init__(self, model_path, n_ctx, n_threads, verbose, draft_model=None):
+    def __init__(self, model_path, n_ctx, n_threads, verbose, draft_model=None, logits_all=False):
         self.model_path, self.n_ctx, self.verbose, self.draft_model = model_path, n_ctx, verbose, draft_model
+        self.logits_all = logits_all
         self.n_tokens = 0
         self.resets = 0
         FakeLlama.instances.append(self)
@@ -93,7 +94,7 @@ def test_llamacpp_lookup_drafts_by_prompt_lookup(tiny_decoder, fake_llama_cpp, t
     gguf.write_bytes(b"GGUF")
     gen = LlamaCppGenerate(dataclasses.replace(tiny_decoder.target, name=str(gguf)), [2], lookup=True)
     (llm,) = FakeLlama.instances
-    assert llm.draft_model == ("lookup", LOOKUP_TOKENS)
+    assert llm.draft_model == ("lookup", LOOKUP_TOKENS) and llm.logits_all  # llama-cpp-python sizes its buffer by it
     assert gen.generate([1, 70, 71], 10).method == "llamacpp-lookup"
 
 
@@ -105,7 +106,9 @@ def test_llamacpp_on_the_default_model(default_target):
 
     decoder = Decoder(default_target, default_drafts=False)
     ids = decoder.encode("Name three primary colors.")
-    lookup = LlamaCppGenerate(default_target, decoder.eos_token_ids, lookup=True).generate(ids, 8)
+    long_ids = decoder.encode("Repeat after me: " + "the quick brown fox jumps over the lazy dog. " * 60)
+    assert len(long_ids) > 512  # past llama-cpp-python's default n_batch, where its lookup once crashed
+    lookup = LlamaCppGenerate(default_target, decoder.eos_token_ids, lookup=True).generate(long_ids, 8)
     assert lookup.method == "llamacpp-lookup" and 1 <= lookup.new_tokens <= 8
     gen = LlamaCppGenerate(default_target, decoder.eos_token_ids)
     r = gen.generate(ids, 8)

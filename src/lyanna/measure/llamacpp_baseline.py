@@ -48,8 +48,11 @@ class LlamaCppGenerate:
 
             draft = LlamaPromptLookupDecoding(num_pred_tokens=LOOKUP_TOKENS)
         self.method = METHODS[lookup]
+        # With a draft model llama-cpp-python keeps every row's logits, but sizes its logits buffer
+        # by the logits_all argument: left False, a context past n_batch tokens fails to broadcast.
+        extra = {"draft_model": draft, "logits_all": True} if lookup else {}
         self.llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=target.config.max_position_embeddings,
-                                   n_threads=os.cpu_count(), draft_model=draft, verbose=False)
+                                   n_threads=os.cpu_count(), verbose=False, **extra)
         self.tokenizer = target.tokenizer
         self.eos_token_ids = {int(t) for t in eos_token_ids}
         self.evals = 0

@@ -453,7 +453,9 @@ def test_health_warns_only_when_speculation_does_not_pay():
     assert health({**row, "method": "ar", "tau": 1.0, "draft_tokens": 0, "speedup": 1.0}) == []
     assert health({**row, "tau": 1.05, "draft_tokens": 0}) == []  # drafted nothing: no acceptance to judge
     (tau_note,) = health({**row, "tau": 1.05})
-    assert "tau 1.05" in tau_note
+    assert "tau 1.05" in tau_note and "rarely accepted" in tau_note
+    (skipped_note,) = health({**row, "tau": 1.05, "new_tokens": 2807})  # 50 drafts for 2807 tokens
+    assert "drafted on few rounds" in skipped_note
     (slow_note,) = health({**row, "speedup": 0.9})
     assert "0.90x ar" in slow_note and "method ar" in slow_note
     assert len(health({**row, "tau": 1.05, "speedup": 0.9})) == 2

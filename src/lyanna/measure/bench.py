@@ -136,16 +136,21 @@ def default_methods(decoder: Decoder, sampling: SamplingParams) -> list[str]:
 
 
 HEALTHY_TAU = 1.3
+FEW_DRAFTS = 0.25  # verified draft tokens per new token below which a method mostly did not draft
 
 
 def health(result: dict[str, Any]) -> list[str]:
     """Warnings for a speculative method that does not pay: tau near 1 or slower than ``ar``."""
     notes = []
     if result["tau"] is not None and result["draft_tokens"] and result["tau"] < HEALTHY_TAU:
-        notes.append(f"tau {result['tau']:.2f} is near 1: its drafts are rarely accepted here")
+        # Few drafts for many tokens: the budget (or the fallback) stopped drafting, tau says nothing of acceptance.
+        few = result["draft_tokens"] < FEW_DRAFTS * result.get("new_tokens", 0)
+        why = ("it drafted on few rounds: its trees did not pay for their drafting time here" if few
+               else "its drafts are rarely accepted here")
+        notes.append(f"tau {result['tau']:.2f} is near 1: {why}")
     if result["speedup"] is not None and result["method"] != "ar" and result["speedup"] < 1.0:
-        hint = (" (use method ar; the --fallback, on by default, pauses drafting only after a stretch of slower rounds)"
-                if result["draft_tokens"] else "")
+        hint = (" (use method ar; the budget and the fallback stop drafting that does not pay, but their probes "
+                "still cost)" if result["draft_tokens"] else "")
         notes.append(f"{result['speedup']:.2f}x ar: slower than plain decoding on this machine{hint}")
     return notes
 

@@ -269,10 +269,10 @@ def int_linear_kernel(x, d, m, q, out, portable):  # pragma: no cover - compiled
                 i += group
 
 
-def tile_width(n: int) -> int:
-    """The widest tile (at most MAX_TILE rows, a multiple of OUT, dividing ``n``) giving an even
-    number of tiles (work for both cores of the project's CPU), else the widest at all."""
-    widths = [w for w in range(OUT, min(n, MAX_TILE) + 1, OUT) if n % w == 0]
+def tile_width(n: int, step: int = OUT) -> int:
+    """The widest tile (at most MAX_TILE rows, a multiple of ``step``, dividing ``n``) giving an
+    even number of tiles (work for both cores of the project's CPU), else the widest at all."""
+    widths = [w for w in range(step, min(n, MAX_TILE) + 1, step) if n % w == 0]
     even = [w for w in widths if (n // w) % 2 == 0]
     return max(even or widths)
 

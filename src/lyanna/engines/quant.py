@@ -209,14 +209,6 @@ def _dequantize_kernel(d, m, q, rows, out):  # pragma: no cover - compiled
             out[r, t] = d[c, b, u] * np.float32(q[c, b, v, t & 31, lane]) + m[c, b, u]
 
 
-def _tile_width(n: int) -> int:
-    """The widest tile (at most MAX_TILE rows, a multiple of LANES, dividing ``n``) that gives an
-    even number of tiles (work for both cores of the project's CPU), else the widest at all."""
-    widths = [w for w in range(LANES, min(n, MAX_TILE) + 1, LANES) if n % w == 0]
-    even = [w for w in widths if (n // w) % 2 == 0]
-    return max(even or widths)
-
-
 KERNELS = ("int8", "float")  # intdot's integer dot products on 8-bit inputs; this module's fp32 inputs
 
 
@@ -246,7 +238,7 @@ class QuantMatrix:
         if kernel == "int8":
             self.d, self.m, self.q = intdot.pack(d, m, q)
             return
-        tw = _tile_width(padded)
+        tw = intdot.tile_width(padded, LANES)
         tiles, nb = padded // tw, k // QK
         # q as [tile, block, vector, 32 inputs, LANES outputs]: the bytes one kernel step reads
         # (32 inputs of one vector of outputs) are 512 contiguous bytes, and the whole matrix is

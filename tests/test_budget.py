@@ -251,8 +251,14 @@ def test_correction_learns_from_rejections_and_forgets_them():
     assert budget.correction < 0.2
     c = budget.correction
     assert len(budget.choose(tree, 0.0)) == expected_nodes(np.full(20, 0.9), MODERATE, 0.0, c) == 0
+    budget.observe(DraftTree.empty(), 0)  # that drafted round, cut to nothing
+    c = budget.correction
     for _ in range(30):
-        budget.observe(DraftTree.empty(), 0)  # rounds without drafts: the evidence fades
+        budget.observe(DraftTree.empty(), 0)  # rounds that drafted nothing (a pause) teach nothing
+    assert budget.correction == c
+    for _ in range(30):
+        budget.choose(tree, 0.0)
+        budget.observe(DraftTree.empty(), 0)  # drafted rounds verifying nothing: the evidence fades
     assert budget.correction > 0.8
     assert len(budget.choose(tree, 0.0)) == 20
 
@@ -272,6 +278,13 @@ def test_curve_interpolates_and_never_extrapolates_downwards():
     assert MODERATE(128) == pytest.approx(0.01 + 127 * 0.001)
     with pytest.raises(LyannaError):
         curve([4, 2], [0.1, 0.2])
+
+
+def test_curve_at_one_size_equals_the_curve_over_an_array():
+    c = curve([1, 2, 3, 4, 6, 8, 16, 64], [0.0084, 0.0113, 0.0162, 0.0201, 0.0297, 0.0387, 0.0746, 0.2984])
+    sizes = np.arange(0, 200)
+    assert [c(int(n)) for n in sizes] == c(sizes).tolist()
+    assert [c(n) for n in sizes] == c(sizes).tolist()  # numpy integers too
 
 
 # ---------------------------------------------------------------- calibration and its cache

@@ -12,6 +12,7 @@ from lyanna.decoding.decoder import GenerationRequest
 from lyanna.drafters.checkpoint import save_head
 from lyanna.drafters.lyanna import ChainHead, LyannaDrafter, TokenInfo, token_info_tree
 from lyanna.drafters.tree import DraftTree
+from lyanna.engines.transformer import attention_bias
 from lyanna.training.fit import fit, init_lyanna_head, target_features
 
 from .conftest import draft_loaded
@@ -66,6 +67,26 @@ def test_numpy_chain_matches_torch_unroll(tiny_decoder, fitted):
         chain = head.unroll(torch.from_numpy(ex.features), torch.from_numpy(ex.tokens), 4)
         ref = torch.stack([head.raw_logits(f[-1]) for f in chain]).numpy()
     np.testing.assert_allclose(raw, ref, atol=2e-4)
+
+
+def test_catch_up_writes_the_cache_rows_a_full_step_writes(tiny_decoder, fitted):
+    """A catch-up computes only the root's output and fills the other pairs' keys and values:
+    the cache and the prediction must be bit-identical to one step over every pair."""
+    head, _, examples = fitted
+    ex = examples[0]
+    drafter = drafter_for(tiny_decoder, head)
+    tokens, features = np.asarray(ex.tokens), ex.features
+    drafter.start(list(tokens[:-1]), {drafter.tap: features[:-1]})
+    pc = drafter.context
+    pred = pc.catch_up(tokens, extra=0)
+    n = len(tokens) - 1
+    ref_cache = drafter.head.new_cache(n)
+    pos = np.arange(1, n + 1)
+    ref = drafter.head.step(features[:-1], tokens[1:], pos, ref_cache, attention_bias(0, np.tril(np.ones((n, n), bool))))
+    assert pc.cache.length == ref_cache.length == n
+    np.testing.assert_array_equal(pc.cache.k[:, :, :n], ref_cache.k[:, :, :n])
+    np.testing.assert_array_equal(pc.cache.v[:, :, :n], ref_cache.v[:, :, :n])
+    np.testing.assert_array_equal(pred, ref[-1])
 
 
 def test_chain_is_identical_whatever_draft_tokens_are_chosen(tiny_decoder, fitted):

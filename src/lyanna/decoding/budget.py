@@ -10,7 +10,7 @@ tokens per second::
 
 where the probabilities are the drafter's ``DraftTree.scores`` (each node's estimated probability
 of being accepted, in [0, 1], so their sum is the expected number of accepted draft tokens) and
-``c`` an online correction (accepted over predicted, recent rounds weighted most; each term
+``c`` an online correction (accepted over predicted, recent drafted rounds weighted most; each term
 ``c * p`` is capped at 1), so a miscalibrated draft still gets a sensible size. ``Budget(n)`` is
 the fixed alternative.
 
@@ -22,6 +22,7 @@ pass), so a chain drafted deeper than the kept trees mostly adds drafting time.
 """
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import os
@@ -80,6 +81,13 @@ class LatencyCurve:
         must not make bigger blocks look cheaper)."""
         s, t = self.sizes, self.seconds
         slope = max(t[-1] - t[-2], 0.0) / (s[-1] - s[-2])
+        if isinstance(n, (int, np.integer)):  # one size, every round: no array round trip
+            if n >= s[-1]:
+                return t[-1] + slope * (n - s[-1])
+            if n <= s[0]:
+                return t[0]
+            i = bisect.bisect_right(s, n)
+            return (t[i] - t[i - 1]) / (s[i] - s[i - 1]) * (n - s[i - 1]) + t[i - 1]  # np.interp's order
         n_arr = np.asarray(n, np.float64)
         out = np.where(n_arr <= s[-1], np.interp(n_arr, s, t), t[-1] + slope * (n_arr - s[-1]))
         return float(out) if out.ndim == 0 else out
@@ -191,6 +199,7 @@ class Budget:
         # down since calibration (or sped up) scales every verification cost, not the drafting time.
         self.slowdown = 1.0
         self._kept_depths: deque[int] = deque(maxlen=DEPTH_WINDOW)  # depth of each recent auto-sized tree
+        self._judged = False  # whether ``choose`` saw a tree since the last ``observe``
 
     @property
     def correction(self) -> float:
@@ -210,6 +219,7 @@ class Budget:
         ``auto``, and a fixed budget keeps their shallowest nodes in tree order without looking
         at scores: dropping some of their i.i.d. samples by score would bias the sampling rule."""
         self._draft_seconds = draft_seconds if self._draft_seconds is None else 0.5 * (self._draft_seconds + draft_seconds)
+        self._judged = True
         if tree.sampled_from or not len(tree):
             if self.spec == "auto" or len(tree) <= self.spec:
                 return tree
@@ -254,12 +264,17 @@ class Budget:
         return True
 
     def observe(self, tree: DraftTree, accepted: int, seconds: float | None = None) -> None:
-        """Learn how the drafter's estimates compare with what verification accepted (every
-        round, empty trees included, so old evidence decays), and, given the pass's measured
-        ``seconds`` alone, how this host's speed compares with the latency curve's."""
+        """Learn how the drafter's estimates compare with what verification accepted, and, given
+        the pass's measured ``seconds`` alone, how this host's speed compares with the latency
+        curve's. Evidence decays with every drafted round, those whose trees were cut to nothing
+        included (so drafting is tried again after a while), but not over rounds that drafted
+        nothing: a pause in drafting must not make its probe trust estimates that did not pay."""
         if seconds is not None and self._curve_used and (self._load is None or not self._load()[0]):
-            ratio = seconds / float(self.curve(len(tree) + 1))
+            ratio = seconds / self.curve(len(tree) + 1)
             self.slowdown = self.decay * self.slowdown + (1 - self.decay) * ratio
+        judged, self._judged = self._judged, False
+        if not (len(tree) or judged):
+            return
         predicted = float(np.minimum(tree.closed_scores(), 1.0).sum()) if len(tree) else 0.0
         self._predicted = self.decay * self._predicted + predicted
         self._accepted = self.decay * self._accepted + accepted

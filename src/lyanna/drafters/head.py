@@ -12,9 +12,9 @@ import numpy as np
 
 from ..engines.base import TargetEngine
 from ..engines.fused import FusedLayers
-from ..engines.kernels import linear
+from ..engines.kernels import linear, rms_norm, rope_qk
 from ..engines.quant import QuantMatrix, quantize_q8_0
-from ..engines.transformer import KVCache, LayerWeights, Weight, attention_bias, layer_forward, rotation
+from ..engines.transformer import KVCache, LayerWeights, Weight, layer_forward, rotation
 from ..errors import LyannaError
 
 
@@ -42,6 +42,12 @@ class DraftHead:
         # On blocks the layer runs as one compiled call (as the target's layers do): a draft step
         # is one row, so the ~10 kernel launches of the layer-by-layer path cost more than its math.
         self._fused = FusedLayers.of([self.layer], c)
+        # The key and value rows of the fused projection: what a pair whose output nobody reads
+        # needs (``fill``).
+        q_dim = c.num_heads * c.head_dim
+        wqkv = self.layer.wqkv
+        self._wkv = wqkv.take(np.arange(q_dim, wqkv.shape[0]), axis=0)
+        self._bkv = None if self.layer.bqkv is None else self.layer.bqkv[q_dim:]
         self.embed = target.embed
         self.lm_head = target.lm_head
         self.inv_freq = target.inv_freq
@@ -50,13 +56,37 @@ class DraftHead:
         c = self.config
         return KVCache(1, c.num_kv_heads, c.head_dim, capacity)
 
+    def _fuse(self, features: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+        return linear(np.concatenate([features, self.embed[tokens]], axis=-1), self.fc_w) + self.fc_b
+
     def step(self, features: np.ndarray, tokens: np.ndarray, positions: np.ndarray, cache: KVCache,
              bias: np.ndarray | None) -> np.ndarray:
         """Predict the next features for n (feature, token) pairs appended to ``cache``."""
-        x = linear(np.concatenate([features, self.embed[tokens]], axis=-1), self.fc_w) + self.fc_b
-        out = self.layer_step(x, positions, cache, bias)
+        out = self.layer_step(self._fuse(features, tokens), positions, cache, bias)
         cache.length += len(tokens)
         return out
+
+    def fill(self, features: np.ndarray, tokens: np.ndarray, positions: np.ndarray, cache: KVCache) -> None:
+        """Append n (feature, token) pairs to ``cache`` as ``step`` would, without predicting:
+        a row's key and value depend on that row alone, so pairs whose outputs nobody reads
+        (all of a catch-up's but the root's) need the fusion FC and the key/value projection,
+        about a fifth of the layer's multiply-adds, and no attention. Same kernels, so the
+        cache rows are bit-identical to ``step``'s."""
+        c, n = self.config, len(tokens)
+        if not n:
+            return
+        h = rms_norm(self._fuse(features, tokens), self.layer.attn_norm, c.rms_norm_eps)
+        kv = linear(h, self._wkv)
+        if self._bkv is not None:
+            kv += self._bkv
+        q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        qkv = np.zeros((n, q_dim + 2 * kv_dim), np.float32)  # rope_qk reads the fused layout
+        qkv[:, q_dim:] = kv
+        _, k = rope_qk(qkv, rotation(self.inv_freq, positions), c.num_heads, c.num_kv_heads, c.head_dim)
+        end = cache.length + n
+        cache.k[0, :, cache.length : end] = k.transpose(1, 0, 2)
+        cache.v[0, :, cache.length : end] = kv[:, kv_dim:].reshape(n, c.num_kv_heads, c.head_dim).transpose(1, 0, 2)
+        cache.length = end
 
     def layer_step(self, x: np.ndarray, positions: np.ndarray | Sequence[int], cache: KVCache,
                    bias: np.ndarray | None) -> np.ndarray:
@@ -113,7 +143,7 @@ class PairContext:
 
     def catch_up(self, ctx: np.ndarray, extra: int) -> np.ndarray:
         """Feed every committed pair not fed yet, the root (``ctx[-1]``) last, and return the
-        head's prediction after the root. ``extra`` slots are reserved for speculative rows."""
+        head's prediction after the root (the only output read: the others are only ``fill``ed). ``extra`` slots are reserved for speculative rows."""
         # A root fed already (a repeated proposal for the same context) is fed again.
         self.cache.length = min(self.cache.length, len(ctx) - 2)
         need = len(ctx) + extra
@@ -124,9 +154,9 @@ class PairContext:
             bigger.length = self.cache.length
             self.cache = bigger
         pending = np.arange(self.cache.length + 1, len(ctx))
-        n = len(pending)
-        bias = None if n == 1 else attention_bias(self.cache.length, np.tril(np.ones((n, n), bool)))
-        out = self.head.step(self.features[pending - 1], ctx[pending], pending, self.cache, bias)
+        old, root = pending[:-1], pending[-1:]
+        self.head.fill(self.features[old - 1], ctx[old], old, self.cache)
+        out = self.head.step(self.features[root - 1], ctx[root], root, self.cache, None)
         self.passes += 1
         self.base = self.cache.length
         return out[-1]

@@ -49,6 +49,7 @@ def test_demo_compares_the_default_method_with_ar_on_every_category(capsys, tiny
         (["generate", "hi", "--max-new-tokens", "x"], "positive integer"),
         (["generate", "hi", "--top-k", "-3"], "integer >= 0"),
         (["bench", "--limit", "0"], "positive integer"),
+        (["bench", "--repeats", "0"], "positive integer"),
     ],
 )
 def test_bad_arguments_exit_2(capsys, args, needle):
@@ -66,6 +67,7 @@ def test_bad_arguments_exit_2(capsys, args, needle):
         (["generate", "hi", "--method", "nope"], "unknown method"),
         (["bench", "--methods", "ar,nope", "--limit", "1"], "unknown method"),
         (["bench", "--questions", "/no/file.jsonl"], "not found"),
+        (["bench", "--methods", "ar", "--limit", "1", "--repeats", "2", "--temperature", "0.7"], "greedy decoding only"),
         (["--weights", "gguf", "generate", "hi"], "not a .gguf file"),
         (["--backend", "torch", "--weights", "gguf", "generate", "hi"], "numpy-backend engine"),
     ],
@@ -101,6 +103,26 @@ def test_bench_report_shape(capsys, tmp_path, tiny_model_dir):
     assert hf["tau"] is None
     assert hf["equal_to_ar"] in (True, False)
     assert "| hf |" in out and "| ar |" in out
+
+
+def test_bench_repeats_keep_each_methods_fastest_run(tmp_path, tiny_decoder, monkeypatch):
+    from lyanna.measure.bench import load_questions, run_bench
+
+    questions = tmp_path / "q.jsonl"
+    questions.write_text("\n".join(json.dumps({"question_id": i, "category": "a", "turns": [f"q {i}"]}) for i in range(2)))
+    # The warm-up run, then three runs of each question: the fastest of each three is kept.
+    seconds = iter([9.0, 3.0, 1.0, 2.0, 5.0, 6.0, 4.0])
+    generate = tiny_decoder.generate
+
+    def timed(*args, **kwargs):
+        result = generate(*args, **kwargs)
+        result.seconds = next(seconds)
+        return result
+
+    monkeypatch.setattr(tiny_decoder, "generate", timed)
+    report = run_bench(tiny_decoder, ["ar"], load_questions(questions), 4, progress=False, repeats=3)
+    assert [q["seconds"] for q in report["results"][0]["per_question"]] == [1.0, 4.0]
+    assert report["settings"]["repeats"] == 3
 
 
 def test_report_writes_markdown_and_figures(capsys, tmp_path, tiny_model_dir):

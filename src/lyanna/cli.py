@@ -117,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--limit", type=_positive_int, default=None, help="take N questions round-robin across categories")
     b.add_argument("--max-new-tokens", type=_positive_int, default=128)
     b.add_argument("--json", dest="json_out", default=None, metavar="OUT", help="write the report as JSON to OUT")
+    b.add_argument("--repeats", type=_positive_int, default=1,
+                   help="run each question N times per method, interleaved, and keep the fastest run (greedy only; "
+                        "for a shared host, whose bursts of load would otherwise land on one method's runs)")
     b.add_argument("--no-progress", action="store_true")
     _budget_args(b)
     _sampling_args(b)
@@ -229,6 +232,7 @@ def _bench(args: argparse.Namespace) -> None:
         progress=not args.no_progress,
         budget=args.budget,
         fallback=args.fallback,
+        repeats=args.repeats,
     )
     print(format_table(report))
     for row in report["results"]:

@@ -17,6 +17,7 @@ from lyanna.decoding.budget import (
     MAX_SKIP,
     PROBE_EVERY,
     Budget,
+    Evidence,
     LatencyCurve,
     calibrate,
     calibration_path,
@@ -225,6 +226,25 @@ def test_drafting_that_does_not_pay_is_skipped_then_probed_again():
     assert len(dear.choose(binary_tree(20, 0.5), 0.2)) > 0 and not dear.wants_drafts()
     assert [dear.wants_drafts() for _ in range(PROBE_EVERY - 1)] == [False] * (PROBE_EVERY - 2) + [True]
     assert MAX_SKIP >= PROBE_EVERY
+
+
+def test_budgets_sharing_evidence_start_from_what_the_others_learned():
+    """In a batch a method's budgets share their evidence: a generation that joins after the
+    others found drafting not paying waits with them, and inherits their correction."""
+    load = [(7, 16)]
+    evidence = Evidence()
+    first = Budget("auto", FLAT_THEN_STEEP, load=lambda: load[0], evidence=evidence)
+    fresh = Budget("auto", FLAT_THEN_STEEP, load=lambda: load[0])
+    assert first.wants_drafts() and len(first.choose(binary_tree(20, 0.5), 0.0)) == 0
+    first.observe(DraftTree.empty(), 0)
+    tree = binary_tree(4, 0.9)
+    for _ in range(5):
+        first.observe(tree, 0)  # trees verified and never accepted
+    joined = Budget("auto", FLAT_THEN_STEEP, load=lambda: load[0], evidence=evidence)
+    assert joined.correction == first.correction < 0.5 and fresh.correction == 1.0
+    # The wait it joins is the one the first budget's next failed probe would start (doubled).
+    assert [joined.wants_drafts() for _ in range(2 * PROBE_EVERY)] == [False] * (2 * PROBE_EVERY - 1) + [True]
+    assert fresh.wants_drafts()
 
 
 def test_the_cost_model_follows_a_slower_host():

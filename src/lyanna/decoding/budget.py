@@ -177,24 +177,38 @@ MAX_SKIP = 8 * PROBE_EVERY
 DEPTH_WINDOW = 8
 
 
+@dataclass
+class Evidence:
+    """What a method's drafts have been worth lately. The budgets of one method's generations in
+    a batch share one, so a request that joins the batch starts from what the others learned
+    (and waits with them when drafting does not pay) instead of trusting its drafter afresh."""
+
+    predicted: float = 0.0  # decayed sums of predicted and accepted draft tokens
+    accepted: float = 0.0
+    draft_seconds: float | None = None  # a round's drafting time, smoothed
+    wait: int = PROBE_EVERY - 1  # the next wait's length (see ``Budget.wants_drafts``)
+    paid: bool = True  # whether the last tree judged beat plain decoding
+
+
 class Budget:
     """Per-generation tree-size policy: a fixed node count, or ``auto`` from a latency curve."""
 
     def __init__(self, spec: int | str, curve: LatencyCurve | Callable[[], LatencyCurve] | None = None,
-                 decay: float = 0.8, load: Callable[[], tuple[int, int]] | None = None):
+                 decay: float = 0.8, load: Callable[[], tuple[int, int]] | None = None,
+                 evidence: Evidence | None = None):
         """``curve``: the latency curve, or a function giving it, called the first time a tree needs
         sizing (so a generation that never drafts never measures the machine). ``load``: inside a
-        batch, the other sequences sharing the pass and their rows (see ``choose``)."""
+        batch, the other sequences sharing the pass and their rows (see ``choose``). ``evidence``:
+        shared with other budgets of the same method (default: a fresh one of its own)."""
         self.spec = parse_budget(spec)
         if self.spec == "auto" and curve is None:
             raise LyannaError("budget 'auto' needs a latency curve (lyanna calibrate)")
         self._curve, self.decay, self._load = curve, decay, load
         self._curve_used = False  # whether a round needed the curve (``ar`` never does)
-        self._predicted = 0.0  # decayed sums of predicted and accepted draft tokens
-        self._accepted = 0.0
-        self._draft_seconds: float | None = None
-        self._skip_left = 0  # rounds still to go without drafting (see wants_drafts)
-        self._skip = PROBE_EVERY - 1  # the next wait's length
+        self.evidence = Evidence() if evidence is None else evidence
+        # Rounds still to go without drafting (see wants_drafts): a budget joining others that
+        # found drafting not paying starts with their wait.
+        self._skip_left = 0 if self.evidence.paid else self.evidence.wait
         # Measured pass seconds over the curve's prediction, decayed: a shared host that has slowed
         # down since calibration (or sped up) scales every verification cost, not the drafting time.
         self.slowdown = 1.0
@@ -205,7 +219,7 @@ class Budget:
     def correction(self) -> float:
         """Accepted over predicted, with one pseudo-round at face value that never decays: after
         rounds with nothing verified the evidence fades and drafting is tried again."""
-        return (self._accepted + 1.0) / (self._predicted + 1.0)
+        return (self.evidence.accepted + 1.0) / (self.evidence.predicted + 1.0)
 
     @property
     def curve(self) -> LatencyCurve:
@@ -218,7 +232,8 @@ class Budget:
         """The nodes to verify this round. Trees with sampled children are kept whole under
         ``auto``, and a fixed budget keeps their shallowest nodes in tree order without looking
         at scores: dropping some of their i.i.d. samples by score would bias the sampling rule."""
-        self._draft_seconds = draft_seconds if self._draft_seconds is None else 0.5 * (self._draft_seconds + draft_seconds)
+        ev = self.evidence
+        ev.draft_seconds = draft_seconds if ev.draft_seconds is None else 0.5 * (ev.draft_seconds + draft_seconds)
         self._judged = True
         if tree.sampled_from or not len(tree):
             if self.spec == "auto" or len(tree) <= self.spec:
@@ -235,14 +250,15 @@ class Budget:
         p = np.sort(closed)[::-1]
         gain = others + 1.0 + np.concatenate([[0.0], np.cumsum(np.minimum(p * self.correction, 1.0))])
         passes = self.slowdown * self.curve(other_rows + np.arange(1, len(p) + 2))
-        rate = gain / (self._draft_seconds + passes)
+        rate = gain / (ev.draft_seconds + passes)
         keep = int(np.argmax(rate))
         # Drafting pays only if the best tree beats plain decoding's rate with its drafting time
         # counted; if not, skip the next drafts (they would cost that time for nothing).
-        if keep == 0 or rate[keep] < (others + 1.0) / passes[0]:
-            self._skip_left, self._skip = self._skip, min(2 * self._skip + 1, MAX_SKIP)
+        ev.paid = bool(keep > 0 and rate[keep] >= (others + 1.0) / passes[0])
+        if ev.paid:
+            ev.wait = PROBE_EVERY - 1
         else:
-            self._skip = PROBE_EVERY - 1
+            self._skip_left, ev.wait = ev.wait, min(2 * ev.wait + 1, MAX_SKIP)
         chosen = tree.best(keep, closed)
         self._kept_depths.append(int(chosen.depths.max()) if len(chosen) else 0)
         return chosen
@@ -276,5 +292,6 @@ class Budget:
         if not (len(tree) or judged):
             return
         predicted = float(np.minimum(tree.closed_scores(), 1.0).sum()) if len(tree) else 0.0
-        self._predicted = self.decay * self._predicted + predicted
-        self._accepted = self.decay * self._accepted + accepted
+        ev = self.evidence
+        ev.predicted = self.decay * ev.predicted + predicted
+        ev.accepted = self.decay * ev.accepted + accepted

@@ -20,7 +20,7 @@ from ..engines.loading import Target
 from ..engines.transformer import Transformer
 from ..errors import LyannaError
 from .batching import BatchScheduler
-from .budget import Budget, LatencyCurve, parse_budget
+from .budget import Budget, Evidence, LatencyCurve, parse_budget
 from .loop import DecodeState, Fallback, rounds, run_alone
 from .prefix_cache import PrefixCache
 from .sampling import SamplingParams
@@ -123,8 +123,10 @@ class Decoder:
         # paying a fresh stretch of slow rounds on every request.
         self._fallbacks: dict[str, Fallback] = {}
         # Likewise one auto/fixed budget per method for generations alone (a batch sizes trees by
-        # its load, per sequence): its skip waits, drafting time and corrections carry over.
+        # its load, per sequence): its skip waits, drafting time and corrections carry over. In a
+        # batch each generation has its own budget, and a method's budgets share their evidence.
         self._budgets: dict[tuple[str, int | str], Budget] = {}
+        self._batch_evidence: dict[tuple[str, int | str], Evidence] = {}
         self._curve: LatencyCurve | None = None
         for name, drafter in model_free_methods(target, self.engine).items():
             self.add_drafter(name, drafter)
@@ -275,9 +277,9 @@ class Decoder:
     def _budget(self, method: str, spec: int | str | None, load: Callable[[], tuple[int, int]] | None) -> Budget | None:
         if spec is None:
             return None
-        if load is not None:
-            return Budget(spec, self.latency_curve, load=load)
         key = (method, parse_budget(spec))
+        if load is not None:
+            return Budget(spec, self.latency_curve, load=load, evidence=self._batch_evidence.setdefault(key, Evidence()))
         if key not in self._budgets:
             self._budgets[key] = Budget(spec, self.latency_curve)
         return self._budgets[key]

@@ -422,6 +422,23 @@ def test_greedy_output_equals_ar_under_every_budget(decoder, ar_outputs, method)
         assert drafted > 0  # the drafter did propose, so the budgets had something to trim
 
 
+@pytest.mark.parametrize("method", ["suffix-wide", "eagle-random"])
+def test_while_drafting_waits_only_free_trees_are_verified(decoder, ar_outputs, method):
+    """A budget that makes drafting wait still weighs what costs no draft pass: the suffix
+    drafter's matches are verified every round, a draft head drafts nothing at all."""
+    drafted = 0
+    for prompt, ar in ar_outputs.items():
+        waiting = Budget("auto", decoder.latency_curve)
+        waiting._skip_left = 10**6
+        decoder._budgets[(method, "auto")] = waiting
+        r = decoder.generate(decoder.encode(prompt), GenerationRequest(max_new_tokens=N_NEW), method=method)
+        assert r.tokens == ar.tokens
+        assert r.extra["draft_passes"] == 0
+        drafted += r.draft_tokens
+    del decoder._budgets[(method, "auto")]
+    assert (drafted > 0) == (method == "suffix-wide")
+
+
 def test_a_useless_drafter_falls_back_to_plain_decoding(decoder, ar_outputs, monkeypatch):
     monkeypatch.setattr(decoder, "_curve", curve([1, 2], [1e-9, 2e-9]))  # plain decoding looks free
     drafter = decoder.drafters["wrong"]

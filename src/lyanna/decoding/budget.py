@@ -228,12 +228,16 @@ class Budget:
         self._curve_used = True
         return self._curve if isinstance(self._curve, LatencyCurve) else self._curve()
 
-    def choose(self, tree: DraftTree, draft_seconds: float) -> DraftTree:
+    def choose(self, tree: DraftTree, draft_seconds: float, free: bool = False) -> DraftTree:
         """The nodes to verify this round. Trees with sampled children are kept whole under
         ``auto``, and a fixed budget keeps their shallowest nodes in tree order without looking
-        at scores: dropping some of their i.i.d. samples by score would bias the sampling rule."""
+        at scores: dropping some of their i.i.d. samples by score would bias the sampling rule.
+        ``free``: a tree proposed while drafting waits (``Drafter.propose_free``): it is sized
+        by its own small drafting time and says nothing about whether drafting pays."""
         ev = self.evidence
-        ev.draft_seconds = draft_seconds if ev.draft_seconds is None else 0.5 * (ev.draft_seconds + draft_seconds)
+        if not free:
+            ev.draft_seconds = draft_seconds if ev.draft_seconds is None else 0.5 * (ev.draft_seconds + draft_seconds)
+        seconds = draft_seconds if free or ev.draft_seconds is None else ev.draft_seconds
         self._judged = True
         if tree.sampled_from or not len(tree):
             if self.spec == "auto" or len(tree) <= self.spec:
@@ -250,15 +254,16 @@ class Budget:
         p = np.sort(closed)[::-1]
         gain = others + 1.0 + np.concatenate([[0.0], np.cumsum(np.minimum(p * self.correction, 1.0))])
         passes = self.slowdown * self.curve(other_rows + np.arange(1, len(p) + 2))
-        rate = gain / (ev.draft_seconds + passes)
+        rate = gain / (seconds + passes)
         keep = int(np.argmax(rate))
         # Drafting pays only if the best tree beats plain decoding's rate with its drafting time
         # counted; if not, skip the next drafts (they would cost that time for nothing).
-        ev.paid = bool(keep > 0 and rate[keep] >= (others + 1.0) / passes[0])
-        if ev.paid:
-            ev.wait = PROBE_EVERY - 1
-        else:
-            self._skip_left, ev.wait = ev.wait, min(2 * ev.wait + 1, MAX_SKIP)
+        if not free:
+            ev.paid = bool(keep > 0 and rate[keep] >= (others + 1.0) / passes[0])
+            if ev.paid:
+                ev.wait = PROBE_EVERY - 1
+            else:
+                self._skip_left, ev.wait = ev.wait, min(2 * ev.wait + 1, MAX_SKIP)
         chosen = tree.best(keep, closed)
         self._kept_depths.append(int(chosen.depths.max()) if len(chosen) else 0)
         return chosen

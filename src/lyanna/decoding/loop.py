@@ -165,6 +165,7 @@ def _block(tree: DraftTree, root: int, start: int) -> tuple[np.ndarray, np.ndarr
     return tokens, positions, mask
 
 
+EMPTY = DraftTree.empty()
 Forwards = Generator[Block, ForwardOutput, "RoundStats"]  # yields blocks to run, is sent their outputs
 
 
@@ -190,8 +191,9 @@ def rounds(state: DecodeState, drafter: Drafter, budget: Budget | None = None,
     """The decode loop, as a generator that yields each round's verification block and is sent
     the target's output for it (so one loop serves a sequence alone and inside a batch).
     ``budget`` trims each proposed tree (None: verify it whole); ``fallback`` pauses drafting
-    while it does not pay. The drafter is told every commit, paused or not, so it can draft again
-    at any round. Returns the rounds' statistics."""
+    while it does not pay. While the budget or the fallback makes drafting wait, a budget still
+    weighs the drafter's free tree (``Drafter.propose_free``). The drafter is told every commit,
+    paused or not, so it can draft again at any round. Returns the rounds' statistics."""
     cache, tracker = state.cache, state.tracker
     stats = RoundStats()
     drafter.start(state.prompt_ids, state.prefill_hidden)
@@ -199,20 +201,22 @@ def rounds(state: DecodeState, drafter: Drafter, budget: Budget | None = None,
     root = next_token(state.last_logits, state.params, state.rng)
     tracker.extend([root])
     context = [*state.prompt_ids, root]  # prompt + committed tokens, grown in place
-    empty = DraftTree.empty()
     while not tracker.finished:
         t0 = time.perf_counter()
-        tree = empty
-        if (fallback is None or fallback.wants_drafts()) and (budget is None or budget.wants_drafts()):
-            depth = tracker.max_new_tokens - len(tracker.tokens) - 1  # room left after the bonus token
-            if budget is not None:
-                depth = budget.limit_depth(depth)
+        drafting = (fallback is None or fallback.wants_drafts()) and (budget is None or budget.wants_drafts())
+        depth = tracker.max_new_tokens - len(tracker.tokens) - 1  # room left after the bonus token
+        if budget is not None:
+            depth = budget.limit_depth(depth)
+        if drafting:
             tree = drafter.propose(context, depth).prune_depth(depth)
-        else:
-            drafter.skip()  # this round verifies no draft: per-round speculative state is stale
-        proposed = len(tree) > 0  # judged by the fallback even when the budget keeps nothing
-        if proposed and budget is not None:
-            tree = budget.choose(tree, time.perf_counter() - t0)
+        elif budget is not None:  # drafting waits: only what costs no draft pass, if the budget finds it pays
+            tree = drafter.propose_free(context, depth).prune_depth(depth)
+        else:  # paused by the fallback with every tree verified whole: a plain step
+            drafter.skip()
+            tree = EMPTY
+        proposed = drafting and len(tree) > 0  # judged by the fallback even when the budget keeps nothing
+        if len(tree) and budget is not None:
+            tree = budget.choose(tree, time.perf_counter() - t0, free=not drafting)
         t1 = time.perf_counter()
         start = cache.length
         tokens, positions, mask = _block(tree, root, start)

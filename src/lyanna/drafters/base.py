@@ -72,6 +72,14 @@ class Drafter(ABC):
         """Told when a round goes by without a proposal (a loaded batch where the budget keeps
         nothing): state kept from the last proposal must not be reused as is."""
 
+    def propose_free(self, context: Sequence[int], max_depth: int) -> DraftTree:
+        """A tree that costs no draft-model pass (model-free matches, rows left over from the
+        last chain), proposed instead of ``propose`` on rounds when drafting waits because it
+        did not pay: such a tree costs only its verification, which the budget weighs. The
+        default has none, and the round is a ``skip``."""
+        self.skip()
+        return DraftTree.empty()
+
 
 def can_fork(drafter: Drafter) -> bool:
     """Whether ``drafter`` overrides ``fork`` (serves several generations at once)."""

@@ -280,6 +280,23 @@ class LyannaDrafter(Drafter):
         matched = self.suffix.propose(context, max_depth)
         return tree.merged(matched, self.max_nodes + len(matched)) if len(matched) else tree
 
+    def propose_free(self, context: Sequence[int], max_depth: int) -> DraftTree:
+        """What needs no draft pass: the tree re-sampled from the last chain's leftover rows
+        (whatever the policy but ``off``) and, for ``lyanna+suffix``, the suffix matches."""
+        depth = min(self.depth, max_depth)
+        tree = DraftTree.empty()
+        if self.policy != "off" and depth >= 1 and self._leftover is not None and len(self._leftover):
+            self._chain = self._leftover[:depth]
+            tree = token_info_tree(self._chain, int(context[-1]), self.ti, self.head.d2t, self.topk, self.width,
+                                   self.max_nodes, origin=1)
+        else:
+            self.skip()
+        if self.suffix is not None:
+            matched = self.suffix.propose(context, max_depth)
+            if len(matched):
+                tree = tree.merged(matched, self.max_nodes + len(matched)) if len(tree) else matched
+        return tree
+
     def _propose_chain(self, context: Sequence[int], max_depth: int) -> DraftTree:
         depth = min(self.depth, max_depth)
         if depth < 1:

@@ -70,6 +70,10 @@ class SuffixDrafter(Drafter):
         match_len, continuations = self.match(context, min(self.max_depth, max_depth))
         return self._trie(continuations, acceptance_rate(match_len)) if continuations else DraftTree.empty()
 
+    def propose_free(self, context: Sequence[int], max_depth: int) -> DraftTree:
+        """The same matches: they cost no draft-model pass, so they are proposed every round."""
+        return self.propose(context, max_depth)
+
     def match(self, context: Sequence[int], depth: int) -> tuple[int, list[list[int]]]:
         """The longest suffix match (its length) and up to ``branches`` continuations of at most
         ``depth`` tokens, the most recent first; (0, []) when nothing matched."""

@@ -218,7 +218,7 @@ class Budget:
     @property
     def correction(self) -> float:
         """Accepted over predicted, with one pseudo-round at face value that never decays: after
-        rounds with nothing verified the evidence fades and drafting is tried again."""
+        drafted rounds with nothing verified the evidence fades and drafting is tried again."""
         return (self.evidence.accepted + 1.0) / (self.evidence.predicted + 1.0)
 
     @property

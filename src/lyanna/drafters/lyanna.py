@@ -274,44 +274,48 @@ class LyannaDrafter(Drafter):
         return self.head.raw_logits(np.stack(features))
 
     def propose(self, context: Sequence[int], max_depth: int) -> DraftTree:
-        tree = self._propose_chain(context, max_depth)
-        if self.suffix is None:
-            return tree
-        matched = self.suffix.propose(context, max_depth)
-        return tree.merged(matched, self.max_nodes + len(matched)) if len(matched) else tree
+        return self._with_suffix(self._propose_chain(context, max_depth), context, max_depth)
 
     def propose_free(self, context: Sequence[int], max_depth: int) -> DraftTree:
         """What needs no draft pass: the tree re-sampled from the last chain's leftover rows
         (whatever the policy but ``off``) and, for ``lyanna+suffix``, the suffix matches."""
         depth = min(self.depth, max_depth)
-        tree = DraftTree.empty()
-        if self.policy != "off" and depth >= 1 and self._leftover is not None and len(self._leftover):
-            self._chain = self._leftover[:depth]
-            tree = token_info_tree(self._chain, int(context[-1]), self.ti, self.head.d2t, self.topk, self.width,
-                                   self.max_nodes, origin=1)
-        else:
+        resampled = self._resampled(int(context[-1]), depth) if depth >= 1 else None
+        if resampled is None:
             self.skip()
-        if self.suffix is not None:
-            matched = self.suffix.propose(context, max_depth)
-            if len(matched):
-                tree = tree.merged(matched, self.max_nodes + len(matched)) if len(tree) else matched
-        return tree
+            return self._with_suffix(DraftTree.empty(), context, max_depth)
+        self._chain, tree = resampled
+        return self._with_suffix(tree, context, max_depth)
+
+    def _with_suffix(self, tree: DraftTree, context: Sequence[int], max_depth: int) -> DraftTree:
+        """``tree`` with the suffix drafter's matches merged in (``lyanna+suffix``; else as is)."""
+        if self.suffix is None:
+            return tree
+        matched = self.suffix.propose(context, max_depth)
+        if not len(matched):
+            return tree
+        return tree.merged(matched, self.max_nodes + len(matched)) if len(tree) else matched
+
+    def _resampled(self, root: int, depth: int) -> tuple[np.ndarray, DraftTree] | None:
+        """The leftover chain rows (up to ``depth``) and the tree re-sampled from them with
+        ``root`` as its root; None without leftover rows or under policy ``off``."""
+        if self.policy == "off" or self._leftover is None or not len(self._leftover):
+            return None
+        rows = self._leftover[:depth]
+        return rows, token_info_tree(rows, root, self.ti, self.head.d2t, self.topk, self.width, self.max_nodes, origin=1)
 
     def _propose_chain(self, context: Sequence[int], max_depth: int) -> DraftTree:
         depth = min(self.depth, max_depth)
         if depth < 1:
             return DraftTree.empty()
         root = int(context[-1])
-        tree_args = (self.ti, self.head.d2t, self.topk, self.width, self.max_nodes)
-        resampled = None
-        if self.policy != "off" and self._leftover is not None and len(self._leftover):
-            rows = self._leftover[:depth]
-            resampled = token_info_tree(rows, root, *tree_args, origin=1)
-            if self.policy == "reuse" and resampled.scores.sum() >= self.reuse_min_expected:
-                self._chain = rows
-                return resampled
+        found = self._resampled(root, depth)
+        resampled = None if found is None else found[1]
+        if found is not None and self.policy == "reuse" and resampled.scores.sum() >= self.reuse_min_expected:
+            self._chain = found[0]
+            return resampled
         self._chain = self.chain(context, depth)
-        fresh = token_info_tree(self._chain, root, *tree_args)
+        fresh = token_info_tree(self._chain, root, self.ti, self.head.d2t, self.topk, self.width, self.max_nodes)
         if self.policy == "fuse" and resampled is not None:
             return fresh.merged(resampled, self.max_nodes)
         return fresh

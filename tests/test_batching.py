@@ -10,6 +10,7 @@ import pytest
 
 from lyanna.decoding import verify as verify_module
 from lyanna.decoding.decoder import GenerationRequest
+from lyanna.drafters.base import NoDrafter
 from lyanna.engines.base import Block
 from lyanna.measure.bench import load_questions
 from lyanna.serving.app import create_app
@@ -34,7 +35,7 @@ def _copy(cache):
 @pytest.fixture(scope="module")
 def block_engines(tiny_model_dir):
     """The tiny model's layers on Q8_0 blocks: its engine, which runs every batch through
-    ``fused.py`` in one compiled call, and the same weights layer by layer."""
+    ``fused.py`` in one compiled call, the same weights layer by layer, and the target."""
     from lyanna.engines.loading import load_target
     from lyanna.engines.quant import quantize_q8_0
     from lyanna.engines.transformer import Transformer
@@ -44,7 +45,7 @@ def block_engines(tiny_model_dir):
     fused, plain = Transformer(target.config, weights), Transformer(target.config, weights)
     plain._fused = None
     assert fused._fused is not None and fused.blockwise_prefill
-    return fused, plain
+    return fused, plain, replace(target, weights=weights)
 
 
 @pytest.mark.parametrize("weights", ["fp32", "blocks"])
@@ -202,3 +203,45 @@ def test_server_batches_concurrent_requests_and_answers_each_as_alone(tiny_decod
         alone = tiny_decoder.generate(ids, GenerationRequest(max_new_tokens=12 + i))
         assert answers[i]["choices"][0]["message"]["content"] == alone.text
         assert answers[i]["usage"]["completion_tokens"] == alone.new_tokens
+
+
+class _TapRecorder(NoDrafter):
+    """Drafts nothing; keeps the prompt's hidden rows each generation starts from."""
+
+    def __init__(self, taps, seen):
+        self.taps, self.seen = taps, seen
+
+    def fork(self):
+        return _TapRecorder(self.taps, self.seen)
+
+    def start(self, prompt_ids, hidden):
+        self.seen[tuple(prompt_ids)] = {t: h.copy() for t, h in hidden.items()}
+
+
+def test_chunked_prefill_in_a_batch_gives_what_a_whole_prefill_gives(block_engines):
+    """In a batch a prompt is prefilled ``prefill_chunk`` positions a pass on an engine whose rows
+    do not depend on their block: the same tokens and the same prompt hidden rows as a whole
+    prefill alone, one more pass per extra chunk; alone, prompts stay whole."""
+    from lyanna.decoding.decoder import Decoder, GenerationRequest
+
+    engine, _, target = block_engines
+    taps = (1, engine.config.num_layers)
+    seen_chunked, seen_whole = {}, {}
+    chunked = Decoder(target, engine=engine, prefill_chunk=3, default_drafts=False)
+    whole = Decoder(target, engine=engine, default_drafts=False)
+    chunked.add_drafter("rec", _TapRecorder(taps, seen_chunked))
+    whole.add_drafter("rec", _TapRecorder(taps, seen_whole))
+    prompts = [[5, 9, 11, 2, 7, 1, 4, 8, 3, 6], [2, 3], [7, 7, 1, 9, 4, 2, 8], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]]
+    reqs = [GenerationRequest(max_new_tokens=n) for n in (6, 9, 4, 7)]
+    for method in ("ar", "suffix", "rec"):
+        batched = chunked.generate_batch(prompts, reqs, method=method, max_batch=2)
+        for ids, req, got in zip(prompts, reqs, batched):
+            alone = whole.generate(ids, req, method=method)
+            _same(got, alone)
+            assert chunked.generate(ids, req, method=method).target_passes == alone.target_passes
+            if method == "ar":  # one pass per token after the first, and one per chunk before it
+                assert got.target_passes == alone.target_passes + (len(ids) - 1) // 3
+    assert seen_chunked.keys() == seen_whole.keys() == {tuple(p) for p in prompts}
+    for ids, rows in seen_whole.items():
+        assert rows.keys() == set(taps) and all(rows[t].shape[0] == len(ids) for t in taps)
+        assert all(np.array_equal(seen_chunked[ids][t], rows[t]) for t in taps)

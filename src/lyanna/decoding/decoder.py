@@ -103,13 +103,19 @@ class Decoder:
     """A loaded target plus everything to turn prompts into outputs with any registered method."""
 
     def __init__(self, target: Target, default_drafts: bool = True, engine: TargetEngine | None = None,
-                 prefix_cache_tokens: int = 0):
+                 prefix_cache_tokens: int = 0, prefill_chunk: int = 0):
         """``default_drafts``: register the draft heads shipped for this model (``lyanna/drafts/<name>/``);
         ``engine``: what computes the target (default: the numpy engine over ``target.weights``;
         ``torch_engine.TorchEngine`` for the Hugging Face model in PyTorch); ``prefix_cache_tokens``:
         keep up to this many positions of recent prompts and prefill only what a new prompt adds to
         the longest of them (``prefix_cache.py``; engines whose prefill rows depend on their block
-        get none, so ``prefix_cache`` stays None there)."""
+        get none, so ``prefix_cache`` stays None there); ``prefill_chunk``: in a batch, prefill a
+        prompt at most this many positions a pass, so that a long prompt does not hold up the
+        sequences decoding beside it for its whole prefill (0: whole prompts; engines whose prefill
+        rows depend on their block always prefill whole prompts)."""
+        if prefill_chunk < 0:
+            raise LyannaError(f"prefill_chunk must be >= 0, got {prefill_chunk}")
+        self.prefill_chunk = prefill_chunk
         self.target = target
         self.engine = Transformer(target.config, target.weights) if engine is None else engine
         exact = getattr(self.engine, "blockwise_prefill", False)
@@ -304,14 +310,23 @@ class Decoder:
         start = 0 if hit is None else hit.length
         if hit is not None:
             hit.restore(cache)
-        out = yield Block(prompt_ids[start:], np.arange(start, len(prompt_ids)), cache, logit_rows=[-1], taps=taps,
-                          prefill=hit is None)
-        hidden = out.hidden if hit is None else {t: np.concatenate([hit.hidden[t], h]) for t, h in out.hidden.items()}
+        # In a batch (``load``), a long prompt goes in chunks so that the sequences decoding beside
+        # it keep stepping; only an engine whose prefill rows do not depend on their block chunks.
+        chunk = len(prompt_ids)
+        if load is not None and self.prefill_chunk and getattr(self.engine, "blockwise_prefill", False):
+            chunk = self.prefill_chunk
+        parts: list[dict[int, np.ndarray]] = [] if hit is None else [hit.hidden]
+        for lo in range(start, len(prompt_ids), chunk):
+            hi = min(lo + chunk, len(prompt_ids))
+            out = yield Block(prompt_ids[lo:hi], np.arange(lo, hi), cache, logit_rows=[-1] if hi == len(prompt_ids) else [],
+                              taps=taps, prefill=lo == 0)
+            parts.append(out.hidden)
+        hidden = parts[0] if len(parts) == 1 else {t: np.concatenate([p[t] for p in parts]) for t in taps}
         if self.prefix_cache is not None:
             self.prefix_cache.store(prompt_ids, cache, hidden)
         state = DecodeState(
             self.engine, cache, tracker, request.sampling, request.sampling.rng(), prompt_ids,
-            out.logits[-1], hidden, target_passes=1,
+            out.logits[-1], hidden, target_passes=len(parts) - (hit is not None),
         )
         # The latency curve is asked for only when a round needs it: ``ar`` never measures anything.
         stats = yield from rounds(state, drafter, self._budget(method, budget, load),

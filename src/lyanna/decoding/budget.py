@@ -44,15 +44,35 @@ from ..errors import LyannaError
 DEFAULT_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80)
 
 
-def cpu_name() -> str:
-    """The CPU model as /proc/cpuinfo names it (``platform.processor()`` elsewhere)."""
+def _cpuinfo() -> dict[str, str]:
+    """The first processor's fields in /proc/cpuinfo (empty where there is none)."""
+    fields: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+            if not line.strip():
+                break
+            key, _, value = line.partition(":")
+            fields[key.strip()] = value.strip()
     except OSError:
         pass
-    return platform.processor() or "unknown cpu"
+    return fields
+
+
+def cpu_name() -> str:
+    """The CPU model as /proc/cpuinfo names it, with its family and model numbers: a cloud VM
+    often reports only "AMD EPYC", which covers generations whose speed differs several times
+    (``platform.processor()`` where there is no /proc/cpuinfo)."""
+    info = _cpuinfo()
+    if "model name" not in info:
+        return platform.processor() or "unknown cpu"
+    numbers = [f"{k} {info[k]}" for k in ("cpu family", "model") if k in info]
+    return info["model name"] + (f" ({', '.join(numbers)})" if numbers else "")
+
+
+def cpu_features() -> list[str]:
+    """The vector instruction sets the kernels care about that this CPU reports."""
+    flags = set(_cpuinfo().get("flags", "").split())
+    return [f for f in ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8") if f in flags]
 
 
 def machine_id() -> str:

@@ -69,10 +69,11 @@ def machine_info() -> dict[str, Any]:
     import numpy as np
     import torch
 
-    from ..decoding.budget import cpu_name
+    from ..decoding.budget import cpu_features, cpu_name
 
     return {
         "cpu": cpu_name(),
+        "cpu_features": cpu_features(),
         "cores": os.cpu_count(),
         "platform": platform.platform(),
         "python": platform.python_version(),

@@ -4,7 +4,8 @@ Speculative decoding's speedup is tokens per round (tau) times the cost of one p
 cost of a round (draft time + the target's latency for the verified block). tau and draft time
 depend on the drafter and the text, not on the target's device, so they come from a bench run
 with fixed budgets (any machine); the latency curve is measured here, on ``--device``, with the
-torch backend (blocks of 1 to 128 tokens after 256 of context).
+torch backend (``--backend torch``, our static-cache forward; ``hf`` for the Hugging Face model) on
+blocks of 1 to 128 tokens after 256 of context.
 
     python scripts/project-speedup.py --bench docs/bench/budgets.json --device cuda --dtype bfloat16 \
         --out docs/bench/projected-cuda.json
@@ -30,6 +31,8 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    ap.add_argument("--backend", default="torch", choices=("torch", "hf"),
+                    help="torch: our forward with a static KV cache (default); hf: the Hugging Face model")
     ap.add_argument("--bench", default=None, help="a `lyanna bench --json` report with METHOD@N rows (fixed budgets)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -37,9 +40,11 @@ def main() -> None:
     import torch
 
     from lyanna.decoding.budget import calibrate
+    from lyanna.engines.device import load_device_target
     from lyanna.engines.torch_engine import load_torch_target
 
-    target, engine = load_torch_target(args.model, args.device, args.dtype)
+    load = load_device_target if args.backend == "torch" else load_torch_target
+    target, engine = load(args.model, args.device, args.dtype)
     curve = calibrate(engine, target.name, sizes=SIZES, context=256, repeats=7)
     device = torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else curve.machine
     report = {

@@ -90,16 +90,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", default=DEFAULT_MODEL, help=f"alias, Hugging Face model directory or .gguf file (default {DEFAULT_MODEL})")
     parser.add_argument("--draft", action="append", default=[], metavar="DIR",
                         help="draft-head checkpoint to load; its method (e.g. eagle) becomes available (repeatable)")
-    parser.add_argument("--backend", choices=("numpy", "torch"), default="numpy",
-                        help="what computes the target: our numpy engine (default, the faster one on a CPU) or "
-                             "the Hugging Face model in PyTorch (any device)")
+    parser.add_argument("--backend", choices=("numpy", "torch", "hf"), default="numpy",
+                        help="what computes the target: our numpy engine (default, the faster one on a CPU), our "
+                             "PyTorch forward with a static KV cache on any device (torch), or the Hugging Face "
+                             "model in PyTorch (hf)")
     parser.add_argument("--weights", choices=WEIGHT_FORMATS, default="auto",
                         help="numpy backend: gguf computes on a GGUF target's quantized blocks with 8-bit inputs "
                              "and integer dot products (the fastest); gguf-float on the same blocks with fp32 inputs; "
                              "fp32 streams the weights dequantized; auto (default): gguf for a GGUF target, else fp32")
-    parser.add_argument("--device", default=None, help="torch backend: cpu (default), cuda, cuda:1, ...")
+    parser.add_argument("--device", default=None, help="torch and hf backends: cpu (default), cuda, cuda:1, ...")
     parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
-                        help="torch backend: the model's dtype (default float32; greedy output equals ar only in float32)")
+                        help="torch and hf backends: the model's dtype (default float32; greedy output equals ar only "
+                             "in float32)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate a reply to one prompt (streamed)")
@@ -200,12 +202,14 @@ def _decoder(args: argparse.Namespace):
 
     cache_tokens = getattr(args, "prefix_cache_tokens", 0)  # the server's options
     chunk = getattr(args, "prefill_chunk", 0)
-    if args.backend == "torch" and args.weights.startswith("gguf"):
-        raise LyannaError(f"--weights {args.weights} is a numpy-backend engine: drop --backend torch or --weights")
-    if args.backend == "torch":
+    if args.backend != "numpy" and args.weights.startswith("gguf"):
+        raise LyannaError(f"--weights {args.weights} is a numpy-backend engine: drop --backend {args.backend} or --weights")
+    if args.backend != "numpy":
+        from .engines.device import load_device_target
         from .engines.torch_engine import load_torch_target
 
-        target, engine = load_torch_target(args.model, args.device or "cpu", args.dtype or "float32")
+        load = load_device_target if args.backend == "torch" else load_torch_target
+        target, engine = load(args.model, args.device or "cpu", args.dtype or "float32")
         decoder = Decoder(target, engine=engine, prefix_cache_tokens=cache_tokens, prefill_chunk=chunk)
     elif args.device or args.dtype:
         raise LyannaError("--device and --dtype choose where the torch backend runs: add --backend torch")

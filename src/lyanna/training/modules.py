@@ -7,42 +7,10 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..engines.config import ModelConfig, rope_inv_freq
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
-
-
-class Attention(nn.Module):
-    def __init__(self, c: ModelConfig):
-        super().__init__()
-        self.c = c
-        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=c.attention_bias)
-        self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias)
-        self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias)
-        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape
-        c = self.c
-        q = self.q_proj(x).view(b, t, c.num_heads, c.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
-        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-        groups = c.num_heads // c.num_kv_heads
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.o_proj(o.transpose(1, 2).reshape(b, t, -1))
+from ..engines.torch_layers import DecoderLayer, RMSNorm, rope
 
 
 def pair_segments(segments: torch.Tensor) -> torch.Tensor:
@@ -59,38 +27,6 @@ def segment_positions(segments: torch.Tensor) -> torch.Tensor:
     starts[:, 1:] = segments[:, 1:] != segments[:, :-1]
     first = torch.where(starts, idx, torch.zeros_like(idx)).cummax(dim=1).values
     return idx - first
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
-
-
-class MLP(nn.Module):
-    def __init__(self, c: ModelConfig):
-        super().__init__()
-        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class DecoderLayer(nn.Module):
-    """A Llama-family pre-norm decoder layer, causal over the sequence."""
-
-    def __init__(self, c: ModelConfig):
-        super().__init__()
-        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.self_attn = Attention(c)
-        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.mlp = MLP(c)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
-        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class EagleHead(nn.Module):
@@ -136,8 +72,8 @@ class EagleHead(nn.Module):
         cos, sin = angles.cos()[:, :, None], angles.sin()[:, :, None]
         h = self.layer.input_layernorm(x)
         b, t = x.shape[:2]
-        q = _rope(attn.q_proj(h).view(b, t, c.num_heads, c.head_dim), cos, sin)
-        k = _rope(attn.k_proj(h).view(b, t, c.num_kv_heads, c.head_dim), cos, sin)
+        q = rope(attn.q_proj(h).view(b, t, c.num_heads, c.head_dim), cos, sin)
+        k = rope(attn.k_proj(h).view(b, t, c.num_kv_heads, c.head_dim), cos, sin)
         return q, k, attn.v_proj(h).view(b, t, c.num_kv_heads, c.head_dim)
 
     def _step(self, x: torch.Tensor, q: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor,

@@ -1,0 +1,144 @@
+"""The device engine (our own torch forward, static KV cache): the numpy engine's numbers, a
+compaction that leaves the cache a fresh causal run would, greedy outputs equal to ``ar`` and to
+the numpy engine's, and sampled outputs with the target's joint distribution. Run on CPU torch,
+so CI covers the path a GPU takes."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from lyanna.decoding import verify as verify_module
+from lyanna.decoding.decoder import Decoder, GenerationRequest
+from lyanna.drafters.eagle import EagleDrafter
+from lyanna.drafters.head import DraftHead
+from lyanna.drafters.lyanna import ChainHead, LyannaDrafter, TokenInfo
+from lyanna.engines.device import DeviceEngine
+from lyanna.engines.loading import load_target
+from lyanna.engines.quant import quantize_q8_0
+from lyanna.engines.transformer import Transformer
+from lyanna.errors import LyannaError
+from lyanna.training.fit import init_eagle_head, init_lyanna_head
+
+from .conftest import ALPHA, chi2_pvalue, make_tiny_model, no_residual
+from .test_speculative import SAMPLING_GRID, PeekingDrafter, exact_joint, sample_outputs, small_vocab_target
+from .test_torch_backend import LAYOUTS
+
+TREE = np.array([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], bool)
+
+
+@pytest.fixture(scope="module", params=LAYOUTS, ids=[a for a, _ in LAYOUTS])
+def tiny(request, tmp_path_factory):
+    arch, overrides = request.param
+    return load_target(make_tiny_model(tmp_path_factory.mktemp(arch), arch, **overrides))
+
+
+def _blocks(engine, top):
+    """Prefill with taps, a tree block, compaction to a path, a step past a Mistral window."""
+    cache = engine.new_cache(128)
+    pre = engine.forward(np.arange(3, 40), np.arange(37), cache, logit_rows=[-1], taps=(0, 1, top))
+    tree = engine.forward([7, 8, 9, 10], [37, 38, 38, 39], cache, block_mask=TREE, logit_rows=[1, 3], taps=(top,))
+    cache.compact(37, [0, 2, 3])
+    step = engine.forward([11], [40], cache, taps=(1,))
+    return [pre, tree, step], cache.length
+
+
+def test_device_blocks_match_the_numpy_engine(tiny):
+    top = tiny.config.num_layers
+    (mine, n_mine), (ref, n_ref) = _blocks(DeviceEngine(tiny.config, tiny.weights), top), _blocks(
+        Transformer(tiny.config, tiny.weights), top)
+    assert n_mine == n_ref == 41
+    for a, b in zip(mine, ref):
+        assert a.logits.shape == b.logits.shape and a.hidden.keys() == b.hidden.keys()
+        np.testing.assert_allclose(a.logits, b.logits, rtol=1e-4, atol=1e-4)
+        for tap in a.hidden:
+            np.testing.assert_allclose(a.hidden[tap], b.hidden[tap], rtol=1e-4, atol=1e-4)
+
+
+def test_compaction_leaves_the_cache_of_a_fresh_causal_run(tiny):
+    e = DeviceEngine(tiny.config, tiny.weights)
+    cache = e.new_cache(64)
+    e.forward(np.arange(5, 25), np.arange(20), cache)
+    e.forward([30, 31, 32, 33], [20, 21, 21, 22], cache, block_mask=TREE)
+    cache.compact(20, [0, 2, 3])
+    fresh = e.new_cache(64)
+    e.forward(list(range(5, 25)) + [30, 32, 33], np.arange(23), fresh)
+    assert cache.length == fresh.length == 23
+    torch.testing.assert_close(cache.k[:, :, :23], fresh.k[:, :, :23], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(cache.v[:, :, :23], fresh.v[:, :, :23], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError):
+        cache.compact(5, [0, 0])
+    with pytest.raises(ValueError, match="capacity"):
+        e.forward(np.arange(50), np.arange(23, 73), cache)
+
+
+def test_gguf_blocks_load_dequantized_and_bad_settings_are_refused(tiny):
+    weights = {k: quantize_q8_0(w) if w.ndim == 2 and ".layers." in k else w for k, w in tiny.weights.items()}
+    e = DeviceEngine(tiny.config, weights)
+    np.testing.assert_array_equal(e.layers[0].mlp.up_proj.weight.numpy(), weights["model.layers.0.mlp.up_proj.weight"].dense())
+    with pytest.raises(LyannaError, match="dtype"):
+        DeviceEngine(tiny.config, tiny.weights, dtype="float64")
+    with pytest.raises(LyannaError, match="missing"):
+        DeviceEngine(tiny.config, {k: w for k, w in tiny.weights.items() if "layers.1." not in k})
+    assert DeviceEngine(tiny.config, tiny.weights, dtype="bfloat16").name == "device-cpu-bfloat16"
+
+
+def _with_heads(decoder, target):
+    """An unfitted EAGLE head and a Lyanna head with random token information at the final-norm
+    tap (layer 2 of these two-layer models): varied trees, some nodes accepted, most rejected."""
+    eagle = init_eagle_head(decoder.engine, target.weights)
+    decoder.add_drafter("eagle", EagleDrafter(DraftHead(decoder.engine, eagle.numpy_weights()), tap=2, depth=3,
+                                              topk=2, width=2))
+    vocab = target.config.vocab_size
+    torch.manual_seed(0)
+    ly = init_lyanna_head(decoder.engine, target.weights, np.arange(vocab)[::-1].copy(), rank=4)
+    with torch.no_grad():
+        ly.ti.b.normal_(0, 1.0)
+    w = {**ly.numpy_weights(), "ti.hot": np.arange(0, vocab, 2)}
+    decoder.add_drafter("lyanna", LyannaDrafter(ChainHead(decoder.engine, w), TokenInfo(w["ti.a"], w["ti.b"], w["ti.hot"]),
+                                                tap=2, depth=3, topk=2, width=2))
+    decoder.add_drafter("peek", PeekingDrafter(decoder.engine))
+    return decoder
+
+
+@pytest.mark.parametrize("method", ["suffix", "eagle", "lyanna", "peek"])
+def test_greedy_on_the_device_equals_ar_there_and_the_numpy_engine(tiny, method):
+    """Every method's greedy tokens are the device ``ar``'s, which are the numpy engine's; ``peek``
+    makes sure accepted and rejected nodes both go through the static cache's compaction."""
+    device = _with_heads(Decoder(tiny, engine=DeviceEngine(tiny.config, tiny.weights), default_drafts=False), tiny)
+    numpy_ar = Decoder(tiny, default_drafts=False)
+    tried = accepted = 0
+    for prompt in ([1, 40, 41, 42, 40, 41, 42], [1, 100, 101], list(range(3, 60))):
+        req = GenerationRequest(max_new_tokens=32, eos_token_ids=())
+        ar = device.generate(prompt, req)
+        assert ar.tokens == numpy_ar.generate(prompt, req).tokens
+        got = device.generate(prompt, req, method=method, budget=None)
+        assert got.tokens == ar.tokens, (method, prompt)
+        tried, accepted = tried + got.draft_tokens, accepted + got.accepted_draft_tokens
+    if method in ("lyanna", "peek"):
+        assert tried > accepted
+    if method == "peek":
+        assert accepted > 0
+
+
+@pytest.fixture(scope="module")
+def device_small_decoder():
+    target = small_vocab_target()
+    return _with_heads(Decoder(target, engine=DeviceEngine(target.config, target.weights), default_drafts=False), target)
+
+
+@pytest.mark.parametrize("method", ["ar", "eagle", "lyanna", "peek"])
+def test_device_sampled_output_has_the_target_joint_distribution(device_small_decoder, method):
+    params, horizon = SAMPLING_GRID["t1"]
+    s = sample_outputs(device_small_decoder, method, params, horizon, 600)
+    if method != "ar":
+        assert 0 < s.accepted < s.draft_tokens
+    assert chi2_pvalue(s.counts, exact_joint(device_small_decoder.engine, params, horizon)) > ALPHA
+
+
+def test_device_path_fails_a_wrong_acceptance_rule(device_small_decoder, monkeypatch):
+    """The control: the same statistic rejects a broken verifier on the device path."""
+    params, horizon = SAMPLING_GRID["t1"]
+    monkeypatch.setattr(verify_module, "_deterministic_step", no_residual)
+    s = sample_outputs(device_small_decoder, "peek", params, horizon, 600)
+    assert chi2_pvalue(s.counts, exact_joint(device_small_decoder.engine, params, horizon)) < ALPHA

@@ -1,8 +1,11 @@
 """The device engine (our own torch forward, static KV cache): the numpy engine's numbers, a
 compaction that leaves the cache a fresh causal run would, greedy outputs equal to ``ar`` and to
 the numpy engine's, and sampled outputs with the target's joint distribution. Run on CPU torch,
-so CI covers the path a GPU takes."""
+so CI covers the path a GPU takes; ``LYANNA_TEST_DEVICE=cuda`` runs the same tests on a GPU
+(``scripts/gpu-bench.sh``)."""
 from __future__ import annotations
+
+import os
 
 import numpy as np
 import pytest
@@ -24,6 +27,7 @@ from .conftest import ALPHA, chi2_pvalue, make_tiny_model, no_residual
 from .test_speculative import SAMPLING_GRID, PeekingDrafter, exact_joint, sample_outputs, small_vocab_target
 from .test_torch_backend import LAYOUTS
 
+DEVICE = os.environ.get("LYANNA_TEST_DEVICE", "cpu")
 TREE = np.array([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], bool)
 
 
@@ -45,7 +49,7 @@ def _blocks(engine, top):
 
 def test_device_blocks_match_the_numpy_engine(tiny):
     top = tiny.config.num_layers
-    (mine, n_mine), (ref, n_ref) = _blocks(DeviceEngine(tiny.config, tiny.weights), top), _blocks(
+    (mine, n_mine), (ref, n_ref) = _blocks(DeviceEngine(tiny.config, tiny.weights, DEVICE), top), _blocks(
         Transformer(tiny.config, tiny.weights), top)
     assert n_mine == n_ref == 41
     for a, b in zip(mine, ref):
@@ -56,7 +60,7 @@ def test_device_blocks_match_the_numpy_engine(tiny):
 
 
 def test_compaction_leaves_the_cache_of_a_fresh_causal_run(tiny):
-    e = DeviceEngine(tiny.config, tiny.weights)
+    e = DeviceEngine(tiny.config, tiny.weights, DEVICE)
     cache = e.new_cache(64)
     e.forward(np.arange(5, 25), np.arange(20), cache)
     e.forward([30, 31, 32, 33], [20, 21, 21, 22], cache, block_mask=TREE)
@@ -74,13 +78,13 @@ def test_compaction_leaves_the_cache_of_a_fresh_causal_run(tiny):
 
 def test_gguf_blocks_load_dequantized_and_bad_settings_are_refused(tiny):
     weights = {k: quantize_q8_0(w) if w.ndim == 2 and ".layers." in k else w for k, w in tiny.weights.items()}
-    e = DeviceEngine(tiny.config, weights)
-    np.testing.assert_array_equal(e.layers[0].mlp.up_proj.weight.numpy(), weights["model.layers.0.mlp.up_proj.weight"].dense())
+    e = DeviceEngine(tiny.config, weights, DEVICE)
+    np.testing.assert_array_equal(e.layers[0].mlp.up_proj.weight.cpu().numpy(), weights["model.layers.0.mlp.up_proj.weight"].dense())
     with pytest.raises(LyannaError, match="dtype"):
-        DeviceEngine(tiny.config, tiny.weights, dtype="float64")
+        DeviceEngine(tiny.config, tiny.weights, DEVICE, "float64")
     with pytest.raises(LyannaError, match="missing"):
-        DeviceEngine(tiny.config, {k: w for k, w in tiny.weights.items() if "layers.1." not in k})
-    assert DeviceEngine(tiny.config, tiny.weights, dtype="bfloat16").name == "device-cpu-bfloat16"
+        DeviceEngine(tiny.config, {k: w for k, w in tiny.weights.items() if "layers.1." not in k}, DEVICE)
+    assert DeviceEngine(tiny.config, tiny.weights, DEVICE, "bfloat16").name == f"device-{torch.device(DEVICE).type}-bfloat16"
 
 
 def _with_heads(decoder, target):
@@ -105,7 +109,7 @@ def _with_heads(decoder, target):
 def test_greedy_on_the_device_equals_ar_there_and_the_numpy_engine(tiny, method):
     """Every method's greedy tokens are the device ``ar``'s, which are the numpy engine's; ``peek``
     makes sure accepted and rejected nodes both go through the static cache's compaction."""
-    device = _with_heads(Decoder(tiny, engine=DeviceEngine(tiny.config, tiny.weights), default_drafts=False), tiny)
+    device = _with_heads(Decoder(tiny, engine=DeviceEngine(tiny.config, tiny.weights, DEVICE), default_drafts=False), tiny)
     numpy_ar = Decoder(tiny, default_drafts=False)
     tried = accepted = 0
     for prompt in ([1, 40, 41, 42, 40, 41, 42], [1, 100, 101], list(range(3, 60))):
@@ -124,7 +128,7 @@ def test_greedy_on_the_device_equals_ar_there_and_the_numpy_engine(tiny, method)
 @pytest.fixture(scope="module")
 def device_small_decoder():
     target = small_vocab_target()
-    return _with_heads(Decoder(target, engine=DeviceEngine(target.config, target.weights), default_drafts=False), target)
+    return _with_heads(Decoder(target, engine=DeviceEngine(target.config, target.weights, DEVICE), default_drafts=False), target)
 
 
 @pytest.mark.parametrize("method", ["ar", "eagle", "lyanna", "peek"])

@@ -113,8 +113,11 @@ def make_runners(decoder: Decoder, methods: Sequence[str], sampling: SamplingPar
                 raise LyannaError(f"method {m} is benchmarked greedy only (temperature 0)")
             from .hf_baseline import HFGenerate
 
-            if hf is None:
-                hf = HFGenerate(decoder.target.path, decoder.tokenizer, decoder.eos_token_ids)
+            if hf is None:  # where and in what dtype the target engine runs (a torch engine's), else fp32 on the CPU
+                engine = decoder.engine
+                hf = HFGenerate(decoder.target.path, decoder.tokenizer, decoder.eos_token_ids,
+                                str(getattr(engine, "device", "cpu")),
+                                str(getattr(engine, "dtype", "float32")).removeprefix("torch."))
             runners[spec] = hf.generate if m == "hf" else (lambda ids, n, hf=hf: hf.generate(ids, n, prompt_lookup=PLD_TOKENS))
         elif m in decoder.methods:
             runners[spec] = lambda ids, n, m=m, b=b: decoder.generate(

@@ -25,10 +25,12 @@ class _FirstTokenClock:
 
 
 class HFGenerate:
-    """Greedy ``model.generate`` in fp32 with the same EOS tokens as our decoder; with
-    ``prompt_lookup`` it is Hugging Face's prompt lookup decoding (method ``hf-pld``)."""
+    """Greedy ``model.generate`` with the same EOS tokens as our decoder, on the device and in the
+    dtype of the engine it is compared with (fp32 on the CPU); with ``prompt_lookup`` it is
+    Hugging Face's prompt lookup decoding (method ``hf-pld``)."""
 
-    def __init__(self, model_dir: Path, tokenizer: Any, eos_token_ids: Sequence[int]):
+    def __init__(self, model_dir: Path, tokenizer: Any, eos_token_ids: Sequence[int], device: str = "cpu",
+                 dtype: str = "float32"):
         import torch
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
@@ -36,7 +38,8 @@ class HFGenerate:
         hf_logging.set_verbosity_error()
         hf_logging.disable_progress_bar()
         self.torch = torch
-        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+        self.device = torch.device(device)
+        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype)).to(self.device).eval()
         self.tokenizer = tokenizer
         self.eos_token_ids = list(eos_token_ids)
 
@@ -46,8 +49,8 @@ class HFGenerate:
         t0 = time.perf_counter()
         with torch.inference_mode():
             out = self.model.generate(
-                torch.tensor([list(prompt_ids)]),
-                attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+                torch.tensor([list(prompt_ids)], device=self.device),
+                attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long, device=self.device),
                 max_new_tokens=max_new_tokens,
                 do_sample=False,
                 eos_token_id=self.eos_token_ids,

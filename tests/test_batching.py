@@ -218,7 +218,7 @@ class _TapRecorder(NoDrafter):
         self.seen[tuple(prompt_ids)] = {t: h.copy() for t, h in hidden.items()}
 
 
-def test_chunked_prefill_in_a_batch_gives_what_a_whole_prefill_gives(block_engines):
+def test_chunked_prefill_in_a_batch_gives_what_a_whole_prefill_gives(block_engines, tiny_decoder):
     """In a batch a prompt is prefilled ``prefill_chunk`` positions a pass on an engine whose rows
     do not depend on their block: the same tokens and the same prompt hidden rows as a whole
     prefill alone, one more pass per extra chunk; alone, prompts stay whole."""
@@ -229,6 +229,8 @@ def test_chunked_prefill_in_a_batch_gives_what_a_whole_prefill_gives(block_engin
     seen_chunked, seen_whole = {}, {}
     chunked = Decoder(target, engine=engine, prefill_chunk=3, default_drafts=False)
     whole = Decoder(target, engine=engine, default_drafts=False)
+    assert chunked.effective_prefill_chunk == 3  # fp32 weights: prefill rows depend on their block, never chunked
+    assert Decoder(tiny_decoder.target, prefill_chunk=3, default_drafts=False).effective_prefill_chunk == 0
     chunked.add_drafter("rec", _TapRecorder(taps, seen_chunked))
     whole.add_drafter("rec", _TapRecorder(taps, seen_whole))
     prompts = [[5, 9, 11, 2, 7, 1, 4, 8, 3, 6], [2, 3], [7, 7, 1, 9, 4, 2, 8], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]]

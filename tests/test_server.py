@@ -295,6 +295,7 @@ def test_models_health_metrics(server, client):
     assert [m.id for m in client.models.list().data] == [client.model_id]
     health = httpx.get(server.url + "/health").json()
     assert health["status"] == "ok" and health["prefix_cache"] is None  # fp32 weights: no exact prefix reuse
+    assert health["prefill_chunk"] == 0  # nor chunked prefill
     client.completions.create(model=client.model_id, prompt="abc", max_tokens=3, temperature=0)
     text = httpx.get(server.url + "/metrics").text
     for name in ("lyanna_requests_total", "lyanna_generated_tokens_total", "lyanna_request_latency_seconds_bucket", "lyanna_tau"):

@@ -141,6 +141,12 @@ class Decoder:
             for sub in sorted(p for p in shipped.iterdir() if (p / "config.json").is_file()):
                 self.load_draft(str(sub))
 
+    @property
+    def effective_prefill_chunk(self) -> int:
+        """Prompt positions a batched prefill takes per pass (0: whole prompts): ``prefill_chunk``
+        on an engine whose prefill rows do not depend on their block, else 0."""
+        return self.prefill_chunk if getattr(self.engine, "blockwise_prefill", False) else 0
+
     def add_drafter(self, name: str, drafter: Drafter) -> None:
         """Make ``name`` a method: the decode loop driven by ``drafter``."""
         if name == PLAIN_METHOD:
@@ -312,9 +318,7 @@ class Decoder:
             hit.restore(cache)
         # In a batch (``load``), a long prompt goes in chunks so that the sequences decoding beside
         # it keep stepping; only an engine whose prefill rows do not depend on their block chunks.
-        chunk = len(prompt_ids)
-        if load is not None and self.prefill_chunk and getattr(self.engine, "blockwise_prefill", False):
-            chunk = self.prefill_chunk
+        chunk = (self.effective_prefill_chunk or len(prompt_ids)) if load is not None else len(prompt_ids)
         parts: list[dict[int, np.ndarray]] = [] if hit is None else [hit.hidden]
         for lo in range(start, len(prompt_ids), chunk):
             hi = min(lo + chunk, len(prompt_ids))

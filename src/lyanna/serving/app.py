@@ -143,7 +143,8 @@ async def health(request: Request) -> Health:
     service = _service(request)
     pc = getattr(service.decoder, "prefix_cache", None)  # a decoder without one (a test stub) has none
     return Health(model=service.served, method=service.method, max_batch=service.max_batch,
-                  queue=service.worker.pending if service.worker else 0, prefix_cache=None if pc is None else pc.stats())
+                  queue=service.worker.pending if service.worker else 0, prefix_cache=None if pc is None else pc.stats(),
+                  prefill_chunk=getattr(service.decoder, "effective_prefill_chunk", 0))
 
 
 @router.get("/metrics", response_class=PlainTextResponse, responses={

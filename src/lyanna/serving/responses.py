@@ -125,3 +125,4 @@ class Health(BaseModel):
     max_batch: int
     queue: int = Field(description="Requests queued or running")
     prefix_cache: dict[str, int] | None = Field(description="Prefix cache size and counters; null without one")
+    prefill_chunk: int = Field(0, description="Prompt positions prefilled per forward pass in a batch; 0: whole prompts")

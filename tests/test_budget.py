@@ -14,8 +14,10 @@ from lyanna.cli import main
 from lyanna.decoding import budget as budget_module
 from lyanna.decoding.budget import (
     DEPTH_WINDOW,
+    MAX_PROBE_WAIT,
     MAX_SKIP,
     PROBE_EVERY,
+    PROBE_SHARE,
     Budget,
     Evidence,
     LatencyCurve,
@@ -226,6 +228,26 @@ def test_drafting_that_does_not_pay_is_skipped_then_probed_again():
     assert len(dear.choose(binary_tree(20, 0.5), 0.2)) > 0 and not dear.wants_drafts()
     assert [dear.wants_drafts() for _ in range(PROBE_EVERY - 1)] == [False] * (PROBE_EVERY - 2) + [True]
     assert MAX_SKIP >= PROBE_EVERY
+
+
+def _longest_wait(draft_seconds: float, rounds: int = 12) -> int:
+    """The wait a budget settles on after ``rounds`` probes that do not beat plain decoding
+    (every row costs a 10 ms step, more than any node is worth)."""
+    budget = Budget("auto", curve([1, 2, 64], [0.01, 0.02, 0.64]))
+    for _ in range(rounds):
+        budget.choose(binary_tree(20, 0.5), draft_seconds)
+        assert not budget.evidence.paid
+        while not budget.wants_drafts():
+            pass
+    return budget.evidence.wait
+
+
+def test_a_dear_probe_waits_longer_than_a_cheap_one():
+    """Waits double up to MAX_SKIP rounds, or until a probe costs PROBE_SHARE of the steps it
+    waits for, never beyond MAX_PROBE_WAIT: a 25 ms probe against 10 ms steps waits up to 250."""
+    assert _longest_wait(0.05e-3) == MAX_SKIP
+    assert _longest_wait(0.025) == int(0.025 / (PROBE_SHARE * 0.01)) == 250
+    assert _longest_wait(10.0) == MAX_PROBE_WAIT
 
 
 def test_budgets_sharing_evidence_start_from_what_the_others_learned():

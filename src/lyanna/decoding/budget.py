@@ -189,9 +189,14 @@ def parse_budget(text: str | int) -> int | str:
 # After a round whose best tree, drafting time included, commits tokens more slowly than plain
 # decoding would (alone, or in a loaded batch), one round in this many drafts again to see whether
 # the text, the load or the drafter's estimates changed; each probe that still does not pay doubles
-# the wait, up to MAX_SKIP rounds.
+# the wait, up to MAX_SKIP rounds, or further for a drafter whose probe is dear: until a probe costs
+# at most PROBE_SHARE of the plain steps it waits for (a draft head's probe, ~25 ms with its
+# catch-up and LM-head passes, cost 2-3% of the time at 64 rounds on a 2-core CPU where a step is
+# ~9 ms), but never more than MAX_PROBE_WAIT rounds, so that a text turning predictable is seen.
 PROBE_EVERY = 8
 MAX_SKIP = 8 * PROBE_EVERY
+PROBE_SHARE = 0.01
+MAX_PROBE_WAIT = 16 * MAX_SKIP
 # Rounds whose kept trees set the next drafting depth: long enough to ride out one short tree, short
 # enough to follow the text into a more predictable stretch within a few rounds.
 DEPTH_WINDOW = 8
@@ -283,7 +288,8 @@ class Budget:
             if ev.paid:
                 ev.wait = PROBE_EVERY - 1
             else:
-                self._skip_left, ev.wait = ev.wait, min(2 * ev.wait + 1, MAX_SKIP)
+                longest = min(MAX_PROBE_WAIT, max(MAX_SKIP, int(seconds / (PROBE_SHARE * passes[0]))))
+                self._skip_left, ev.wait = ev.wait, min(2 * ev.wait + 1, longest)
         chosen = tree.best(keep, closed)
         self._kept_depths.append(int(chosen.depths.max()) if len(chosen) else 0)
         return chosen

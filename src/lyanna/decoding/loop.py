@@ -165,7 +165,6 @@ def _block(tree: DraftTree, root: int, start: int) -> tuple[np.ndarray, np.ndarr
     return tokens, positions, mask
 
 
-EMPTY = DraftTree.empty()
 Forwards = Generator[Block, ForwardOutput, "RoundStats"]  # yields blocks to run, is sent their outputs
 
 
@@ -213,7 +212,7 @@ def rounds(state: DecodeState, drafter: Drafter, budget: Budget | None = None,
             tree = drafter.propose_free(context, depth).prune_depth(depth)
         else:  # paused by the fallback with every tree verified whole: a plain step
             drafter.skip()
-            tree = EMPTY
+            tree = DraftTree.empty()
         proposed = drafting and len(tree) > 0  # judged by the fallback even when the budget keeps nothing
         if len(tree) and budget is not None:
             tree = budget.choose(tree, time.perf_counter() - t0, free=not drafting)

@@ -95,8 +95,6 @@ def fork(drafter: Drafter) -> Drafter:
 class NoDrafter(Drafter):
     """The drafter of ``ar``: it proposes nothing, so every round is one plain decoding step."""
 
-    _EMPTY = DraftTree.empty()
-
     def fork(self) -> "NoDrafter":
         return self  # stateless
 
@@ -104,7 +102,7 @@ class NoDrafter(Drafter):
         pass
 
     def propose(self, context: Sequence[int], max_depth: int) -> DraftTree:
-        return self._EMPTY
+        return DraftTree.empty()
 
     def commit(self, tokens: Sequence[int], hidden: dict[int, np.ndarray]) -> None:
         pass

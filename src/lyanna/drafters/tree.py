@@ -62,7 +62,9 @@ class DraftTree:
 
     @classmethod
     def empty(cls) -> "DraftTree":
-        return cls(np.zeros(0, np.int64), np.zeros(0, np.int64))
+        """The tree with no nodes. One instance serves every caller (a tree never changes once
+        made), since every round that drafts nothing asks for one."""
+        return _EMPTY
 
     @classmethod
     def best_of(cls, tokens: list[int], parents: list[int], scores: list[float], max_nodes: int,
@@ -210,3 +212,6 @@ class DraftTree:
             path.append(node)
             node = int(self.parents[node])
         return path[::-1]
+
+
+_EMPTY = DraftTree(np.zeros(0, np.int64), np.zeros(0, np.int64))

@@ -146,11 +146,12 @@ class DeviceEngine(TargetEngine):
             x = x + attn.o_proj(o[0].transpose(0, 1).reshape(n, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         cache.length = end
-        rows = np.arange(n)[slice(None) if b.logit_rows is None else b.logit_rows]
-        normed = self.norm(x if c.num_layers in b.taps else x[torch.from_numpy(rows).to(self.device)])
-        if c.num_layers in b.taps:
-            hidden[c.num_layers] = normed
-            normed = normed[torch.from_numpy(rows).to(self.device)]
+        rows = torch.from_numpy(np.arange(n)[slice(None) if b.logit_rows is None else b.logit_rows]).to(self.device)
+        if c.num_layers in b.taps:  # the final norm of every row is wanted: normalize once, pick after
+            hidden[c.num_layers] = self.norm(x)
+            normed = hidden[c.num_layers][rows]
+        else:
+            normed = self.norm(x[rows])
         logits = normed @ self._lm_head.T
         return ForwardOutput(logits=_host(logits), hidden={tap: _host(hidden[tap]) for tap in b.taps})
 

@@ -1,6 +1,7 @@
 """Whole forward passes: ms per forward block of 1 / 2 / 8 / 16 / 64 tokens after 256
 cached tokens, on the default model, for our engine on fp32 weights (numba kernels), our engine on
-the GGUF's quantized blocks with 8-bit inputs (``--weights gguf``, ``intdot.py``) and with fp32
+the GGUF's quantized blocks with 8-bit inputs (``--weights gguf``, ``intdot.py``, on each of its
+instruction-set paths this CPU runs but the portable one) and with fp32
 inputs (``--weights gguf-float``, ``quant.py``), and llama.cpp on the same GGUF (llama-cpp-python,
 logits for every row as verification needs). Also each block's cost in one-token steps.
 Writes docs/bench/blocks.json. Usage: .venv/bin/python scripts/measure-blocks.py
@@ -16,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from lyanna.decoding.budget import calibrate
+from lyanna.engines import intdot
 from lyanna.engines.loading import DEFAULT_MODEL, load_target, source_gguf
 from lyanna.engines.transformer import Transformer
 from lyanna.measure.bench import machine_info
@@ -48,14 +50,20 @@ def llamacpp_ms(gguf: Path, vocab: int) -> list[float]:
 def main() -> None:
     ms = {}
     kernels = {}
-    for weights in ("fp32", "gguf-float", "gguf"):
+    default_path = intdot.PATH
+    # The default engine on each integer path this CPU runs (the same bits, different instructions).
+    runs = [("fp32", None), ("gguf-float", None)] + [("gguf", p) for p in intdot.PATHS if p != "portable"]
+    for weights, path in runs:
+        intdot.PATH = path or default_path
         target = load_target(DEFAULT_MODEL, weight_format=weights)
         engine = Transformer(target.config, target.weights)
-        kernels[f"ours-{weights}"] = engine.kernel
+        name = f"ours-{weights}" if path in (None, default_path) else f"ours-{weights}-{path}"
+        kernels[name] = engine.kernel
         curve = calibrate(engine, DEFAULT_MODEL, sizes=SIZES, context=CONTEXT, repeats=REPEATS)
-        ms[f"ours-{weights}"] = [round(s * 1e3, 2) for s in curve.seconds]
+        ms[name] = [round(s * 1e3, 2) for s in curve.seconds]
         vocab = target.config.vocab_size
         del target, engine
+    intdot.PATH = default_path
     report = {
         "command": "python scripts/measure-blocks.py",
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),

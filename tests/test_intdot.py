@@ -10,14 +10,18 @@ from lyanna.engines import intdot
 ROWS = (1, 2, 3, 7, 8, 9, 16, 33)
 
 
-def matrix(kind: str, n: int, k: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Row-layout ``(d, m, q)`` with the value range of a GGUF block type."""
+def matrix(kind: str, n: int, k: int, seed: int, half: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Row-layout ``(d, m, q)`` with the value range of a GGUF block type; ``half``: scales that
+    fp16 holds exactly, as a GGUF's (the kernel then reads them as fp16)."""
     rng = np.random.default_rng(seed)
     low, high = {"Q4_1": (0, 16), "Q4_0": (-8, 8), "Q8_0": (-128, 128)}[kind]  # -128: |q| = 128 still fits the sign trick
     q = rng.integers(low, high, (n, k)).astype(np.int8)
     q[0, :32] = high - 1  # a block of extreme weights
     d = (rng.random((n, k // 32)) * 0.02).astype(np.float32)
     m = (rng.standard_normal((n, k // 32)) * 0.01).astype(np.float32) if kind == "Q4_1" else np.zeros_like(d)
+    if half:
+        d, m = (a.astype(np.float16).astype(np.float32) for a in (d, m))
+        d[0, 0] = 2.0 ** -24  # the smallest subnormal fp16
     return d, m, q
 
 
@@ -32,22 +36,26 @@ def inputs(rows: int, k: int, seed: int) -> np.ndarray:
 
 @pytest.mark.parametrize("path", intdot.PATHS)
 @pytest.mark.parametrize("kind", ["Q4_1", "Q4_0", "Q8_0"])
-@pytest.mark.parametrize("shape", [(8, 32), (64, 96), (1040, 608)])
-def test_each_path_equals_the_reference(path, kind, shape):
-    d, m, q = matrix(kind, *shape, seed=1)
+@pytest.mark.parametrize("shape,half", [((8, 32), False), ((64, 96), False), ((1040, 608), False), ((64, 96), True),
+                                        ((1040, 608), True)])
+def test_each_path_equals_the_reference(path, kind, shape, half):
+    d, m, q = matrix(kind, *shape, seed=1, half=half)
     packed = intdot.pack(d, m, q)
+    assert (packed[0].dtype == np.uint16) == (half and intdot.HAS_F16C)  # fp16 scales only where exact
+    assert (packed[1].shape[2] == 0) == (kind != "Q4_1")  # an all-zero m is left out
     x = inputs(max(ROWS), shape[1], seed=2)
     want = intdot.reference(x, d, m, q)
     for rows in ROWS:
         out = np.empty((rows, shape[0]), np.float32)
-        intdot.int_linear_kernel(x[:rows], *packed, out, path == "portable")
+        intdot.int_linear_kernel(x[:rows], *packed, out, intdot.ALL_PATHS.index(path))
         assert np.array_equal(out, want[:rows]), (rows, kind, shape)
 
 
+@pytest.mark.parametrize("half", [False, True])
 @pytest.mark.parametrize("kind,size", [("Q4_1", intdot.NIBBLE_BYTES), ("Q4_0", intdot.BYTE_BYTES),
                                        ("Q8_0", intdot.BYTE_BYTES)])
-def test_layouts_round_trip(kind, size):
-    d, m, q = matrix(kind, 1040, 96, seed=3)
+def test_layouts_round_trip(kind, size, half):
+    d, m, q = matrix(kind, 1040, 96, seed=3, half=half)
     packed = intdot.pack(d, m, q)
     assert packed[2].shape[-1] == size  # 4-bit values packed two to a byte, others one
     for want, got in zip((d, m, q), intdot.unpack(*packed)):
@@ -73,3 +81,11 @@ def test_the_reference_is_the_stated_rule():
 
 def test_the_path_in_use_is_named():
     assert intdot.PATH in intdot.PATHS and "portable" in intdot.PATHS
+
+
+def test_a_path_can_be_named_and_a_missing_one_is_refused(monkeypatch):
+    monkeypatch.setenv("LYANNA_INTDOT_PATH", "portable")
+    assert intdot._chosen_path() == "portable"
+    monkeypatch.setenv("LYANNA_INTDOT_PATH", "sse9")
+    with pytest.raises(ValueError, match="this CPU runs"):
+        intdot._chosen_path()

@@ -128,7 +128,9 @@ def model_key(name: str, engine: TargetEngine) -> str:
 
 
 def calibration_path(name: str, engine: TargetEngine) -> Path:
-    digest = hashlib.sha256(f"{machine_id()} engine {engine.name} {ENGINE_REVISION}".encode()).hexdigest()[:10]
+    # The kernel's instruction-set path too (``intdot-vnni`` / ``intdot-avx2``): each has its own curve.
+    kernel = getattr(engine, "kernel", "")
+    digest = hashlib.sha256(f"{machine_id()} engine {engine.name} {kernel} {ENGINE_REVISION}".encode()).hexdigest()[:10]
     return cache_dir() / "calibration" / f"{model_key(name, engine)}-{digest}.json"
 
 

@@ -27,30 +27,32 @@ from numba.typed import List
 from .attention import _attention_kernel, span_layout
 from .config import ModelConfig
 from .kernels import _rms_norm_kernel, _rope_kernel, _silu_mul_kernel
-from .intdot import int_linear_kernel
+from . import intdot
 from .quant import QuantMatrix, _quant_linear_kernel
 
 
-def _linear(x, d, m, q, out):  # pragma: no cover - replaced in compiled code by the overload below
-    """``out = x @ W.T`` by the matrix's kernel (``QuantMatrix.kernel``), told apart by its layout."""
+def _linear(x, d, m, q, out, path):  # pragma: no cover - replaced in compiled code by the overload below
+    """``out = x @ W.T`` by the matrix's kernel (``QuantMatrix.kernel``), told apart by its layout;
+    ``path``: intdot's instruction-set path (an argument, not a global, so a compiled and cached
+    ``_layers`` serves whichever path the process chose)."""
 
 
 @overload(_linear)
-def _linear_by_layout(x, d, m, q, out):
+def _linear_by_layout(x, d, m, q, out, path):
     if q.ndim == 4:  # intdot's layout [tiles, blocks, vectors, bytes]
-        return lambda x, d, m, q, out: int_linear_kernel(x, d, m, q, out, False)
-    return lambda x, d, m, q, out: _quant_linear_kernel(x, d, m, q, out)
+        return lambda x, d, m, q, out, path: intdot.int_linear_kernel(x, d, m, q, out, path)
+    return lambda x, d, m, q, out, path: _quant_linear_kernel(x, d, m, q, out)
 
 
 @njit(nogil=True, cache=True)
 def _layers(x, rot, attn_norms, mlp_norms, d, m, q, k_caches, v_caches, span_of, lo, starts, bias, bias_at, tap_slot,
-            taps, eps, heads, kv_heads, head_dim):  # pragma: no cover - compiled
+            taps, eps, heads, kv_heads, head_dim, path):  # pragma: no cover - compiled
     """``x`` through every layer; layer ``l``'s matrices are ``(d, m, q)[4 * l + j]`` for qkv, o,
     gate_up and down. Row ``i`` belongs to sequence ``s = span_of[i]`` (rows ``lo[s]`` on): its key
     and value go to slot ``starts[s] + i - lo[s]`` of ``k_caches[s]``/``v_caches[s]``, and it
     attends to that sequence's slots up to its own block's end (with the sequence's mask in
     ``bias`` from ``bias_at[s]``, or none where that is -1). The input of layer ``l`` is copied
-    to ``taps[tap_slot[l]]`` where ``tap_slot[l] >= 0``."""
+    to ``taps[tap_slot[l]]`` where ``tap_slot[l] >= 0``. ``path``: see ``_linear``."""
     n, hidden = x.shape
     q_dim, kv_dim = heads * head_dim, kv_heads * head_dim
     scale = np.float32(1.0 / np.sqrt(head_dim))
@@ -70,7 +72,7 @@ def _layers(x, rot, attn_norms, mlp_norms, d, m, q, k_caches, v_caches, span_of,
             taps[tap_slot[layer]] = x
         w = 4 * layer
         _rms_norm_kernel(x, attn_norms[layer], eps, h)
-        _linear(h, d[w], m[w], q[w], qkv)
+        _linear(h, d[w], m[w], q[w], qkv, path)
         _rope_kernel(qkv, rot, heads, kv_heads, head_dim, scale, qh, kh)
         for i in range(n):
             s = span_of[i]
@@ -80,12 +82,12 @@ def _layers(x, rot, attn_norms, mlp_norms, d, m, q, k_caches, v_caches, span_of,
                     k_cache[layer, g, slot, e] = kh[i, g, e]
                     v_cache[layer, g, slot, e] = qkv[i, q_dim + kv_dim + g * head_dim + e]
         _attention_kernel(qh, k_caches, v_caches, layer, span_of, lo, ends, bias, bias_at, o)
-        _linear(o, d[w + 1], m[w + 1], q[w + 1], a)
+        _linear(o, d[w + 1], m[w + 1], q[w + 1], a, path)
         x = x + a
         _rms_norm_kernel(x, mlp_norms[layer], eps, h)
-        _linear(h, d[w + 2], m[w + 2], q[w + 2], gate_up)
+        _linear(h, d[w + 2], m[w + 2], q[w + 2], gate_up, path)
         _silu_mul_kernel(gate_up, act)
-        _linear(act, d[w + 3], m[w + 3], q[w + 3], a)
+        _linear(act, d[w + 3], m[w + 3], q[w + 3], a, path)
         x = x + a
     return x
 
@@ -110,7 +112,8 @@ class FusedLayers:
     def of(cls, layers: Sequence, config: ModelConfig) -> "FusedLayers | None":
         mats = _matrices(layers)
         unpadded = all(isinstance(w, QuantMatrix) and w.padded_rows == w.shape[0] for w in mats)
-        one_kernel = len({getattr(w, "kernel", None) for w in mats}) == 1  # one typed list per field
+        # One typed list per field: one kernel, and scales of one type (fp16 bits or fp32, ``intdot.pack``).
+        one_kernel = len({(getattr(w, "kernel", None), getattr(w, "d", np.empty(0)).dtype) for w in mats}) == 1
         if not layers or not unpadded or not one_kernel or any(layer.bqkv is not None for layer in layers):
             return None
         return cls(layers, config)
@@ -136,5 +139,6 @@ class FusedLayers:
             k_caches, v_caches = List([b[2] for b in blocks]), List([b[3] for b in blocks])
         x = _layers(np.ascontiguousarray(x, np.float32), rot, self.attn_norms, self.mlp_norms, self.d, self.m, self.q,
                     k_caches, v_caches, span_of, lo, np.array([b[4] for b in blocks], np.int64), bias, bias_at,
-                    tap_slot, out, np.float32(c.rms_norm_eps), c.num_heads, c.num_kv_heads, c.head_dim)
+                    tap_slot, out, np.float32(c.rms_norm_eps), c.num_heads, c.num_kv_heads, c.head_dim,
+                    intdot.ALL_PATHS.index(intdot.PATH))
         return x, {layer: out[slot] for slot, layer in enumerate(taps)}

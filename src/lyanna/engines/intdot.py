@@ -18,22 +18,28 @@ Each row's output depends on that row alone, so it is bit-identical alone, in a 
 any size, or beside other sequences in a batch (greedy equality with ``ar`` relies on it).
 
 Layouts: matrices whose values are all 0..15 (Q4_1) keep two weights per byte; others (Q8_0, and
-Q4_0's -8..7) one signed byte, multiplied by the sign trick (``|q|`` times ``x`` with ``q``'s sign). Output rows go 8 to a vector (8 int32 lanes of a 256-bit
+Q4_0's -8..7) one signed byte, multiplied by the sign trick (``|q|`` times ``x`` with ``q``'s sign;
+``vnni`` instead offsets the inputs to unsigned bytes and takes the offset's products off). Output rows go 8 to a vector (8 int32 lanes of a 256-bit
 register); each vector's 32 weights of a block are ``[quad p][output][4 inputs]`` so a broadcast of
 four input bytes meets four consecutive weights of every output. The packed layout holds quad
 ``p`` in the low nibbles and quad ``p + 4`` in the high ones.
 
-Paths (``PATH``, chosen at import): ``avx2`` (x86 intrinsics; AVX-512 CPUs run it too) and
-``portable`` (the same integers in plain LLVM vector IR, for any CPU). Both are tested against
-``reference``.
+Paths (``PATH``: the first of ``PATHS`` the CPU has, or ``LYANNA_INTDOT_PATH``, chosen at import): ``vnni``
+(``vpdpbusd``, AVX-512 VNNI or AVX-VNNI: four byte products added into each 32-bit lane in one
+instruction, so no 16-bit partial sums and no widening step, and with AVX-512's 32 registers more
+output vectors share each broadcast input), ``avx2`` (``vpmaddubsw`` + ``vpmaddwd``; AVX-512 CPUs
+run it too) and ``portable`` (the same integers in plain LLVM vector IR, for any CPU). Every path
+computes the same integers, so they agree bit for bit; each is tested against ``reference``.
 """
 from __future__ import annotations
+
+import os
 
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 from .kernels import _FEATURES, ir_splat
 
@@ -45,11 +51,28 @@ NIBBLE_BYTES = OUT * QK // 2  # bytes of one output vector's block, packed: 4 ve
 BYTE_BYTES = OUT * QK  # the same, one byte per weight: 8 vectors of 32
 PREFETCH_BYTES = 4096  # see quant.PREFETCH_BYTES
 HAS_AVX2 = "+avx2" in _FEATURES
-PATH = "avx2" if HAS_AVX2 else "portable"
-PATHS = ("avx2", "portable") if HAS_AVX2 else ("portable",)
-# Registers (16 on AVX2): accumulators rows x cols, the weight vectors (two per packed vector once
-# unpacked), the broadcast inputs and two constants must fit without spilling.
+HAS_F16C = "+f16c" in _FEATURES  # fp16 -> fp32 in one instruction (``pack`` keeps fp16 scales only then)
+HAS_512 = HAS_AVX2 and "+avx512vl" in _FEATURES  # 32 vector registers, EVEX-encoded 256-bit ops
+HAS_VNNI = HAS_AVX2 and ((HAS_512 and "+avx512vnni" in _FEATURES) or "+avxvnni" in _FEATURES)
+ALL_PATHS = ("vnni", "avx2", "portable")  # fastest first; a path's index is what the kernel takes
+PATHS = tuple(p for p, ok in zip(ALL_PATHS, (HAS_VNNI, HAS_AVX2, True)) if ok)  # the ones this CPU runs
+
+
+def _chosen_path() -> str:
+    """The fastest path this CPU runs, or the one ``LYANNA_INTDOT_PATH`` names (to compare paths,
+    or to rule one out): every path gives the same bits, so this changes speed only."""
+    name = os.environ.get("LYANNA_INTDOT_PATH", "").strip() or PATHS[0]
+    if name not in PATHS:
+        raise ValueError(f"LYANNA_INTDOT_PATH={name!r}: this CPU runs {', '.join(PATHS)}")
+    return name
+
+
+PATH = _chosen_path()  # the path every matrix takes, read at each call (a test may set it)
+# Output vectors per chunk, by input rows: accumulators (rows x cols), the weight vectors (two per
+# packed vector once unpacked), the broadcast inputs and two constants must fit the registers
+# without spilling: 16 on AVX2, 32 with AVX-512's EVEX encoding.
 _COLS = {1: 4, 2: 2, 3: 2}
+_COLS_32 = {1: 4, 2: 4, 3: 4, 4: 4, 5: 2, 6: 2, 7: 2, 8: 2}
 
 
 @njit(cache=True, nogil=True)
@@ -78,16 +101,20 @@ def quantize_rows(x):  # pragma: no cover - compiled
 
 class _Emitter:
     """The LLVM IR of one block (32 inputs) of one tile for up to ``GROUP`` input rows, every
-    output vector of the tile; ``portable`` emits plain vector IR instead of AVX2 intrinsics.
-    The integer sums are exact either way: no pair sum reaches the 16-bit saturation (4-bit
-    weights: 8 pairs of at most 2 * 15 * 127 = 3810; bytes: one pair of at most 2 * 128 * 127)."""
+    output vector of the tile, on ``path`` (see the module). The integer sums are exact on every
+    path: no pair sum reaches the 16-bit saturation of ``avx2``/``portable`` (4-bit weights: 8
+    pairs of at most 2 * 15 * 127 = 3810; bytes: one pair of at most 2 * 128 * 127), and ``vnni``
+    adds whole products into 32 bits."""
 
-    def __init__(self, context, builder, signature, args, portable: bool):
-        self.b, self.portable = builder, portable
+    def __init__(self, context, builder, signature, args, path: str):
+        self.b, self.portable, self.vnni = builder, path == "portable", path == "vnni"
+        self.cols = _COLS_32 if self.vnni and HAS_512 else _COLS
         arrays = {i: context.make_array(signature.args[i])(context, builder, args[i]).data for i in (0, 4, 7, 8, 11, 12, 14)}
         self.q, self.xq, self.dx, self.xs, self.d, self.m, self.out = (arrays[i] for i in (0, 4, 7, 8, 11, 12, 14))
         (self.qoff, self.nvec, self.nibbles, self.xoff, self.k, self.soff, self.nb, self.dmoff, self.ooff,
-         self.ostride, self.rows, self.prefetch) = (args[i] for i in (1, 2, 3, 5, 6, 9, 10, 13, 15, 16, 17, 18))
+         self.ostride, self.rows, self.prefetch, self.offsets) = (args[i] for i in (1, 2, 3, 5, 6, 9, 10, 13, 15, 16,
+                                                                                   17, 18, 19))
+        self.half = signature.args[11].dtype == types.uint16  # scales stored as fp16 bits (``pack``)
         self.intp = self.qoff.type
         i8, i16, i32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
         self.i32 = i32
@@ -95,7 +122,9 @@ class _Emitter:
         self.v8f32 = ir.VectorType(ir.FloatType(), 8)
         module = builder.module
         fn = lambda name, ret, *args: cgutils.get_or_insert_function(module, ir.FunctionType(ret, list(args)), name)  # noqa: E731
-        if not portable:
+        if self.vnni:  # i32 operands: the form every LLVM since 9 accepts (newer ones upgrade it)
+            self.dpbusd_fn = fn("llvm.x86.avx512.vpdpbusd.256", self.v8i32, self.v8i32, self.v8i32, self.v8i32)
+        if not self.portable:
             self.maddubs_fn = fn("llvm.x86.avx2.pmadd.ub.sw", self.v16i16, self.v32i8, self.v32i8)
             self.madd_fn = fn("llvm.x86.avx2.pmadd.wd", self.v8i32, self.v16i16, self.v16i16)
             self.sign_fn = fn("llvm.x86.avx2.psign.b", self.v32i8, self.v32i8, self.v32i8)
@@ -115,6 +144,12 @@ class _Emitter:
             return self.b.call(self.maddubs_fn, [u, s])
         v32i16 = ir.VectorType(ir.IntType(16), 32)
         return self._pairs(self.b.mul(self.b.zext(u, v32i16), self.b.sext(s, v32i16)))
+
+    def dot4(self, acc, u, s):
+        """``acc`` plus, in each 32-bit lane, the four products of unsigned bytes ``u`` and signed
+        bytes ``s`` (``vpdpbusd``; exact: a lane's sum stays far inside 32 bits)."""
+        v8i32 = self.v8i32
+        return self.b.call(self.dpbusd_fn, [acc, self.b.bitcast(u, v8i32), self.b.bitcast(s, v8i32)])
 
     def widen(self, v):
         """16-bit lanes to 32 bits, neighbours added."""
@@ -148,7 +183,7 @@ class _Emitter:
             case = b.append_basic_block(f"rows{rows}")
             switch.add_case(self.rows.type(rows), case)
             b.position_at_end(case)
-            cols = _COLS.get(rows, 1)
+            cols = self.cols.get(rows, 1)
             full = b.sdiv(self.nvec, intp(cols))
             with cgutils.for_range(b, full) as loop:
                 self._chunk(nibbles, rows, cols, b.mul(loop.index, intp(cols)))
@@ -177,18 +212,37 @@ class _Emitter:
                     b.call(self.prefetch_fn, [ptr, self.i32(0), self.i32(3), self.i32(1)])
         xrow = [b.add(self.xoff, b.mul(intp(r), self.k)) for r in range(rows)]
         sums = self._packed_sums(qbase, xrow) if nibbles else self._byte_sums(qbase, xrow)
+        with b.if_else(b.icmp_signed("!=", self.offsets, intp(0))) as (with_offsets, without):
+            with with_offsets:
+                self._scale(sums, rows, cols, j, True)
+            with without:
+                self._scale(sums, rows, cols, j, False)
+
+    def _scales(self, array, offset):
+        """Eight fp32 scales at ``offset``, widened exactly from fp16 bits where ``pack`` kept those."""
+        if not self.half:
+            return self._load(array, offset, self.v8f32)
+        halves = self.b.bitcast(self._load(array, offset, ir.VectorType(ir.IntType(16), 8)), ir.VectorType(ir.HalfType(), 8))
+        return self.b.fpext(halves, self.v8f32)
+
+    def _scale(self, sums, rows: int, cols: int, j, offsets: bool) -> None:
+        """``out += (d * dx) * isum + m * xs`` for the chunk; without the ``m * xs`` term where
+        ``pack`` found every ``m`` zero: adding +-0 leaves ``out`` as it was (``out`` starts at +0
+        and a sum of nonzero values rounds to +0, never -0), so the result is the same bits."""
+        b, intp = self.b, self.intp
         for c in range(cols):
             col = b.mul(b.add(j, intp(c)), intp(OUT))
-            dv = self._load(self.d, b.add(self.dmoff, col), self.v8f32)
-            mv = self._load(self.m, b.add(self.dmoff, col), self.v8f32)
+            dv = self._scales(self.d, b.add(self.dmoff, col))
+            mv = self._scales(self.m, b.add(self.dmoff, col)) if offsets else None
             for r in range(rows):
                 at = b.add(self.soff, b.mul(intp(r), self.nb))
                 dx = ir_splat(b, b.load(b.gep(self.dx, [at])), self.v8f32)
-                xs = ir_splat(b, b.load(b.gep(self.xs, [at])), self.v8f32)
                 ptr = b.bitcast(b.gep(self.out, [b.add(b.add(self.ooff, b.mul(intp(r), self.ostride)), col)]),
                                 self.v8f32.as_pointer())
-                isum = b.sitofp(sums[r][c], self.v8f32)
-                term = b.fadd(b.fmul(b.fmul(dv, dx), isum), b.fmul(mv, xs))
+                term = b.fmul(b.fmul(dv, dx), b.sitofp(sums[r][c], self.v8f32))
+                if offsets:
+                    xs = ir_splat(b, b.load(b.gep(self.xs, [at])), self.v8f32)
+                    term = b.fadd(term, b.fmul(mv, xs))
                 b.store(b.fadd(b.load(ptr, align=1), term), ptr, align=1)
 
     def _packed_sums(self, qbase, xrow):
@@ -196,7 +250,8 @@ class _Emitter:
         b, intp = self.b, self.intp
         low = ir.Constant(self.v32i8, [15] * 32)
         four = ir.Constant(self.v32i8, [4] * 32)
-        acc = [[ir.Constant(self.v16i16, [0] * 16) for _ in qbase] for _ in xrow]
+        zero = self.v8i32 if self.vnni else self.v16i16
+        acc = [[ir.Constant(zero, [0] * zero.count) for _ in qbase] for _ in xrow]
         for p in range(4):
             packed = [self._load(self.q, b.add(base, intp(32 * p)), self.v32i8) for base in qbase]
             lo = [b.and_(v, low) for v in packed]
@@ -205,12 +260,17 @@ class _Emitter:
                 xlo = self._broadcast(b.add(row, intp(4 * p)))
                 xhi = self._broadcast(b.add(row, intp(4 * p + 16)))
                 for c in range(len(qbase)):
-                    acc[r][c] = b.add(acc[r][c], self.maddubs(lo[c], xlo))
-                    acc[r][c] = b.add(acc[r][c], self.maddubs(hi[c], xhi))
-        return [[self.widen(a) for a in row] for row in acc]
+                    if self.vnni:
+                        acc[r][c] = self.dot4(self.dot4(acc[r][c], lo[c], xlo), hi[c], xhi)
+                    else:
+                        acc[r][c] = b.add(acc[r][c], self.maddubs(lo[c], xlo))
+                        acc[r][c] = b.add(acc[r][c], self.maddubs(hi[c], xhi))
+        return acc if self.vnni else [[self.widen(a) for a in row] for row in acc]
 
     def _byte_sums(self, qbase, xrow):
         """Per row and vector, the block's 32-bit sums from signed byte weights (the sign trick)."""
+        if self.vnni:
+            return self._byte_sums_offset(qbase, xrow)
         b, intp = self.b, self.intp
         acc = [[ir.Constant(self.v8i32, [0] * 8) for _ in qbase] for _ in xrow]
         for g in range(8):
@@ -222,34 +282,57 @@ class _Emitter:
                     acc[r][c] = b.add(acc[r][c], self.widen(self.maddubs(aw[c], self.sign(xb, w[c]))))
         return acc
 
+    def _byte_sums_offset(self, qbase, xrow):
+        """The same sums on ``vnni`` without the sign trick: the inputs shifted to unsigned bytes,
+        ``xq + 128`` (1..255), multiply the signed weights, and ``128 * sum(q)`` (formed once per
+        vector, for every row) comes off: one operation per input row and group instead of one
+        per row and output vector."""
+        b, intp = self.b, self.intp
+        bias = ir.Constant(self.v32i8, [-128] * 32)  # 0x80: adding 128 flips the top bit
+        acc = [[ir.Constant(self.v8i32, [0] * 8) for _ in qbase] for _ in xrow]
+        offset = [ir.Constant(self.v8i32, [0] * 8) for _ in qbase]
+        for g in range(8):
+            w = [self._load(self.q, b.add(base, intp(32 * g)), self.v32i8) for base in qbase]
+            offset = [self.dot4(o, bias, v) for o, v in zip(offset, w)]
+            for r, row in enumerate(xrow):
+                xu = b.xor(self._broadcast(b.add(row, intp(4 * g))), bias)
+                for c in range(len(qbase)):
+                    acc[r][c] = self.dot4(acc[r][c], xu, w[c])
+        return [[b.sub(a, o) for a, o in zip(row, offset)] for row in acc]
 
-def _block_intrinsic(portable: bool):
+
+def _block_intrinsic(path: str):
+    # A path this CPU lacks is emitted as ``portable``: the kernel below names every path's block,
+    # and none may hold an instruction the CPU cannot run.
+    emitted = path if path in PATHS else "portable"
+
     def block(typingctx, q, qoff, nvec, nibbles, xq, xoff, k, dx, xs, soff, nb, d, m, dmoff, out, ooff, ostride,
-              rows, prefetch):
+              rows, prefetch, offsets):
         def codegen(context, builder, signature, args):
-            _Emitter(context, builder, signature, args, portable).emit()
+            _Emitter(context, builder, signature, args, emitted).emit()
             return context.get_dummy_value()
 
         sig = types.void(q, qoff, nvec, nibbles, xq, xoff, k, dx, xs, soff, nb, d, m, dmoff, out, ooff, ostride,
-                         rows, prefetch)
+                         rows, prefetch, offsets)
         return sig, codegen
 
-    block.__name__ = block.__qualname__ = "int_block_portable" if portable else "int_block_fast"
+    block.__name__ = block.__qualname__ = f"int_block_{path}"
     return intrinsic(block)
 
 
-_block_fast = _block_intrinsic(portable=not HAS_AVX2)  # never emits AVX2 where the CPU lacks it
-_block_portable = _block_intrinsic(portable=True)
+_block_vnni, _block_avx2, _block_portable = (_block_intrinsic(p) for p in ALL_PATHS)
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def int_linear_kernel(x, d, m, q, out, portable):  # pragma: no cover - compiled
-    """``out = x @ W.T`` by the module's rule; ``q`` [tiles, blocks, vectors, bytes] (32 * 4 bytes
-    per vector when packed, 32 * 8 when not), ``d``/``m`` [tiles, blocks, tile width]."""
+def int_linear_kernel(x, d, m, q, out, path):  # pragma: no cover - compiled
+    """``out = x @ W.T`` by the module's rule on path ``ALL_PATHS[path]``; ``q`` [tiles, blocks,
+    vectors, bytes] (32 * 4 bytes per vector when packed, 32 * 8 when not), ``d``/``m`` [tiles,
+    blocks, tile width]."""
     rows, k = x.shape
     tiles, nb, tw = d.shape
     nvec = tw // OUT
     nibbles = 1 if q.shape[3] == NIBBLE_BYTES else 0
+    offsets = 1 if m.size else 0  # ``pack`` leaves out an all-zero m
     xq, dx, xs = quantize_rows(x)
     flat, xflat, dflat, sflat = q.reshape(-1), xq.reshape(-1), dx.reshape(-1), xs.reshape(-1)
     width = out.shape[1]
@@ -261,11 +344,13 @@ def int_linear_kernel(x, d, m, q, out, portable):  # pragma: no cover - compiled
             while i < rows:
                 group = min(GROUP, rows - i)
                 args = (flat, qoff, nvec, nibbles, xflat, i * k + b * QK, k, dflat, sflat, i * nb + b, nb, d, m,
-                        (c * nb + b) * tw, out, i * width + c * tw, width, group, 1 if i == 0 else 0)
-                if portable:
-                    _block_portable(*args)
+                        (c * nb + b) * tw, out, i * width + c * tw, width, group, 1 if i == 0 else 0, offsets)
+                if path == 0:
+                    _block_vnni(*args)
+                elif path == 1:
+                    _block_avx2(*args)
                 else:
-                    _block_fast(*args)
+                    _block_portable(*args)
                 i += group
 
 
@@ -279,7 +364,10 @@ def tile_width(n: int, step: int = OUT) -> int:
 
 def pack(d: np.ndarray, m: np.ndarray, q: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The kernel's ``(d, m, q)`` from a matrix in row layout (q int8 [n, k], d and m [n, k / 32],
-    n a multiple of OUT): packed nibbles when every value is 0..15, else one signed byte each."""
+    n a multiple of OUT): packed nibbles when every value is 0..15, else one signed byte each.
+    Scales that fp16 holds exactly (a GGUF's always) are kept as fp16 bits, and an m that is all
+    +0 (Q8_0, Q4_0) is left out (last dimension 0): a one-row pass streams the weights from
+    memory, and fp32 scales were a third of a Q4_1 matrix's bytes."""
     n, k = q.shape
     nb = k // QK
     d, m = np.asarray(d, np.float32), np.asarray(m, np.float32)
@@ -293,12 +381,21 @@ def pack(d: np.ndarray, m: np.ndarray, q: np.ndarray) -> tuple[np.ndarray, np.nd
         data = packed.transpose(0, 3, 1, 4, 2, 5).reshape(tiles, nb, tw // OUT, NIBBLE_BYTES)
     else:
         data = blocks.transpose(0, 3, 1, 4, 2, 5).reshape(tiles, nb, tw // OUT, BYTE_BYTES).view(np.uint8)
+    half = HAS_F16C and all(np.array_equal(a.astype(np.float16).astype(np.float32), a) for a in (d, m))
     scales = [np.ascontiguousarray(a.reshape(tiles, tw, nb).transpose(0, 2, 1)) for a in (d, m)]
+    if half:
+        scales = [a.astype(np.float16).view(np.uint16) for a in scales]
+    if not m.any() and not np.signbit(m).any():
+        scales[1] = np.zeros((tiles, nb, 0), scales[0].dtype)  # one type for d and m, as the kernel reads them
     return scales[0], scales[1], np.ascontiguousarray(data)
 
 
+def _float_scales(a: np.ndarray) -> np.ndarray:
+    return a.view(np.float16).astype(np.float32) if a.dtype == np.uint16 else a
+
+
 def unpack(d: np.ndarray, m: np.ndarray, q: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``pack``'s inverse: ``(d, m, q)`` in row layout."""
+    """``pack``'s inverse: ``(d, m, q)`` in row layout (fp32 scales, m zeros where it was left out)."""
     tiles, nb, nvec, size = q.shape
     if size == NIBBLE_BYTES:
         packed = q.reshape(tiles, nb, nvec, 4, OUT, 4)
@@ -306,8 +403,30 @@ def unpack(d: np.ndarray, m: np.ndarray, q: np.ndarray) -> tuple[np.ndarray, np.
     else:
         quads = q.reshape(tiles, nb, nvec, 8, OUT, 4)
     values = quads.view(np.int8).transpose(0, 2, 4, 1, 3, 5).reshape(tiles * nvec * OUT, nb * QK)
+    d = _float_scales(d)
+    m = _float_scales(m) if m.size else np.zeros_like(d)
     d2, m2 = (np.ascontiguousarray(a.transpose(0, 2, 1).reshape(-1, nb)) for a in (d, m))
     return d2, m2, np.ascontiguousarray(values)
+
+
+@intrinsic
+def _widen_half(typingctx, bits):
+    """fp32 from fp16 bits (exact)."""
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+
+    return types.float32(types.uint16), codegen
+
+
+def _scale_at(a, c, b, u):  # pragma: no cover - replaced in compiled code by the overload below
+    """Scale ``a[c, b, u]`` as fp32, whether ``pack`` kept it as fp32 or as fp16 bits."""
+
+
+@overload(_scale_at)
+def _scale_at_by_type(a, c, b, u):
+    if a.dtype == types.uint16:
+        return lambda a, c, b, u: _widen_half(a[c, b, u])
+    return lambda a, c, b, u: a[c, b, u]
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -315,6 +434,7 @@ def dequantize_rows(d, m, q, rows, out):  # pragma: no cover - compiled
     """``out[r] = d * q + m`` of weight row ``rows[r]`` (two roundings, as GGUF's dequantizer)."""
     tw = d.shape[2]
     packed = q.shape[3] == NIBBLE_BYTES
+    offsets = m.size > 0
     for r in prange(rows.shape[0]):
         c, u = divmod(rows[r], tw)
         v, lane = divmod(u, OUT)
@@ -326,7 +446,9 @@ def dequantize_rows(d, m, q, rows, out):  # pragma: no cover - compiled
                 value = np.float32(byte & 15 if quad < 4 else byte >> 4)
             else:
                 value = np.float32(np.int8(q[c, b, v, quad * 32 + lane * 4 + j]))
-            out[r, t] = d[c, b, u] * value + m[c, b, u]
+            # + 0.0 where m was left out: the same bits as adding the +0 it held
+            offset = _scale_at(m, c, b, u) if offsets else np.float32(0.0)
+            out[r, t] = _scale_at(d, c, b, u) * value + offset
 
 
 def reference(x: np.ndarray, d: np.ndarray, m: np.ndarray, q: np.ndarray) -> np.ndarray:

@@ -602,4 +602,4 @@ def test_auto_budget_drafts_one_level_deeper_than_it_kept_lately():
     assert budget.limit_depth(100) == 2  # it left the window
     fixed = Budget(4)
     fixed.choose(binary_tree(20, 0.9), 0.0)
-    assert fixed.limit_depth(100) == 100  # a fixed budget never limits the depth
+    assert fixed.limit_depth(100) == 4 and fixed.limit_depth(3) == 3  # 4 nodes are never deeper than 4

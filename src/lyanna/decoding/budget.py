@@ -299,8 +299,11 @@ class Budget:
     def limit_depth(self, room: int) -> int:
         """How deep to draft this round, at most ``room``: under ``auto``, one level deeper than
         the deepest tree kept in the last ``DEPTH_WINDOW`` rounds (so a tree that fills its depth
-        lets the next one grow a level); a fixed budget and the first round draft to ``room``."""
-        if self.spec != "auto" or not self._kept_depths:
+        lets the next one grow a level), on the first round to ``room``; a fixed budget of ``n``
+        nodes no deeper than ``n`` (a chain step drafted below that could never be verified)."""
+        if self.spec != "auto":
+            return min(room, int(self.spec))
+        if not self._kept_depths:
             return room
         return min(room, max(self._kept_depths) + 1)
 

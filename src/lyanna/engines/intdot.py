@@ -10,8 +10,9 @@ unpacked by a shift and a mask) until it is multiplied, so a one-row pass reads 
 
 The rule, the same on every path (``reference`` is it in numpy):
   * each input row, per block of 32: ``dx = max|x| / 127``, ``xq = rint(x / dx)`` as int8 (computed
-    as ``x * (1 / dx)``, 0 where the block is 0), ``xs = sum(x)`` in fp32 in a fixed order (eight
-    lanes ``((x[j] + x[j+8]) + x[j+16]) + x[j+24]``, then lanes j + 4, then j + 2, then the two);
+    as ``x * (1 / dx)``, 0 where the block is 0), ``xs = sum(x)`` in float64 in a fixed order
+    (eight lanes ``((x[j] + x[j+8]) + x[j+16]) + x[j+24]``, then lanes j + 4, then j + 2, then
+    the two), rounded once to fp32;
   * per block, ``isum = sum(q * xq)`` exactly in integers;
   * ``out = out + ((d * dx) * float(isum) + m * xs)`` over blocks in order, from 0, in fp32 without
     fused multiply-adds.
@@ -79,10 +80,14 @@ _COLS_32 = {1: 4, 2: 4, 3: 4, 4: 4, 5: 2, 6: 2, 7: 2, 8: 2}
 @intrinsic
 def _quantize_block(typingctx, x, xoff, xq, dx, xs, soff):
     """One block of 32 inputs at ``x[xoff:]`` by the module's rule, in vectors of 8: ``xq`` at the
-    same offset, ``dx[soff]`` and ``xs[soff]``. The sum goes in the order the rule states (lane j
-    of eight: ``((x[j] + x[j+8]) + x[j+16]) + x[j+24]``, then the lanes pairwise), which the
-    vector unit runs as it stands: summed one input after another it was a chain of 31 dependent
-    additions a block, and quantizing took a tenth of a 64-row pass."""
+    same offset, ``dx[soff]`` and ``xs[soff]``. The sum goes in float64 in the order the rule
+    states (lane j of eight: ``((x[j] + x[j+8]) + x[j+16]) + x[j+24]``, then the lanes pairwise),
+    which the vector unit runs as it stands: summed one input after another in fp32 it was a chain
+    of 31 dependent additions a block, and quantizing took a tenth of a 64-row pass. Why float64:
+    the model is sensitive to this sum's rounding (it multiplies Q4_1's offsets, which nearly
+    cancel the scaled integer sums); in fp32 the perplexity of ``scripts/measure-int8-quality.py``
+    moved by 0.5% between two summation orders; the float64 sum is exact unless a block's values
+    span more than about 24 binary orders of magnitude, and is then rounded once."""
     def codegen(context, builder, signature, args):
         b = builder
         xp, xqp, dxp, xsp = (context.make_array(signature.args[i])(context, builder, args[i]).data for i in (0, 2, 3, 4))
@@ -102,10 +107,12 @@ def _quantize_block(typingctx, x, xoff, xq, dx, xs, soff):
         at = lambda ptr, i, kind: b.bitcast(b.gep(ptr, [i]), kind.as_pointer())  # noqa: E731
         parts = [b.load(at(xp, b.add(xoff, xoff.type(8 * g)), v8f), align=4) for g in range(4)]
         pick = lambda v, idx: b.shuffle_vector(v, v, ir.Constant(ir.VectorType(i32, len(idx)), idx))  # noqa: E731
-        lanes = b.fadd(b.fadd(b.fadd(parts[0], parts[1]), parts[2]), parts[3])
+        wide = [b.fpext(v, ir.VectorType(ir.DoubleType(), 8)) for v in parts]
+        lanes = b.fadd(b.fadd(b.fadd(wide[0], wide[1]), wide[2]), wide[3])
         half = b.fadd(pick(lanes, [0, 1, 2, 3]), pick(lanes, [4, 5, 6, 7]))
         quarter = b.fadd(pick(half, [0, 1]), pick(half, [2, 3]))
-        b.store(b.fadd(b.extract_element(quarter, i32(0)), b.extract_element(quarter, i32(1))), b.gep(xsp, [soff]))
+        total = b.fadd(b.extract_element(quarter, i32(0)), b.extract_element(quarter, i32(1)))
+        b.store(b.fptrunc(total, f32), b.gep(xsp, [soff]))
         mags = [b.call(fabs, [v]) for v in parts]
         top = vmax([vmax([mags[0], mags[1]]), vmax([mags[2], mags[3]])])  # a maximum is exact in any order
         top = vmax([pick(top, [0, 1, 2, 3]), pick(top, [4, 5, 6, 7])])
@@ -496,10 +503,11 @@ def reference(x: np.ndarray, d: np.ndarray, m: np.ndarray, q: np.ndarray) -> np.
     rows, k = x.shape
     nb = k // QK
     xb = x.reshape(rows, nb, QK)
-    lanes = ((xb[:, :, 0:8] + xb[:, :, 8:16]) + xb[:, :, 16:24]) + xb[:, :, 24:32]  # the rule's order
+    wide = xb.astype(np.float64)
+    lanes = ((wide[:, :, 0:8] + wide[:, :, 8:16]) + wide[:, :, 16:24]) + wide[:, :, 24:32]  # the rule's order
     half = lanes[:, :, :4] + lanes[:, :, 4:]
     quarter = half[:, :, :2] + half[:, :, 2:]
-    xs = quarter[:, :, 0] + quarter[:, :, 1]
+    xs = (quarter[:, :, 0] + quarter[:, :, 1]).astype(np.float32)
     amax = np.abs(xb).max(axis=2)
     dx = (amax / np.float32(127)).astype(np.float32)
     with np.errstate(divide="ignore"):

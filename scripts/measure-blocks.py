@@ -58,13 +58,14 @@ def main() -> None:
     kernels = {}
     default_path = intdot.PATH
     # The default engine on each integer path this CPU runs (the same bits, different instructions).
-    runs = [("fp32", None), ("gguf-float", None)] + [("gguf", p) for p in intdot.PATHS if p != "portable"]
+    runs = [("fp32", default_path), ("gguf-float", default_path)]
+    runs += [("gguf", p) for p in intdot.PATHS if p != "portable"]
     engines = {}
     for weights, path in runs:
-        intdot.PATH = path or default_path
+        intdot.PATH = path
         target = load_target(DEFAULT_MODEL, weight_format=weights)
-        name = f"ours-{weights}" if path in (None, default_path) else f"ours-{weights}-{path}"
-        engines[name] = (path or default_path, Transformer(target.config, target.weights))
+        name = f"ours-{weights}" if path == default_path else f"ours-{weights}-{path}"
+        engines[name] = (path, Transformer(target.config, target.weights))
         kernels[name] = engines[name][1].kernel
         vocab = target.config.vocab_size
     # Every engine in turn, ROUNDS times, each size's fastest median kept: a shared host's bursts of

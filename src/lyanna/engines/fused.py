@@ -113,7 +113,7 @@ class FusedLayers:
         mats = _matrices(layers)
         unpadded = all(isinstance(w, QuantMatrix) and w.padded_rows == w.shape[0] for w in mats)
         # One typed list per field: one kernel, and scales of one type (fp16 bits or fp32, ``intdot.pack``).
-        one_kernel = len({(getattr(w, "kernel", None), getattr(w, "d", np.empty(0)).dtype) for w in mats}) == 1
+        one_kernel = unpadded and len({(w.kernel, w.d.dtype) for w in mats}) == 1
         if not layers or not unpadded or not one_kernel or any(layer.bqkv is not None for layer in layers):
             return None
         return cls(layers, config)
@@ -140,5 +140,5 @@ class FusedLayers:
         x = _layers(np.ascontiguousarray(x, np.float32), rot, self.attn_norms, self.mlp_norms, self.d, self.m, self.q,
                     k_caches, v_caches, span_of, lo, np.array([b[4] for b in blocks], np.int64), bias, bias_at,
                     tap_slot, out, np.float32(c.rms_norm_eps), c.num_heads, c.num_kv_heads, c.head_dim,
-                    intdot.ALL_PATHS.index(intdot.PATH))
+                    intdot.path_index())
         return x, {layer: out[slot] for slot, layer in enumerate(taps)}

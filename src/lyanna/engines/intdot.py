@@ -70,6 +70,12 @@ def _chosen_path() -> str:
 
 
 PATH = _chosen_path()  # the path every matrix takes, read at each call (a test may set it)
+
+
+def path_index() -> int:
+    """``PATH`` as the ``path`` argument of ``int_linear_kernel``."""
+    return ALL_PATHS.index(PATH)
+
 # Output vectors per chunk, by input rows: accumulators (rows x cols), the weight vectors (two per
 # packed vector once unpacked), the broadcast inputs and two constants must fit the registers
 # without spilling: 16 on AVX2, 32 with AVX-512's EVEX encoding.
@@ -264,7 +270,7 @@ class _Emitter:
             with without:
                 self._scale(sums, rows, cols, j, False)
 
-    def _scales(self, array, offset):
+    def _load_scales(self, array, offset):
         """Eight fp32 scales at ``offset``, widened exactly from fp16 bits where ``pack`` kept those."""
         if not self.half:
             return self._load(array, offset, self.v8f32)
@@ -278,8 +284,8 @@ class _Emitter:
         b, intp = self.b, self.intp
         for c in range(cols):
             col = b.mul(b.add(j, intp(c)), intp(OUT))
-            dv = self._scales(self.d, b.add(self.dmoff, col))
-            mv = self._scales(self.m, b.add(self.dmoff, col)) if offsets else None
+            dv = self._load_scales(self.d, b.add(self.dmoff, col))
+            mv = self._load_scales(self.m, b.add(self.dmoff, col)) if offsets else None
             for r in range(rows):
                 at = b.add(self.soff, b.mul(intp(r), self.nb))
                 dx = ir_splat(b, b.load(b.gep(self.dx, [at])), self.v8f32)

@@ -301,7 +301,7 @@ class QuantMatrix:
         if rows:
             with _launch:
                 if self.kernel == "int8":
-                    intdot.int_linear_kernel(x, self.d, self.m, self.q, out, intdot.ALL_PATHS.index(intdot.PATH))
+                    intdot.int_linear_kernel(x, self.d, self.m, self.q, out, intdot.path_index())
                 else:
                     _quant_linear_kernel(x, self.d, self.m, self.q, out)
         return out if out.shape[1] == self.shape[0] else np.ascontiguousarray(out[:, : self.shape[0]])

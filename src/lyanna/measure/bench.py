@@ -1,7 +1,7 @@
 """``lyanna bench``: every method on the same prompts, in one process, with one timer.
 
-Methods run interleaved prompt by prompt after a warm-up, so drift on the machine hits them all
-alike. Aggregates are ratios of sums (total tokens / total seconds), never means of ratios.
+Methods run interleaved prompt by prompt after a warm-up, each prompt starting at the next
+method, so drift on the machine and a run's place in the sequence hit them all alike. Aggregates are ratios of sums (total tokens / total seconds), never means of ratios.
 """
 from __future__ import annotations
 
@@ -255,10 +255,14 @@ def run_bench(
         run(prompts[0], min(8, max_new_tokens))
     per_method: dict[str, list[GenerationResult]] = {m: [] for m in methods}
     bar = tqdm(total=len(questions) * len(methods) * repeats, desc="bench", unit="run", disable=not progress)
+    order, turn = list(runners.items()), 0
     for ids in prompts:
         runs: dict[str, list[GenerationResult]] = {m: [] for m in methods}
         for _ in range(repeats):
-            for m, run in runners.items():
+            # Each turn starts at the next method, so that no method always runs first (or last)
+            # on a prompt: the position in the sequence must not favour anyone.
+            first, turn = turn % len(order), turn + 1
+            for m, run in order[first:] + order[:first]:
                 runs[m].append(run(ids, max_new_tokens))
                 bar.update(1)
         for m, rs in runs.items():

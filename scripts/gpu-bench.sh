@@ -12,7 +12,8 @@
 #
 # `run` reassembles and checks the GGUF, runs tests/test_device_engine.py on the GPU, measures the
 # device's latency for blocks of 1..128 tokens, and runs the bench in float32 and bfloat16 (HF
-# generate(), ar, suffix, eagle, lyanna, lyanna+suffix; Spec-Bench, 26 prompts x 128 tokens). It
+# generate(), ar, suffix, eagle, lyanna, lyanna+suffix; Spec-Bench, 26 prompts x 128 tokens; decoding
+# blocks replayed as CUDA graphs, and `ar` once more without them, in bfloat16). It
 # is meant to finish inside one 10-minute command; BENCH_LIMIT and BENCH_TOKENS shrink the bench.
 # `local` runs the same steps here on the CPU (device cpu, a short bench) to check the script.
 set -euo pipefail
@@ -79,6 +80,12 @@ measure() {  # measure DEVICE OUT LIMIT TOKENS
     $py -c "import sys; from lyanna.cli import main; sys.exit(main(sys.argv[1:]))" --backend torch --device "$device" \
       --dtype "$dtype" bench --methods "$METHODS" --limit "$limit" --max-new-tokens "$tokens" --json "$out/bench-$dtype.json" 2>&1 | tail -14
   done
+  if [ "$device" != cpu ]; then
+    echo "== ar without CUDA graphs (bfloat16), for what the graphs are worth"
+    $py -c "import sys; from lyanna.cli import main; sys.exit(main(sys.argv[1:]))" --backend torch --device "$device" \
+      --dtype bfloat16 --no-cuda-graphs bench --methods ar --limit "$limit" --max-new-tokens "$tokens" \
+      --json "$out/bench-bfloat16-eager.json" 2>&1 | tail -4
+  fi
 }
 
 case "${1:-}" in

@@ -15,7 +15,8 @@ from lyanna.decoding import verify as verify_module
 from lyanna.decoding.decoder import Decoder, GenerationRequest
 from lyanna.drafters.eagle import EagleDrafter
 from lyanna.drafters.head import DraftHead
-from lyanna.drafters.lyanna import ChainHead, LyannaDrafter, TokenInfo
+from lyanna.drafters.device import DeviceChainHead
+from lyanna.drafters.lyanna import ChainHead, LyannaDrafter, TokenInfo, token_info_tree
 from lyanna.engines.device import DeviceEngine
 from lyanna.engines.loading import load_target
 from lyanna.engines.quant import quantize_q8_0
@@ -38,20 +39,24 @@ def tiny(request, tmp_path_factory):
 
 
 def _blocks(engine, top):
-    """Prefill with taps, a tree block, compaction to a path, a step past a Mistral window."""
+    """Prefill with taps, a tree block with picked logit rows (at its own shape), compaction to a
+    path, a step past a Mistral window, a tree of 3 rows with every logit row (padded to 4 on
+    the device), compaction to its root."""
     cache = engine.new_cache(128)
     pre = engine.forward(np.arange(3, 40), np.arange(37), cache, logit_rows=[-1], taps=(0, 1, top))
     tree = engine.forward([7, 8, 9, 10], [37, 38, 38, 39], cache, block_mask=TREE, logit_rows=[1, 3], taps=(top,))
     cache.compact(37, [0, 2, 3])
     step = engine.forward([11], [40], cache, taps=(1,))
-    return [pre, tree, step], cache.length
+    small = engine.forward([12, 13, 14], [41, 42, 42], cache, block_mask=TREE[:3, :3], taps=(0, top))
+    cache.compact(41, [0])
+    return [pre, tree, step, small], cache.length
 
 
 def test_device_blocks_match_the_numpy_engine(tiny):
     top = tiny.config.num_layers
     (mine, n_mine), (ref, n_ref) = _blocks(DeviceEngine(tiny.config, tiny.weights, DEVICE), top), _blocks(
         Transformer(tiny.config, tiny.weights), top)
-    assert n_mine == n_ref == 41
+    assert n_mine == n_ref == 42
     for a, b in zip(mine, ref):
         assert a.logits.shape == b.logits.shape and a.hidden.keys() == b.hidden.keys()
         np.testing.assert_allclose(a.logits, b.logits, rtol=1e-4, atol=1e-4)
@@ -74,6 +79,52 @@ def test_compaction_leaves_the_cache_of_a_fresh_causal_run(tiny):
         cache.compact(5, [0, 0])
     with pytest.raises(ValueError, match="capacity"):
         e.forward(np.arange(50), np.arange(23, 73), cache)
+
+
+def test_pooled_caches_serve_later_generations_with_the_same_passes(tiny):
+    """A dropped cache goes back to the pool: the next generation gets it, stale rows from the
+    last one stay invisible (the same tokens), and no new fixed-shape pass (graph) is built."""
+    e = DeviceEngine(tiny.config, tiny.weights, DEVICE)
+    d = Decoder(tiny, engine=e, default_drafts=False)
+    req = GenerationRequest(max_new_tokens=24, eos_token_ids=())
+    first = d.generate([1, 40, 41, 42, 40, 41, 42], req, method="suffix", budget=None)
+    passes = len(e._passes)
+    assert passes > 0 and all(p.logits is not None for p in e._passes.values())
+    d.generate(list(range(3, 50)), req)  # leaves other rows in the pooled cache
+    again = d.generate([1, 40, 41, 42, 40, 41, 42], req, method="suffix", budget=None)
+    assert again.tokens == first.tokens
+    assert len(e._passes) == passes
+    assert sum(map(len, e._free.values())) == 1  # one slab served all three
+
+
+def test_logits_left_on_the_device_read_like_host_logits():
+    """Rows on demand, all rows through numpy, and numpy's argmax (ties: the first maximum)."""
+    from lyanna.engines.device import _Logits
+
+    host = np.array([[1.0, 3.0, 3.0], [2.0, 2.0, 0.0], [-1.0, -5.0, -1.0]], np.float32)
+    lazy = _Logits(torch.from_numpy(host).to(DEVICE))
+    assert lazy.shape == host.shape
+    np.testing.assert_array_equal(lazy[1], host[1])
+    np.testing.assert_array_equal(np.asarray(lazy), host)
+    np.testing.assert_array_equal(lazy.argmax(), host.argmax(-1))
+
+
+def test_cuda_graphs_give_the_same_tokens(tiny):
+    """Captured and replayed, or run eagerly: the same greedy tokens for a drafter whose trees
+    vary in size (so several row buckets are captured)."""
+    if not DEVICE.startswith("cuda"):
+        with pytest.raises(LyannaError, match="CUDA"):
+            DeviceEngine(tiny.config, tiny.weights, DEVICE, graphs=True)
+        pytest.skip("CUDA graphs need a CUDA device (LYANNA_TEST_DEVICE=cuda)")
+    outs = []
+    for graphs in (False, True):
+        e = DeviceEngine(tiny.config, tiny.weights, DEVICE, graphs=graphs)
+        d = _with_heads(Decoder(tiny, engine=e, default_drafts=False), tiny)
+        req = GenerationRequest(max_new_tokens=32, eos_token_ids=())
+        outs.append([d.generate(p, req, method=m, budget=None).tokens
+                     for m in ("ar", "peek", "lyanna") for p in ([1, 40, 41, 42, 40, 41, 42], list(range(3, 60)))])
+        assert all(p.graph is not None for p in e._passes.values()) == graphs
+    assert outs[0] == outs[1]
 
 
 def test_gguf_blocks_load_dequantized_and_bad_settings_are_refused(tiny):
@@ -99,13 +150,16 @@ def _with_heads(decoder, target):
     with torch.no_grad():
         ly.ti.b.normal_(0, 1.0)
     w = {**ly.numpy_weights(), "ti.hot": np.arange(0, vocab, 2)}
-    decoder.add_drafter("lyanna", LyannaDrafter(ChainHead(decoder.engine, w), TokenInfo(w["ti.a"], w["ti.b"], w["ti.hot"]),
-                                                tap=2, depth=3, topk=2, width=2))
+    ti = TokenInfo(w["ti.a"], w["ti.b"], w["ti.hot"])
+    decoder.add_drafter("lyanna", LyannaDrafter(ChainHead(decoder.engine, w), ti, tap=2, depth=3, topk=2, width=2))
+    if isinstance(decoder.engine, DeviceEngine):  # the same head with its chain and trees on the device
+        decoder.add_drafter("lyanna-device", LyannaDrafter(DeviceChainHead(decoder.engine, w), ti, tap=2, depth=3,
+                                                           topk=2, width=2))
     decoder.add_drafter("peek", PeekingDrafter(decoder.engine))
     return decoder
 
 
-@pytest.mark.parametrize("method", ["suffix", "eagle", "lyanna", "peek"])
+@pytest.mark.parametrize("method", ["suffix", "eagle", "lyanna", "lyanna-device", "peek"])
 def test_greedy_on_the_device_equals_ar_there_and_the_numpy_engine(tiny, method):
     """Every method's greedy tokens are the device ``ar``'s, which are the numpy engine's; ``peek``
     makes sure accepted and rejected nodes both go through the static cache's compaction."""
@@ -119,7 +173,7 @@ def test_greedy_on_the_device_equals_ar_there_and_the_numpy_engine(tiny, method)
         got = device.generate(prompt, req, method=method, budget=None)
         assert got.tokens == ar.tokens, (method, prompt)
         tried, accepted = tried + got.draft_tokens, accepted + got.accepted_draft_tokens
-    if method in ("lyanna", "peek"):
+    if method in ("lyanna", "lyanna-device", "peek"):
         assert tried > accepted
     if method == "peek":
         assert accepted > 0
@@ -131,7 +185,7 @@ def device_small_decoder():
     return _with_heads(Decoder(target, engine=DeviceEngine(target.config, target.weights, DEVICE), default_drafts=False), target)
 
 
-@pytest.mark.parametrize("method", ["ar", "eagle", "lyanna", "peek"])
+@pytest.mark.parametrize("method", ["ar", "eagle", "lyanna", "lyanna-device", "peek"])
 def test_device_sampled_output_has_the_target_joint_distribution(device_small_decoder, method):
     params, horizon = SAMPLING_GRID["t1"]
     s = sample_outputs(device_small_decoder, method, params, horizon, 600)
@@ -146,3 +200,51 @@ def test_device_path_fails_a_wrong_acceptance_rule(device_small_decoder, monkeyp
     monkeypatch.setattr(verify_module, "_deterministic_step", no_residual)
     s = sample_outputs(device_small_decoder, "peek", params, horizon, 600)
     assert chi2_pvalue(s.counts, exact_joint(device_small_decoder.engine, params, horizon)) < ALPHA
+
+
+@pytest.mark.parametrize("fallback", ["lowrank", "none"])
+def test_device_trees_equal_the_host_trees_on_the_same_raw_rows(tiny, fallback):
+    """Token-info trees built on the device (token information formed on the fly) are the host
+    builder's trees (hot-row table, cold rows formed once) on the same raw rows: same nodes,
+    parents and order, scores equal to rounding; fresh and re-sampled (``origin``)."""
+    e = DeviceEngine(tiny.config, tiny.weights, DEVICE)
+    vocab = tiny.config.vocab_size
+    torch.manual_seed(1)
+    ly = init_lyanna_head(e, tiny.weights, np.arange(vocab)[::-1].copy(), rank=4)
+    with torch.no_grad():
+        ly.ti.b.normal_(0, 1.0)
+    w = ly.numpy_weights()
+    head = DeviceChainHead(e, w)
+    rng = np.random.default_rng(5)
+    for trial in range(6):
+        ti = TokenInfo(w["ti.a"], w["ti.b"], rng.choice(vocab, vocab // 3, replace=False), fallback)
+        raw = (rng.standard_normal((1 + trial % 4, head.d2t.size)) * 2).astype(np.float32)
+        root, topk, width, max_nodes, origin = int(rng.integers(vocab)), 1 + trial % 3, 1 + trial % 4, 5 + 3 * trial, trial % 2
+        want = token_info_tree(raw, root, ti, head.d2t, topk, width, max_nodes, origin)
+        got = head.tree(torch.from_numpy(raw).to(DEVICE), root, ti, topk, width, max_nodes, origin)
+        assert len(got) == len(want) > 0
+        np.testing.assert_array_equal(got.tokens, want.tokens)
+        np.testing.assert_array_equal(got.parents, want.parents)
+        np.testing.assert_array_equal(got.origin, want.origin)
+        np.testing.assert_allclose(got.scores, want.scores, rtol=1e-5)
+
+
+def test_device_chain_head_matches_the_host_head(tiny):
+    """The device head's catch-up, chain and raw logits are the host head's to fp32 rounding."""
+    from lyanna.drafters.head import PairContext
+
+    e = DeviceEngine(tiny.config, tiny.weights, DEVICE)
+    vocab = tiny.config.vocab_size
+    torch.manual_seed(2)
+    w = init_lyanna_head(e, tiny.weights, np.arange(vocab)[::-1].copy(), rank=4).numpy_weights()
+    hidden = np.random.default_rng(3).standard_normal((9, tiny.config.hidden_size)).astype(np.float32)
+    ctx = np.arange(20, 29)
+    rows = []
+    for head in (ChainHead(e, w), DeviceChainHead(e, w)):
+        pc = PairContext(head, 2)
+        pc.start({2: hidden[:6]})
+        pc.commit({2: hidden[6:]})
+        first = pc.catch_up(ctx, extra=4)
+        rows.append(np.asarray(torch.as_tensor(head.raw_logits(head.chain(first, len(ctx) - 1, 4, pc.cache))).cpu()))
+        assert pc.cache.length == len(ctx) - 1 + 3
+    np.testing.assert_allclose(rows[1], rows[0], rtol=1e-4, atol=1e-4)

@@ -102,6 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                         help="torch and hf backends: the model's dtype (default float32; greedy output equals ar only "
                              "in float32)")
+    parser.add_argument("--no-cuda-graphs", action="store_true",
+                        help="torch backend on CUDA: run decoding blocks eagerly instead of replaying captured CUDA "
+                             "graphs (the same tokens, slower; for comparison)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate a reply to one prompt (streamed)")
@@ -208,11 +211,16 @@ def _decoder(args: argparse.Namespace):
         from .engines.device import load_device_target
         from .engines.torch_engine import load_torch_target
 
-        load = load_device_target if args.backend == "torch" else load_torch_target
-        target, engine = load(args.model, args.device or "cpu", args.dtype or "float32")
+        if args.backend == "torch":
+            target, engine = load_device_target(args.model, args.device or "cpu", args.dtype or "float32",
+                                                graphs=False if args.no_cuda_graphs else None)
+        elif args.no_cuda_graphs:
+            raise LyannaError("--no-cuda-graphs is an option of --backend torch (the hf backend never captures graphs)")
+        else:
+            target, engine = load_torch_target(args.model, args.device or "cpu", args.dtype or "float32")
         decoder = Decoder(target, engine=engine, prefix_cache_tokens=cache_tokens, prefill_chunk=chunk)
-    elif args.device or args.dtype:
-        raise LyannaError("--device and --dtype choose where the torch backend runs: add --backend torch")
+    elif args.device or args.dtype or args.no_cuda_graphs:
+        raise LyannaError("--device, --dtype and --no-cuda-graphs choose how the torch backend runs: add --backend torch")
     else:
         decoder = Decoder(load_target(args.model, weight_format=args.weights), prefix_cache_tokens=cache_tokens,
                           prefill_chunk=chunk)

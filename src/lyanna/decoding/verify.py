@@ -62,26 +62,28 @@ def verify(tree: DraftTree, logits: np.ndarray, params: SamplingParams, rng: np.
 
     ``logits`` is float32 ``[len(tree) + 1, vocab]``: row 0 holds the target's logits after the
     committed context (they judge the children of the root, ``parents == -1``), row ``1 + i`` the
-    logits after tree node i.
+    logits after tree node i. Host rows are read as the path goes; logits left on a device
+    (``DeviceLogits``) give greedy decoding every row's argmax in one copy.
     """
     if logits.shape[0] != len(tree) + 1:
         raise ValueError(f"need {len(tree) + 1} rows of logits for a tree of {len(tree)} nodes, got {logits.shape[0]}")
     kids = tree.children()
     tokens = tree.tokens
+    on_host = isinstance(logits, np.ndarray)
+    argmax = None if on_host or not params.greedy else logits.argmax()
     path: list[int] = []
     node = -1
     while True:
-        row = logits[node + 1]
         children = kids.get(node, [])
         if params.greedy:
-            best = int(np.argmax(row))
+            best = int(np.argmax(logits[node + 1]) if argmax is None else argmax[node + 1])
             match = next((c for c in children if tokens[c] == best), None)
             if match is None:
                 return Verdict(path, [int(tokens[i]) for i in path] + [best])
             path.append(match)
             node = match
             continue
-        p = target_probs(row, params)
+        p = target_probs(logits[node + 1], params)
         candidates = [int(tokens[c]) for c in children]
         if node in tree.sampled_from:
             chosen, residual = _sampled_step(p, tree.sampled_from[node], candidates, rng)

@@ -22,7 +22,7 @@ sampling, re-sampling after a rejection, and verification fusion.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 from numba import njit
@@ -37,6 +37,9 @@ from .head import DraftHead, PairContext
 from .registry import register
 from .suffix import SuffixDrafter
 from .tree import DraftTree
+
+if TYPE_CHECKING:
+    from .device import DeviceChainHead
 
 ARCH = "lyanna"
 POLICIES = ("fuse", "reuse", "off")
@@ -91,14 +94,22 @@ class ChainHead(DraftHead):
         # (a quantized LM head stays quantized: a third of the bytes per draft step).
         self.draft_lm_head = target.lm_head.take(d2t, axis=0)
 
-    def chain_step(self, feature: np.ndarray, position: int, cache) -> np.ndarray:
-        """``f_k = layer(f_{k-1})``: one row, no token input."""
-        out = self.layer_step(feature[None], [position], cache, None)
-        cache.length += 1
-        return out[0]
+    def chain(self, first: np.ndarray, root_position: int, depth: int, cache) -> np.ndarray:
+        """``f_1..f_depth`` from ``f_1 = first``: ``f_k = layer(f_{k-1})`` (one row, no token
+        input) at position ``root_position + k - 1``, written to ``cache`` (the caller rewinds it)."""
+        features = [first]
+        for k in range(2, depth + 1):
+            features.append(self.layer_step(features[-1][None], [root_position + k - 1], cache, None)[0])
+            cache.length += 1
+        return np.stack(features)
 
     def raw_logits(self, features: np.ndarray) -> np.ndarray:
         return linear(rms_norm(features, self.norm, self.config.rms_norm_eps), self.draft_lm_head)
+
+    def tree(self, raw: np.ndarray, root: int, ti: "TokenInfo", topk: int, width: int, max_nodes: int,
+             origin: int = 0) -> DraftTree:
+        """The token-info tree of ``raw`` rooted at ``root`` (``token_info_tree``)."""
+        return token_info_tree(raw, root, ti, self.d2t, topk, width, max_nodes, origin)
 
 
 @njit(cache=True, fastmath={"reassoc", "contract", "nsz", "arcp"})
@@ -206,7 +217,7 @@ class LyannaDrafter(Drafter):
     TENSORS = ("fc.weight", "fc.bias", "norm.weight", "d2t", "ti.a", "ti.b", "ti.hot")
     TRAINING = "lyanna.training.recipes:LyannaRecipe"
 
-    def __init__(self, head: ChainHead, ti: TokenInfo, tap: int, depth: int = DECODE_DEFAULTS["depth"],
+    def __init__(self, head: "ChainHead | DeviceChainHead", ti: TokenInfo, tap: int, depth: int = DECODE_DEFAULTS["depth"],
                  topk: int = DECODE_DEFAULTS["topk"], width: int = DECODE_DEFAULTS["width"],
                  max_nodes: int = DECODE_DEFAULTS["max_nodes"], policy: str = "fuse", reuse_min_expected: float = 1.5,
                  suffix: bool = False):
@@ -232,7 +243,12 @@ class LyannaDrafter(Drafter):
             raise LyannaError(f"{cls.ARCH} is a draft head: it needs a checkpoint")
         config, weights = load_head(checkpoint, target, cls)
         knobs = decode_settings(config, DECODE_DEFAULTS, checkpoint)
-        head = ChainHead(engine, weights)
+        if getattr(engine, "heads_on_device", False):  # the target runs on a torch device: the head runs there too
+            from .device import DeviceChainHead
+
+            head = DeviceChainHead(engine, weights)
+        else:
+            head = ChainHead(engine, weights)
         ti = TokenInfo(weights["ti.a"], weights["ti.b"], weights["ti.hot"], knobs.pop("ti_fallback"))
         tap = int(config["target"]["tap"])
         return {name: cls(head, ti, tap, **{**knobs, **variant}) for name, variant in cls.VARIANTS.items()}
@@ -266,12 +282,10 @@ class LyannaDrafter(Drafter):
         """Raw logits ``l_1..l_depth`` after ``context`` (its last token is the root)."""
         ctx = np.asarray(context, np.int64)
         pc = self.context
-        features = [pc.catch_up(ctx, extra=depth)]
-        for k in range(2, depth + 1):
-            features.append(self.head.chain_step(features[-1], len(ctx) - 2 + k, pc.cache))
-            pc.passes += 1
+        features = self.head.chain(pc.catch_up(ctx, extra=depth), len(ctx) - 1, depth, pc.cache)
+        pc.passes += depth - 1
         pc.rewind()
-        return self.head.raw_logits(np.stack(features))
+        return self.head.raw_logits(features)
 
     def propose(self, context: Sequence[int], max_depth: int) -> DraftTree:
         return self._with_suffix(self._propose_chain(context, max_depth), context, max_depth)
@@ -302,7 +316,7 @@ class LyannaDrafter(Drafter):
         if self.policy == "off" or self._leftover is None or not len(self._leftover):
             return None
         rows = self._leftover[:depth]
-        return rows, token_info_tree(rows, root, self.ti, self.head.d2t, self.topk, self.width, self.max_nodes, origin=1)
+        return rows, self.head.tree(rows, root, self.ti, self.topk, self.width, self.max_nodes, origin=1)
 
     def _propose_chain(self, context: Sequence[int], max_depth: int) -> DraftTree:
         depth = min(self.depth, max_depth)
@@ -315,7 +329,7 @@ class LyannaDrafter(Drafter):
             self._chain = found[0]
             return resampled
         self._chain = self.chain(context, depth)
-        fresh = token_info_tree(self._chain, root, self.ti, self.head.d2t, self.topk, self.width, self.max_nodes)
+        fresh = self.head.tree(self._chain, root, self.ti, self.topk, self.width, self.max_nodes)
         if self.policy == "fuse" and resampled is not None:
             return fresh.merged(resampled, self.max_nodes)
         return fresh

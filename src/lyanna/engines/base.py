@@ -22,9 +22,21 @@ def compaction(start: int, length: int, keep: Sequence[int] | np.ndarray) -> np.
     return keep
 
 
+class DeviceLogits(Protocol):
+    """Logits an engine keeps where it computed them (a GPU's memory): a row crosses to the host
+    when it is read, and greedy verification reads only every row's argmax (a few bytes a row
+    instead of the vocabulary's floats)."""
+
+    shape: tuple[int, ...]
+
+    def __getitem__(self, row: int) -> np.ndarray: ...
+
+    def argmax(self) -> np.ndarray: ...
+
+
 @dataclass
 class ForwardOutput:
-    logits: np.ndarray  # [rows, vocab] for the requested rows
+    logits: np.ndarray | DeviceLogits  # [rows, vocab] for the requested rows
     hidden: dict[int, np.ndarray] = field(default_factory=dict)  # tap -> [n, hidden_size]
 
 

@@ -5,13 +5,21 @@
 do not. This engine owns its layers (``torch_layers``, the Hugging Face layout, the weights the
 numpy engine reads: safetensors, or a GGUF's blocks dequantized) and keeps each sequence's keys
 and values in one tensor preallocated to its capacity on the device: a block's rows are written
-in place at their slots, the tree mask is built on the device, only the wanted rows go through
-the LM head, and compaction moves the accepted rows into place with one gather per tensor. The
-loop, verifier and drafters see the same ``TargetEngine`` as everywhere else.
+in place at their slots, only the wanted rows go through the LM head, and compaction moves the
+accepted rows into place with one gather per tensor. The loop, verifier and drafters see the
+same ``TargetEngine`` as everywhere else.
+
+Decoding blocks (one token, or a tree) run at fixed shapes, so that on a GPU each shape is
+captured once as a CUDA graph and replayed with one launch: the rows are padded to a bucket of
+``ROW_BUCKETS`` (padding rows write to scratch slots past the capacity and are dropped), attention
+reads a key range of ``KEY_BUCKETS`` slots with a mask built on the host, and caches come from a
+pool, so the graphs captured for one generation's cache serve the next ones. Prefills and blocks
+longer than the last bucket run eagerly at their own shape.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+import weakref
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -27,16 +35,46 @@ from .torch_layers import DecoderLayer, RMSNorm, rope
 DTYPES = ("float32", "bfloat16", "float16")
 
 
-class StaticCache:
-    """One sequence's keys and values, ``[layers, kv heads, capacity, head dim]`` each on the
-    device; slot ``i`` holds position ``i`` of the committed sequence, ``length`` slots are valid."""
+# Row counts a decoding block is padded to: powers of two, so padding at most doubles a block,
+# up to the largest tree the decoder verifies (``decoder.MAX_TREE_TOKENS`` nodes and the root).
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+# Key ranges attention reads: the smallest that holds the cache after the block (a short context
+# does not pay for the whole capacity); powers of two from 256, so a few graphs per row bucket.
+KEY_BUCKET_MIN = 256
+# Caches are pooled by capacity rounded up to a power of two from this, so that generations with
+# slightly different prompt lengths share one cache (and its graphs).
+POOL_CAPACITY_MIN = 512
 
-    def __init__(self, k: torch.Tensor, v: torch.Tensor):
-        self.k, self.v, self.length = k, v, 0
+
+def _bucket(n: int, smallest: int = 1) -> int:
+    """The smallest power of two >= max(n, smallest)."""
+    return 1 << (max(n, smallest) - 1).bit_length()
+
+
+class _Slab:
+    """One pooled cache's device tensors, ``[layers, kv heads, capacity + scratch, head dim]``:
+    slots past ``capacity`` take the padding rows of a bucketed block."""
+
+    def __init__(self, shape: tuple[int, ...], capacity: int, dtype: torch.dtype, device: torch.device):
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.capacity = capacity
+
+
+class StaticCache:
+    """One sequence's keys and values on the device (``k``, ``v``: ``[layers, kv heads, slots,
+    head dim]``); slot ``i`` holds position ``i`` of the committed sequence, ``length`` slots are
+    valid, ``capacity`` may be used. Its tensors go back to the engine's pool when it is dropped."""
+
+    def __init__(self, slab: _Slab, capacity: int, release: Callable[[_Slab], None] | None = None):
+        self.slab, self.k, self.v, self.length = slab, slab.k, slab.v, 0
+        self._capacity = capacity
+        if release is not None:
+            weakref.finalize(self, release, slab)
 
     @property
     def capacity(self) -> int:
-        return self.k.shape[2]
+        return self._capacity
 
     def compact(self, start: int, keep: Sequence[int] | np.ndarray) -> None:
         """Keep block slots ``start + keep[i]`` (in that order) after the prefix, drop the rest."""
@@ -49,11 +87,58 @@ class StaticCache:
         self.length = start + n
 
 
+class _StaticPass:
+    """A decoding block at one fixed shape (``rows`` padded rows, ``keys`` slots of attention) on
+    one cache slab, with the taps asked for: input buffers the host fills, outputs it reads. On
+    CUDA with graphs it is captured on its first run and replayed after; elsewhere it runs eagerly."""
+
+    def __init__(self, engine: "DeviceEngine", slab: _Slab, rows: int, keys: int, taps: tuple[int, ...], graph: bool):
+        dev = engine.device
+        self.engine, self.slab, self.keys, self.taps = engine, slab, keys, taps
+        self.tokens = torch.zeros(rows, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(rows, dtype=torch.int64, device=dev)
+        self.slots = torch.zeros(rows, dtype=torch.int64, device=dev)
+        self.mask = torch.zeros((rows, keys), dtype=torch.bool, device=dev)
+        self.graph: Any = None
+        self._use_graph = graph
+        self.logits: torch.Tensor | None = None
+        self.hidden: dict[int, torch.Tensor] = {}
+
+    def _forward(self) -> None:
+        self.logits, self.hidden = self.engine._layers_pass(
+            self.slab, self.tokens, self.positions, self.slots, self.mask, self.keys, self.taps, None)
+
+    def run(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray, mask: np.ndarray) -> None:
+        """Copy the inputs in and run (each copy is one transfer; the mask is built on the host)."""
+        for buf, host in ((self.tokens, tokens), (self.positions, positions), (self.slots, slots), (self.mask, mask)):
+            buf.copy_(torch.from_numpy(host), non_blocking=False)
+        if not self._use_graph:
+            self._forward()
+            return
+        if self.graph is None:
+            # Warm-up on a side stream, as CUDA graph capture requires. Every run writes the same
+            # keys and values at the same slots from the same inputs, so running it here is harmless.
+            side = torch.cuda.Stream(self.engine.device)
+            side.wait_stream(torch.cuda.current_stream(self.engine.device))
+            with torch.cuda.stream(side):
+                self._forward()
+            torch.cuda.current_stream(self.engine.device).wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph, pool=self.engine._graph_pool):
+                self._forward()
+        self.graph.replay()
+
+
 class DeviceEngine(TargetEngine):
     """A Llama-family target (Llama, Mistral, Qwen2 layouts) on ``device`` in ``dtype``."""
 
-    def __init__(self, config: ModelConfig, weights: dict[str, Any], device: str = "cpu", dtype: str = "float32"):
-        """``weights``: Hugging Face names to fp32 arrays or GGUF blocks (``loading.load_target``)."""
+    heads_on_device = True  # draft heads that have a device twin run beside it (``drafters.device``)
+
+    def __init__(self, config: ModelConfig, weights: dict[str, Any], device: str = "cpu", dtype: str = "float32",
+                 graphs: bool | None = None):
+        """``weights``: Hugging Face names to fp32 arrays or GGUF blocks (``loading.load_target``).
+        ``graphs``: capture decoding blocks as CUDA graphs (default: on a CUDA device; the same
+        tokens either way, see the module docstring)."""
         if dtype not in DTYPES:
             raise LyannaError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
         try:
@@ -94,12 +179,27 @@ class DeviceEngine(TargetEngine):
         self._embed = put(self.embed)
         self._lm_head = self._embed if self.lm_head is self.embed else put(self.lm_head)
         self._inv_freq = torch.from_numpy(self.inv_freq).to(self.device)
+        cuda = self.device.type == "cuda"
+        if graphs and not cuda:
+            raise LyannaError(f"CUDA graphs need a CUDA device, not {device!r}")
+        self.graphs = cuda if graphs is None else graphs
+        self._graph_pool = torch.cuda.graph_pool_handle() if self.graphs else None
+        self._free: dict[int, list[_Slab]] = {}  # pooled capacity -> slabs no cache holds
+        self._passes: dict[tuple[int, int, int, tuple[int, ...]], _StaticPass] = {}
 
     def new_cache(self, capacity: int) -> StaticCache:
-        c = self.config
-        shape = (c.num_layers, c.num_kv_heads, capacity, c.head_dim)
-        return StaticCache(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                           torch.zeros(shape, dtype=self.dtype, device=self.device))
+        """A cache for ``capacity`` positions, from the pool of caches no generation holds."""
+        if capacity < 1:
+            raise ValueError(f"cache capacity must be >= 1, got {capacity}")
+        pooled = _bucket(capacity, POOL_CAPACITY_MIN)
+        free = self._free.setdefault(pooled, [])
+        if free:
+            slab = free.pop()
+        else:
+            c = self.config
+            shape = (c.num_layers, c.num_kv_heads, pooled + ROW_BUCKETS[-1], c.head_dim)
+            slab = _Slab(shape, pooled, self.dtype, self.device)
+        return StaticCache(slab, capacity, free.append)
 
     def forward_batch(self, blocks: Sequence[Block]) -> list[ForwardOutput]:
         """The blocks one after another, each on its own cache; every block is checked before any runs."""
@@ -108,6 +208,41 @@ class DeviceEngine(TargetEngine):
         prepared = [(b, *block_inputs(self.config, b)) for b in blocks]
         with torch.inference_mode():
             return [self._run(*p) for p in prepared]
+
+    def _run(self, b: Block, tokens: np.ndarray, positions: np.ndarray, within: np.ndarray | None) -> ForwardOutput:
+        n, cache = tokens.shape[0], b.cache
+        if b.prefill or b.logit_rows is not None or n > ROW_BUCKETS[-1]:
+            out = self._run_eager(b, tokens, positions, within)
+        else:
+            out = self._run_static(b, tokens, positions, within)
+        cache.length += n
+        return out
+
+    def _run_static(self, b: Block, tokens: np.ndarray, positions: np.ndarray, within: np.ndarray | None) -> ForwardOutput:
+        """A decoding block at its bucketed shape (see the module docstring)."""
+        cache: StaticCache = b.cache
+        slab, n, start = cache.slab, tokens.shape[0], cache.length
+        end = start + n
+        rows, keys = _bucket(n), min(_bucket(end, KEY_BUCKET_MIN), slab.capacity)
+        taps = tuple(sorted(set(b.taps)))
+        key = (id(slab), rows, keys, taps)
+        if key not in self._passes:
+            self._passes[key] = _StaticPass(self, slab, rows, keys, taps, self.graphs)
+        p = self._passes[key]
+        pad = rows - n
+        mask = np.zeros((rows, keys), bool)
+        mask[:n, :start] = True
+        mask[:n, start:end] = True if within is None else within
+        window = self.config.sliding_window
+        if window is not None:
+            key_positions = np.concatenate([np.arange(start), positions])
+            mask[:n, :end] &= positions[:, None] - key_positions[None, :] < window
+        mask[n:, 0] = True  # padding rows read slot 0 (never empty after a prefill) and are dropped
+        p.run(np.concatenate([tokens, np.zeros(pad, np.int64)]), np.concatenate([positions, np.zeros(pad, np.int64)]),
+              np.concatenate([np.arange(start, end), slab.capacity + np.arange(pad)]), mask)
+        # The logits stay on the device (copied out of the pass's buffers, which its next run
+        # overwrites); the tapped rows, which every drafter reads, come over now.
+        return ForwardOutput(logits=_Logits(p.logits[:n].clone()), hidden={tap: _host(p.hidden[tap][:n]) for tap in b.taps})
 
     def _mask(self, start: int, positions: torch.Tensor, within: np.ndarray | None) -> torch.Tensor | None:
         """Which of the ``start + n`` slots each block row sees: the cached prefix, the block's own
@@ -123,37 +258,63 @@ class DeviceEngine(TargetEngine):
             allowed &= positions[:, None] - keys[None, :] < window
         return allowed
 
-    def _run(self, b: Block, tokens: np.ndarray, positions: np.ndarray, within: np.ndarray | None) -> ForwardOutput:
-        c, cache = self.config, b.cache
-        n, start = tokens.shape[0], cache.length
-        end = start + n
+    def _run_eager(self, b: Block, tokens: np.ndarray, positions: np.ndarray, within: np.ndarray | None) -> ForwardOutput:
+        """A block at its own shape (prefills, blocks past the last bucket)."""
+        start, n = b.cache.length, tokens.shape[0]
         pos = torch.from_numpy(positions).to(self.device)
-        angles = pos.to(torch.float32)[:, None] * self._inv_freq[None, :]
+        rows = None if b.logit_rows is None else torch.from_numpy(np.arange(n)[b.logit_rows]).to(self.device)
+        logits, hidden = self._layers_pass(
+            b.cache.slab, torch.from_numpy(tokens).to(self.device), pos, torch.arange(start, start + n, device=self.device),
+            self._mask(start, pos, within), start + n, tuple(b.taps), rows)
+        return ForwardOutput(logits=_host(logits), hidden={tap: _host(hidden[tap]) for tap in b.taps})
+
+    def _layers_pass(self, slab: _Slab, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                     mask: torch.Tensor | None, keys: int, taps: tuple[int, ...],
+                     rows: torch.Tensor | None) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Every layer over the block: keys and values written at ``slots``, attention over the
+        first ``keys`` slots under ``mask`` (None: all of them), the logits of ``rows`` (None: all)."""
+        c, n = self.config, tokens.shape[0]
+        angles = positions.to(torch.float32)[:, None] * self._inv_freq[None, :]
         angles = torch.cat([angles, angles], dim=-1)
         cos, sin = angles.cos().to(self.dtype), angles.sin().to(self.dtype)
-        mask = self._mask(start, pos, within)
-        x = self._embed[torch.from_numpy(tokens).to(self.device)]
+        x = self._embed[tokens]
         hidden: dict[int, torch.Tensor] = {}
         for li, layer in enumerate(self.layers):
-            if li in b.taps:
+            if li in taps:
                 hidden[li] = x
             attn, h = layer.self_attn, layer.input_layernorm(x)
             q = rope(attn.q_proj(h).view(n, c.num_heads, c.head_dim).transpose(0, 1), cos, sin)
-            cache.k[li, :, start:end] = rope(attn.k_proj(h).view(n, c.num_kv_heads, c.head_dim).transpose(0, 1), cos, sin)
-            cache.v[li, :, start:end] = attn.v_proj(h).view(n, c.num_kv_heads, c.head_dim).transpose(0, 1)
-            o = F.scaled_dot_product_attention(q[None], cache.k[li, :, :end][None], cache.v[li, :, :end][None],
+            slab.k[li].index_copy_(1, slots, rope(attn.k_proj(h).view(n, c.num_kv_heads, c.head_dim).transpose(0, 1), cos, sin))
+            slab.v[li].index_copy_(1, slots, attn.v_proj(h).view(n, c.num_kv_heads, c.head_dim).transpose(0, 1))
+            o = F.scaled_dot_product_attention(q[None], slab.k[li, :, :keys][None], slab.v[li, :, :keys][None],
                                                attn_mask=mask, enable_gqa=c.num_heads != c.num_kv_heads)
             x = x + attn.o_proj(o[0].transpose(0, 1).reshape(n, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        cache.length = end
-        rows = torch.from_numpy(np.arange(n)[slice(None) if b.logit_rows is None else b.logit_rows]).to(self.device)
-        if c.num_layers in b.taps:  # the final norm of every row is wanted: normalize once, pick after
+        if c.num_layers in taps:  # the final norm of every row is wanted: normalize once, pick after
             hidden[c.num_layers] = self.norm(x)
-            normed = hidden[c.num_layers][rows]
+            normed = hidden[c.num_layers] if rows is None else hidden[c.num_layers][rows]
         else:
-            normed = self.norm(x[rows])
-        logits = normed @ self._lm_head.T
-        return ForwardOutput(logits=_host(logits), hidden={tap: _host(hidden[tap]) for tap in b.taps})
+            normed = self.norm(x if rows is None else x[rows])
+        return normed @ self._lm_head.T, hidden
+
+
+class _Logits:
+    """A block's logits on the device (``base.DeviceLogits``)."""
+
+    def __init__(self, t: torch.Tensor):
+        self._t, self.shape = t, tuple(t.shape)
+
+    def __getitem__(self, row: int) -> np.ndarray:
+        return _host(self._t[row])
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        """All rows on the host (``np.asarray``): for tests and tools, not the decoding loop."""
+        a = _host(self._t)
+        return a if dtype is None else a.astype(dtype)
+
+    def argmax(self) -> np.ndarray:
+        """Every row's argmax (the first of equal maxima, as numpy's), in one small copy."""
+        return self._t.argmax(-1).cpu().numpy()
 
 
 def _host(t: torch.Tensor) -> np.ndarray:
@@ -161,7 +322,8 @@ def _host(t: torch.Tensor) -> np.ndarray:
     return t.detach().float().cpu().numpy()
 
 
-def load_device_target(name_or_path: str, device: str = "cpu", dtype: str = "float32") -> tuple[Target, DeviceEngine]:
+def load_device_target(name_or_path: str, device: str = "cpu", dtype: str = "float32",
+                       graphs: bool | None = None) -> tuple[Target, DeviceEngine]:
     """A target (config, tokenizer, fp32 host weights for the drafters) and its device engine."""
     target = load_target(name_or_path, weight_format="fp32")
-    return target, DeviceEngine(target.config, target.weights, device, dtype)
+    return target, DeviceEngine(target.config, target.weights, device, dtype, graphs)

@@ -4,9 +4,12 @@
 # On one server per batch size, RUNS rounds over the concurrencies; at each concurrency the methods
 # take turns, each round starting at the next method, so that neither a server's warm-up nor a
 # row's place in the sequence favours one method (on a shared host both moved rows more than the
-# methods did). Writes $OUT/run<R>/<method>-b<B>-c<concurrency>.json (OUT defaults to
-# docs/bench/loadtest; with RUNS=1, $OUT/<method>-b<B>-c<concurrency>.json); SERVE_ARGS adds
-# options to `lyanna serve` (e.g. SERVE_ARGS="--prefix-cache-tokens 0").
+# methods did). Before the runs, each method serves a few untimed requests (first-use compiles and
+# allocations). The server's prefix cache is off (PREFIX_CACHE_TOKENS=0): with it on, a row's
+# prefill (most of this load's work) depended on which prompts the rows before it had left in the
+# cache, which moved a row by up to 3x. Writes $OUT/run<R>/<method>-b<B>-c<concurrency>.json (OUT
+# defaults to docs/bench/loadtest; with RUNS=1, $OUT/<method>-b<B>-c<concurrency>.json);
+# SERVE_ARGS adds options to `lyanna serve`.
 # Usage: scripts/loadtest-batching.sh [METHODS] [BATCHES] [CONCURRENCIES]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,15 +20,20 @@ RUNS=${RUNS:-1}
 REQUESTS=${REQUESTS:-48}
 MAX_TOKENS=${MAX_TOKENS:-48}
 PORT=${PORT:-8765}
+PREFIX_CACHE_TOKENS=${PREFIX_CACHE_TOKENS:-0}
 L=".venv/bin/lyanna"
 OUT=${OUT:-docs/bench/loadtest}
 mkdir -p "$OUT"
 turn=0
 for b in $BATCHES; do
-  $L serve --port "$PORT" --max-batch "$b" --queue-size 64 ${SERVE_ARGS:-} > "$OUT/.serve-b$b.log" 2>&1 &
+  $L serve --port "$PORT" --max-batch "$b" --queue-size 64 --prefix-cache-tokens "$PREFIX_CACHE_TOKENS" \
+    ${SERVE_ARGS:-} > "$OUT/.serve-b$b.log" 2>&1 &
   pid=$!
   trap 'kill $pid 2>/dev/null || true' EXIT
   for _ in $(seq 300); do curl -sf "http://127.0.0.1:$PORT/health" > /dev/null && break; sleep 1; done
+  for m in "${METHODS[@]}"; do
+    $L loadtest --url "http://127.0.0.1:$PORT" --method "$m" --requests 8 --concurrency 4 --max-tokens "$MAX_TOKENS" > /dev/null
+  done
   for r in $(seq "$RUNS"); do
     dir=$OUT; [ "$RUNS" -gt 1 ] && dir=$OUT/run$r
     mkdir -p "$dir"

@@ -125,6 +125,46 @@ def test_bench_repeats_keep_each_methods_fastest_run(tmp_path, tiny_decoder, mon
     assert report["settings"]["repeats"] == 3
 
 
+def test_bench_turns_start_at_the_next_method(tmp_path, tiny_decoder, monkeypatch):
+    """No method always runs first on a prompt: each turn (a prompt, or a repeat of it) starts
+    one method further along."""
+    from lyanna.measure.bench import load_questions, run_bench
+
+    questions = tmp_path / "q.jsonl"
+    questions.write_text("\n".join(json.dumps({"question_id": i, "category": "a", "turns": [f"q {i}"]}) for i in range(3)))
+    order = []
+    generate = tiny_decoder.generate
+
+    def recorded(*args, method="ar", **kwargs):
+        order.append(method)
+        return generate(*args, method=method, **kwargs)
+
+    monkeypatch.setattr(tiny_decoder, "generate", recorded)
+    run_bench(tiny_decoder, ["ar", "suffix"], load_questions(questions), 4, progress=False, repeats=2)
+    assert order[2:] == ["ar", "suffix", "suffix", "ar"] * 3  # after the warm-up of each method
+
+
+def test_report_pools_load_test_runs_and_compares_with_ar(tmp_path):
+    """Runs of one configuration become one row: all their tokens over all their seconds, next
+    to ``ar``'s under the same load."""
+    machine = {"cpu": "cpu", "cores": 2, "platform": "linux"}
+    files = []
+    for i, (method, tokens, seconds) in enumerate([("ar", 100, 1.0), ("ar", 100, 3.0), ("suffix", 300, 2.0),
+                                                    ("suffix", 100, 2.0)]):
+        f = tmp_path / f"{i}.json"
+        f.write_text(json.dumps({"command": f"lyanna loadtest --method {method}", "date": f"2026-11-25T23:0{i}:00+00:00",
+                                 "machine": machine, "server": {"max_batch": 8}, "method": method, "concurrency": 4,
+                                 "succeeded": 8, "failed": i % 2, "completion_tokens": tokens, "wall_seconds": seconds,
+                                 "latency_p50_s": 1.0 + i, "latency_p95_s": 2.0, "ttft_p50_s": 0.5, "ttft_p95_s": 1.0,
+                                 "tokens_per_s": tokens / seconds}))
+        files.append(str(f))
+    out = tmp_path / "BENCHMARKS.md"
+    assert main(["report", *files, "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "| ar | 8 | 4 | 2 | 16 / 1 | 50.0 | 1.00x | 1.5 / 2.0 |" in text
+    assert "| suffix | 8 | 4 | 2 | 16 / 1 | 100.0 | 2.00x | 3.5 / 2.0 |" in text
+
+
 def test_report_writes_markdown_and_figures(capsys, tmp_path, tiny_model_dir):
     questions = tmp_path / "q.jsonl"
     questions.write_text("\n".join(json.dumps({"question_id": i, "category": c, "turns": [f"abcabc {i} abcabc"]})

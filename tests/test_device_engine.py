@@ -15,7 +15,8 @@ from lyanna.decoding import verify as verify_module
 from lyanna.decoding.decoder import Decoder, GenerationRequest
 from lyanna.drafters.eagle import EagleDrafter
 from lyanna.drafters.head import DraftHead
-from lyanna.drafters.device import DeviceChainHead
+from lyanna.drafters.checkpoint import save_head
+from lyanna.drafters.device import DeviceChainHead, DeviceDraftHead
 from lyanna.drafters.lyanna import ChainHead, LyannaDrafter, TokenInfo, token_info_tree
 from lyanna.engines.device import DeviceEngine
 from lyanna.engines.loading import load_target
@@ -152,14 +153,18 @@ def _with_heads(decoder, target):
     w = {**ly.numpy_weights(), "ti.hot": np.arange(0, vocab, 2)}
     ti = TokenInfo(w["ti.a"], w["ti.b"], w["ti.hot"])
     decoder.add_drafter("lyanna", LyannaDrafter(ChainHead(decoder.engine, w), ti, tap=2, depth=3, topk=2, width=2))
-    if isinstance(decoder.engine, DeviceEngine):  # the same head with its chain and trees on the device
-        decoder.add_drafter("lyanna-device", LyannaDrafter(DeviceChainHead(decoder.engine, w), ti, tap=2, depth=3,
-                                                           topk=2, width=2))
+    if isinstance(decoder.engine, DeviceEngine):  # the same heads on the device (lyanna's chain and trees too)
+        decoder.add_drafter("eagle-device", EagleDrafter(DeviceDraftHead(decoder.engine, eagle.numpy_weights()), tap=2,
+                                                         depth=3, topk=2, width=2))
+        for name, suffix in (("lyanna-device", False), ("lyanna-device+suffix", True)):
+            decoder.add_drafter(name, LyannaDrafter(DeviceChainHead(decoder.engine, w), ti, tap=2, depth=3, topk=2, width=2,
+                                                    suffix=suffix))
     decoder.add_drafter("peek", PeekingDrafter(decoder.engine))
     return decoder
 
 
-@pytest.mark.parametrize("method", ["suffix", "eagle", "lyanna", "lyanna-device", "peek"])
+@pytest.mark.parametrize("method", ["suffix", "eagle", "eagle-device", "lyanna", "lyanna-device", "lyanna-device+suffix",
+                                    "peek"])
 def test_greedy_on_the_device_equals_ar_there_and_the_numpy_engine(tiny, method):
     """Every method's greedy tokens are the device ``ar``'s, which are the numpy engine's; ``peek``
     makes sure accepted and rejected nodes both go through the static cache's compaction."""
@@ -185,7 +190,7 @@ def device_small_decoder():
     return _with_heads(Decoder(target, engine=DeviceEngine(target.config, target.weights, DEVICE), default_drafts=False), target)
 
 
-@pytest.mark.parametrize("method", ["ar", "eagle", "lyanna", "lyanna-device", "peek"])
+@pytest.mark.parametrize("method", ["ar", "eagle", "eagle-device", "lyanna", "lyanna-device", "peek"])
 def test_device_sampled_output_has_the_target_joint_distribution(device_small_decoder, method):
     params, horizon = SAMPLING_GRID["t1"]
     s = sample_outputs(device_small_decoder, method, params, horizon, 600)
@@ -248,3 +253,22 @@ def test_device_chain_head_matches_the_host_head(tiny):
         rows.append(np.asarray(torch.as_tensor(head.raw_logits(head.chain(first, len(ctx) - 1, 4, pc.cache))).cpu()))
         assert pc.cache.length == len(ctx) - 1 + 3
     np.testing.assert_allclose(rows[1], rows[0], rtol=1e-4, atol=1e-4)
+
+
+def test_checkpoints_load_their_device_heads_on_the_device_engine(tiny, tmp_path):
+    """``--backend torch``: a head loaded from a checkpoint runs on the engine's device, and its
+    method gives ``ar``'s tokens."""
+    e = DeviceEngine(tiny.config, tiny.weights, DEVICE)
+    vocab = tiny.config.vocab_size
+    save_head(tmp_path / "eagle", "eagle", init_eagle_head(e, tiny.weights).numpy_weights(), tiny, 2)
+    ly = init_lyanna_head(e, tiny.weights, np.arange(vocab)[::-1].copy(), rank=4)
+    save_head(tmp_path / "lyanna", "lyanna", {**ly.numpy_weights(), "ti.hot": np.arange(0, vocab, 2)}, tiny, 2)
+    d = Decoder(tiny, engine=e, default_drafts=False)
+    for arch in ("eagle", "lyanna"):
+        d.load_draft(str(tmp_path / arch))
+    assert isinstance(d.drafter_for("eagle").head, DeviceDraftHead)
+    assert isinstance(d.drafter_for("lyanna").head, DeviceChainHead)
+    req = GenerationRequest(max_new_tokens=16, eos_token_ids=())
+    ar = d.generate([1, 40, 41, 42, 40, 41, 42], req)
+    for method in ("eagle", "lyanna", "lyanna+suffix"):
+        assert d.generate([1, 40, 41, 42, 40, 41, 42], req, method=method, budget=None).tokens == ar.tokens

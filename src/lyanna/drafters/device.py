@@ -1,10 +1,11 @@
-"""The Lyanna head's chain and token-info trees on the target's torch device (the GPU path).
+"""The draft heads on the target's torch device (the GPU path).
 
-On a ``DeviceEngine`` the draft head runs where the target does: the catch-up over committed
-pairs, the chain steps, the raw logits over the draft vocabulary and the trees built from them
-stay on the device, and only the candidate nodes (a few dozen token ids, parents and scores)
-cross to the host to become a ``DraftTree``. Same interface as ``lyanna.ChainHead`` (what
-``PairContext`` and ``LyannaDrafter`` call), same numbers up to floating-point rounding.
+On a ``DeviceEngine`` a draft head runs where the target does: the catch-up over committed pairs,
+the head's steps, and for ``lyanna`` the chain, the raw logits over the draft vocabulary and the
+trees built from them stay on the device; only candidate nodes (a few dozen token ids, parents
+and scores) cross to the host to become a ``DraftTree``. ``DeviceDraftHead`` has the interface
+of ``head.DraftHead`` (what ``PairContext`` and ``EagleDrafter`` call), ``DeviceChainHead`` that
+of ``lyanna.ChainHead``; the same numbers up to floating-point rounding.
 
 Token information is computed on the fly, ``TI(parent) = A[parent] @ B`` for the whole frontier
 in one product: the hot-row table is a CPU optimization (a row read instead of a rank-r product),
@@ -40,42 +41,33 @@ class HeadCache:
         return self.k.shape[2]
 
 
-class DeviceChainHead:
-    """The fusion layer, the head's decoder layer, the chain and the raw logits in torch, on the
-    engine's device and in its dtype; the embedding and draft LM head are the engine's own rows."""
+class DeviceDraftHead:
+    """The fusion layer and the head's decoder layer in torch, on the engine's device and in its
+    dtype; the embedding and LM head are the engine's own tensors."""
 
     def __init__(self, engine, weights: dict[str, np.ndarray]):
         """``engine``: a ``DeviceEngine``; ``weights``: the checkpoint's tensors (host arrays)."""
         c = self.config = engine.config
         self.device, self.dtype = engine.device, engine.dtype
-
-        def get(name: str) -> torch.Tensor:
-            try:
-                return torch.from_numpy(np.ascontiguousarray(weights[name], np.float32))
-            except KeyError:
-                raise LyannaError(f"draft head weight {name!r} is missing") from None
-
-        fc_w = get("fc.weight")
+        fc_w = self._weight(weights, "fc.weight")
         if tuple(fc_w.shape) != (c.hidden_size, 2 * c.hidden_size):
             raise LyannaError(f"draft head fc.weight has shape {tuple(fc_w.shape)}, expected {(c.hidden_size, 2 * c.hidden_size)}")
         self.fc = torch.nn.Linear(2 * c.hidden_size, c.hidden_size)
-        self.fc.load_state_dict({"weight": fc_w, "bias": get("fc.bias")})
+        self.fc.load_state_dict({"weight": fc_w, "bias": self._weight(weights, "fc.bias")})
         self.layer = DecoderLayer(c)
-        self.layer.load_state_dict({k: get(f"layer.{k}") for k in self.layer.state_dict()})
-        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.norm.load_state_dict({"weight": get("norm.weight")})
-        for m in (self.fc, self.layer, self.norm):
+        self.layer.load_state_dict({k: self._weight(weights, f"layer.{k}") for k in self.layer.state_dict()})
+        for m in (self.fc, self.layer):
             m.to(self.device, self.dtype).eval().requires_grad_(False)
-        d2t = np.asarray(weights["d2t"], np.int64)
-        if d2t.ndim != 1 or d2t.size == 0 or np.unique(d2t).size != d2t.size or d2t.min() < 0 or d2t.max() >= c.vocab_size:
-            raise LyannaError("draft vocabulary map d2t must list distinct target token ids")
-        self.d2t = d2t
-        self._d2t = torch.from_numpy(d2t).to(self.device)
         self._embed = engine._embed
-        self._draft_lm_head = engine._lm_head[self._d2t]
+        self._lm_head = engine._lm_head
         self._inv_freq = engine._inv_freq
-        self._ti_a = get("ti.a").to(self.device)  # token information in fp32: it shifts logits of order 1
-        self._ti_b = get("ti.b").to(self.device)
+
+    @staticmethod
+    def _weight(weights: dict[str, np.ndarray], name: str) -> torch.Tensor:
+        try:
+            return torch.from_numpy(np.ascontiguousarray(weights[name], np.float32))
+        except KeyError:
+            raise LyannaError(f"draft head weight {name!r} is missing") from None
 
     def new_cache(self, capacity: int) -> HeadCache:
         return HeadCache(self.config, capacity, self.dtype, self.device)
@@ -139,6 +131,40 @@ class DeviceChainHead:
             return
         self._kv(self.layer.input_layernorm(self._fuse(features, tokens)), *self._rotation(positions), cache)
         cache.length += len(tokens)
+
+    @torch.inference_mode()
+    def top_children(self, features: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Each row's ``k`` likeliest next tokens under the target's LM head, likeliest first, and
+        their log-probabilities (``[rows, k]`` host arrays; only these cross from the device)."""
+        logp = torch.log_softmax((features @ self._lm_head.T).float(), dim=-1)
+        top_v, top_i = torch.topk(logp, k, dim=-1)
+        return top_i.cpu().numpy(), top_v.cpu().numpy()
+
+    @staticmethod
+    def stack(rows: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Feature rows (as ``step`` returns them) stacked into one block."""
+        return torch.stack(list(rows))
+
+
+class DeviceChainHead(DeviceDraftHead):
+    """``DeviceDraftHead`` plus the chain's norm, the raw logits over the draft vocabulary (the
+    engine's LM-head rows of ``d2t``) and token-info trees."""
+
+    def __init__(self, engine, weights: dict[str, np.ndarray]):
+        super().__init__(engine, weights)
+        c = self.config
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.norm.load_state_dict({"weight": self._weight(weights, "norm.weight")})
+        self.norm.to(self.device, self.dtype).eval().requires_grad_(False)
+        d2t = np.asarray(weights["d2t"], np.int64)
+        if d2t.ndim != 1 or d2t.size == 0 or np.unique(d2t).size != d2t.size or d2t.min() < 0 or d2t.max() >= c.vocab_size:
+            raise LyannaError("draft vocabulary map d2t must list distinct target token ids")
+        self.d2t = d2t
+        self._d2t = torch.from_numpy(d2t).to(self.device)
+        self._draft_lm_head = self._lm_head[self._d2t]
+        # Token information in fp32 whatever the head's dtype: it shifts logits of order 1.
+        self._ti_a = self._weight(weights, "ti.a").to(self.device)
+        self._ti_b = self._weight(weights, "ti.b").to(self.device)
 
     @torch.inference_mode()
     def chain(self, first: torch.Tensor, root_position: int, depth: int, cache: HeadCache) -> torch.Tensor:

@@ -12,7 +12,7 @@ form the tree (a child never scores above its parent, so the set is ancestor-clo
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
@@ -24,6 +24,9 @@ from .checkpoint import decode_settings, load_head
 from .head import DraftHead, PairContext
 from .registry import register
 from .tree import DraftTree
+
+if TYPE_CHECKING:
+    from .device import DeviceDraftHead
 
 ARCH = "eagle"
 # Tree shape when the checkpoint's settings.decode does not say otherwise.
@@ -37,7 +40,7 @@ class EagleDrafter(Drafter):
     TENSORS = ("fc.weight", "fc.bias")
     TRAINING = "lyanna.training.recipes:EagleRecipe"
 
-    def __init__(self, head: DraftHead, tap: int, depth: int = DECODE_DEFAULTS["depth"], topk: int = DECODE_DEFAULTS["topk"],
+    def __init__(self, head: "DraftHead | DeviceDraftHead", tap: int, depth: int = DECODE_DEFAULTS["depth"], topk: int = DECODE_DEFAULTS["topk"],
                  width: int = DECODE_DEFAULTS["width"], max_nodes: int = DECODE_DEFAULTS["max_nodes"]):
         self.head, self.tap = head, tap
         self.taps = (tap,)
@@ -51,7 +54,13 @@ class EagleDrafter(Drafter):
             raise LyannaError(f"{cls.ARCH} is a draft head: it needs a checkpoint")
         config, weights = load_head(checkpoint, target, cls)
         knobs = decode_settings(config, DECODE_DEFAULTS, checkpoint)
-        head, tap = DraftHead(engine, weights), int(config["target"]["tap"])
+        if getattr(engine, "heads_on_device", False):  # the target runs on a torch device: the head runs there too
+            from .device import DeviceDraftHead
+
+            head = DeviceDraftHead(engine, weights)
+        else:
+            head = DraftHead(engine, weights)
+        tap = int(config["target"]["tap"])
         return {name: cls(head, tap, **{**knobs, **variant}) for name, variant in cls.VARIANTS.items()}
 
     @property
@@ -85,24 +94,23 @@ class EagleDrafter(Drafter):
         slot: dict[int, int] = {}  # node -> draft-cache slot of its (parent feature, token) pair
         ancestors: list[set[int]] = []
 
-        def add_children(parent: int, logp: np.ndarray, parent_score: float, d: int) -> list[int]:
-            top = np.argpartition(-logp, self.topk)[: self.topk]
-            top = top[np.argsort(-logp[top])]
+        def add_children(parent: int, top: np.ndarray, logp: np.ndarray, parent_score: float, d: int) -> list[int]:
             new = []
-            for t in top:
+            for t, lp in zip(top, logp):
                 tokens.append(int(t))
                 parents.append(parent)
-                scores.append(parent_score + float(logp[t]))
+                scores.append(parent_score + float(lp))
                 depths.append(d)
                 ancestors.append((ancestors[parent] | {parent}) if parent >= 0 else set())
                 new.append(len(tokens) - 1)
             return new
 
         frontier_feats = {-1: root_pred}
-        candidates = add_children(-1, self.head.log_probs(root_pred[None])[0], 0.0, 1)
+        top, logp = self.head.top_children(root_pred[None], self.topk)
+        candidates = add_children(-1, top[0], logp[0], 0.0, 1)
         for d in range(2, depth + 1):
             frontier = sorted(candidates, key=lambda i: -scores[i])[: self.width]
-            feats = np.stack([frontier_feats[parents[i]] for i in frontier])
+            feats = self.head.stack([frontier_feats[parents[i]] for i in frontier])
             start = cache.length
             bias = np.full((len(frontier), start + len(frontier)), -np.inf, np.float32)
             bias[:, :base] = 0.0
@@ -114,11 +122,11 @@ class EagleDrafter(Drafter):
             pos = np.array([root_pos + depths[i] for i in frontier])
             pred = self.head.step(feats, np.array([tokens[i] for i in frontier]), pos, cache, bias)
             pc.passes += 1
-            logps = self.head.log_probs(pred)
+            top, logp = self.head.top_children(pred, self.topk)
             candidates = []
             for r, node in enumerate(frontier):
                 frontier_feats[node] = pred[r]
-                candidates += add_children(node, logps[r], scores[node], d)
+                candidates += add_children(node, top[r], logp[r], scores[node], d)
         pc.rewind()  # speculative pairs are dropped; committed ones stay
 
         return DraftTree.best_of(tokens, parents, scores, self.max_nodes)

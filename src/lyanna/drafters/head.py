@@ -102,6 +102,19 @@ class DraftHead:
         logits = logits - logits.max(axis=-1, keepdims=True)
         return logits - np.log(np.exp(logits).sum(axis=-1, keepdims=True))
 
+    def top_children(self, features: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Each row's ``k`` likeliest next tokens under the target's LM head, likeliest first,
+        and their log-probabilities: ``[rows, k]`` each."""
+        logp = self.log_probs(features)
+        top = np.argpartition(-logp, k, axis=-1)[:, :k]
+        top = np.take_along_axis(top, np.argsort(-np.take_along_axis(logp, top, -1), axis=-1), -1)
+        return top, np.take_along_axis(logp, top, -1)
+
+    @staticmethod
+    def stack(rows: Sequence[np.ndarray]) -> np.ndarray:
+        """Feature rows (as ``step`` returns them) stacked into one block."""
+        return np.stack(rows)
+
 
 class PairContext:
     """A draft head's view of the committed context.

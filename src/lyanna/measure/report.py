@@ -5,6 +5,8 @@ import json
 from pathlib import Path
 from typing import Any, Sequence
 
+import numpy as np
+
 from ..errors import LyannaError
 from .bench import format_table, health
 from .llamacpp_baseline import INSTALL as LLAMACPP_INSTALL
@@ -165,8 +167,21 @@ def write_report(bench_files: Sequence[str | Path], out: str | Path = "BENCHMARK
     return out
 
 
+def _pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Several runs of one configuration as one: tokens over seconds of them all (a shared host's
+    speed drifts over minutes, so a row is only as good as the time it covers), medians of the
+    runs' latencies, failures summed."""
+    tokens = sum(r["completion_tokens"] for r in runs)
+    seconds = sum(r["wall_seconds"] for r in runs)
+    return {**runs[0], "runs": len(runs), "succeeded": sum(r["succeeded"] for r in runs),
+            "failed": sum(r["failed"] for r in runs), "tokens_per_s": round(tokens / seconds, 2) if seconds else 0.0,
+            **{k: round(float(np.median([r[k] for r in runs])), 3)
+               for k in ("latency_p50_s", "latency_p95_s", "ttft_p50_s", "ttft_p95_s")}}
+
+
 def _load_section(loads: list[dict[str, Any]], root: Path) -> list[str]:
-    """Serving under load: one row per loadtest, the batched-vs-unbatched comparisons, a figure."""
+    """Serving under load: one row per configuration (runs of it pooled), its ratio to ``ar``
+    under the same load, the batched-vs-unbatched comparisons, a figure."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -175,21 +190,27 @@ def _load_section(loads: list[dict[str, Any]], root: Path) -> list[str]:
     def key(r: dict[str, Any]) -> tuple:
         return (r["method"] or "", r["server"].get("max_batch") or 0, r["concurrency"])
 
-    loads = sorted(loads, key=key)
-    m = loads[0]["machine"]
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for r in loads:
+        groups.setdefault(key(r), []).append(r)
+    by = {k: _pooled(rs) for k, rs in sorted(groups.items())}
+    first = next(iter(by.values()))
+    m = first["machine"]
     dates = sorted(r["date"] for r in loads)
     lines = ["## serving under load", "",
-             "- commands: `lyanna serve --max-batch B` (default model), then against it one `lyanna loadtest` per row,",
-             f"  e.g. `{loads[0]['command']}`; all rows: `scripts/loadtest-batching.sh`",
+             "- commands: `lyanna serve --max-batch B` (default model), then against it one `lyanna loadtest` per run,",
+             f"  e.g. `{first['command']}`; all rows: `scripts/loadtest-batching.sh`",
              f"- machine: {m['cpu']}, {m['cores']} cores, {m['platform']}; server and load generator on the same machine",
-             f"- dates: {dates[0]} to {dates[-1]}; greedy; prompts: the Spec-Bench questions in order", "",
-             "| method | max batch | concurrency | succeeded / failed | tokens/s | latency p50 / p95 s | first token p50 / p95 s |",
-             "|---|---|---|---|---|---|---|"]
-    for r in loads:
-        lines.append(f"| {r['method']} | {r['server'].get('max_batch')} | {r['concurrency']} | {r['succeeded']} / {r['failed']} "
-                     f"| {r['tokens_per_s']} | {r['latency_p50_s']} / {r['latency_p95_s']} | {r['ttft_p50_s']} / {r['ttft_p95_s']} |")
+             f"- dates: {dates[0]} to {dates[-1]}; greedy; prompts: the Spec-Bench questions in order",
+             "- a row pools its runs: tokens/s is all their tokens over all their seconds, latencies are the runs' medians", "",
+             "| method | max batch | concurrency | runs | succeeded / failed | tokens/s | vs ar | latency p50 / p95 s | first token p50 / p95 s |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for (method, batch, conc), r in by.items():
+        ar = by.get(("ar", batch, conc))
+        ratio = f"{r['tokens_per_s'] / ar['tokens_per_s']:.2f}x" if ar and ar["tokens_per_s"] else "-"
+        lines.append(f"| {method} | {batch} | {conc} | {r['runs']} | {r['succeeded']} / {r['failed']} | {r['tokens_per_s']} "
+                     f"| {ratio} | {r['latency_p50_s']} / {r['latency_p95_s']} | {r['ttft_p50_s']} / {r['ttft_p95_s']} |")
     lines.append("")
-    by = {key(r): r for r in loads}
     for (method, batch, conc), r in by.items():
         alone = by.get((method, 1, conc))
         if batch > 1 and alone and alone["tokens_per_s"] and r["tokens_per_s"]:

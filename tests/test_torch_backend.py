@@ -128,6 +128,20 @@ def test_hf_generate_greedy_equals_model_generate(tiny, method):
         assert accepted > 0
 
 
+def test_hf_generate_runs_our_forward_over_the_models_own_tensors(tiny):
+    """A layout we cover decodes through the device engine, which holds the model's tensors
+    themselves (no second copy of the weights) and the oracle engine's host arrays."""
+    from lyanna.engines.device import DeviceEngine
+
+    _, model, _ = tiny
+    engine = lyanna.hf.decoder_for(model).engine
+    assert isinstance(engine, DeviceEngine)
+    ours, theirs = engine.layers[1].mlp.up_proj.weight, model.model.layers[1].mlp.up_proj.weight
+    assert ours.data_ptr() == theirs.data_ptr()
+    assert engine._embed.data_ptr() == model.get_input_embeddings().weight.data_ptr()
+    np.testing.assert_array_equal(engine.lm_head, model.get_output_embeddings().weight.detach().numpy())
+
+
 def test_hf_generate_batches_left_padded_rows(tiny):
     """A left-padded batch gives each row what it gives alone, shorter rows padded on the right."""
     _, model, _ = tiny

@@ -5,8 +5,10 @@ returns, decoded speculatively and losslessly.
     out = lyanna.hf.generate(model, input_ids, draft="path/to/head", max_new_tokens=128)
     out = model.generate(input_ids, custom_generate=lyanna.hf.custom_generate, draft="path/to/head")
 
-The model runs where it is (any device and dtype, through ``torch_engine.TorchEngine``); the
-decode loop, the verifier and the drafters are the ones every Lyanna method uses. Without a
+The model runs where it is (any device and dtype): a Llama, Mistral or Qwen2 layout through our own
+forward pass over the model's tensors (``engines.device``, shared, not copied), any other through
+``torch_engine.TorchEngine``; the decode loop, the verifier and the drafters are the ones every
+Lyanna method uses. Without a
 ``draft`` the model-free ``suffix`` drafter speculates; a draft head trained for another model
 is refused. Greedy output equals ``model.generate`` in float32.
 """
@@ -19,6 +21,7 @@ from typing import Any, Sequence
 
 from .decoding.decoder import Decoder, GenerationRequest
 from .decoding.sampling import SamplingParams
+from .engines.device import device_engine_of
 from .engines.loading import Target
 from .engines.torch_engine import TorchEngine
 from .errors import LyannaError
@@ -50,10 +53,13 @@ def decoder_for(model: Any, tokenizer: Any = None) -> Decoder:
 def _session(model: Any, tokenizer: Any) -> _Session:
     session = _SESSIONS.get(model)
     if session is None:
-        engine = TorchEngine(model)
+        oracle = TorchEngine(model)
         name = str(getattr(model.config, "_name_or_path", "") or type(model).__name__)
-        target = Target(name=name, path=Path(name) if Path(name).is_dir() else None, config=engine.config,
-                        weights=engine.host_weights(), tokenizer=tokenizer)
+        target = Target(name=name, path=Path(name) if Path(name).is_dir() else None, config=oracle.config,
+                        weights=oracle.host_weights(), tokenizer=tokenizer)
+        # Our own forward over the model's tensors where we cover its layout (static caches, CUDA
+        # graphs, heads on the device); the Hugging Face forward otherwise.
+        engine = device_engine_of(oracle) or oracle
         session = _SESSIONS[model] = _Session(Decoder(target, default_drafts=False, engine=engine))
     if tokenizer is not None:
         session.decoder.tokenizer = session.decoder.target.tokenizer = tokenizer

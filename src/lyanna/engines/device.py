@@ -151,12 +151,22 @@ class DeviceEngine(TargetEngine):
         self.dtype = getattr(torch, dtype)
         self.name = f"device-{self.device.type}-{dtype}"
 
-        def host(name: str) -> np.ndarray:
+        def fetch(name: str) -> Any:
             try:
-                w = weights[name]
+                return weights[name]
             except KeyError:
                 raise LyannaError(f"weight {name!r} is missing from the checkpoint; is it a complete {c.architecture}?") from None
+
+        def host(name: str) -> np.ndarray:
+            w = fetch(name)
+            if isinstance(w, torch.Tensor):
+                return w.detach().float().cpu().numpy()
             return w.dense() if isinstance(w, QuantMatrix) else np.ascontiguousarray(w, dtype=np.float32)
+
+        def tensor(name: str) -> torch.Tensor:
+            """A weight as a tensor: a torch tensor as it is (a model's own, shared, not copied)."""
+            w = fetch(name)
+            return w.detach() if isinstance(w, torch.Tensor) else torch.from_numpy(host(name))
 
         # What the drafters share, as host fp32 arrays (base.TargetEngine).
         self.embed = host("model.embed_tokens.weight")
@@ -166,18 +176,18 @@ class DeviceEngine(TargetEngine):
         self.final_norm = host("model.norm.weight")
         self.inv_freq = rope_inv_freq(c)
 
-        def put(a: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(a).to(self.device, self.dtype)
-
+        # ``assign``: the modules hold the given tensors; ``to`` copies only what is not already
+        # on the device in the dtype (so a model's own weights are shared, never duplicated).
         self.layers = torch.nn.ModuleList(DecoderLayer(c) for _ in range(c.num_layers))
         for i, layer in enumerate(self.layers):
-            layer.load_state_dict({k: torch.from_numpy(host(f"model.layers.{i}.{k}")) for k in layer.state_dict()})
+            layer.load_state_dict({k: tensor(f"model.layers.{i}.{k}") for k in layer.state_dict()}, assign=True)
         self.layers.to(self.device, self.dtype).eval().requires_grad_(False)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.norm.load_state_dict({"weight": torch.from_numpy(self.final_norm)})
+        self.norm.load_state_dict({"weight": tensor("model.norm.weight")}, assign=True)
         self.norm.to(self.device, self.dtype).requires_grad_(False)
-        self._embed = put(self.embed)
-        self._lm_head = self._embed if self.lm_head is self.embed else put(self.lm_head)
+        self._embed = tensor("model.embed_tokens.weight").to(self.device, self.dtype)
+        tied = self.lm_head is self.embed
+        self._lm_head = self._embed if tied else tensor("lm_head.weight").to(self.device, self.dtype)
         self._inv_freq = torch.from_numpy(self.inv_freq).to(self.device)
         cuda = self.device.type == "cuda"
         if graphs and not cuda:
@@ -320,6 +330,22 @@ class _Logits:
 def _host(t: torch.Tensor) -> np.ndarray:
     """A device tensor as a host fp32 array."""
     return t.detach().float().cpu().numpy()
+
+
+def device_engine_of(engine: Any, graphs: bool | None = None) -> DeviceEngine | None:
+    """Our forward pass over the tensors of a ``TorchEngine``'s Hugging Face model (shared, on its
+    device, in its dtype; the drafters get that engine's host arrays), or None when the model's
+    weights are not the Llama-family layout the device engine computes."""
+    config, model = engine.config, engine.model
+    weights = {name: t for name, t in model.named_parameters() if name.startswith(("model.", "lm_head."))}
+    dtype = str(engine.dtype).removeprefix("torch.")
+    layer = DecoderLayer(config).state_dict()
+    wanted = {f"model.layers.{i}.{k}": v.shape for i in range(config.num_layers) for k, v in layer.items()}
+    if dtype not in DTYPES or any(name not in weights or weights[name].shape != shape for name, shape in wanted.items()):
+        return None
+    device = DeviceEngine(config, weights, str(engine.device), dtype, graphs)
+    device.embed, device.lm_head, device.final_norm = engine.embed, engine.lm_head, engine.final_norm
+    return device
 
 
 def load_device_target(name_or_path: str, device: str = "cpu", dtype: str = "float32",

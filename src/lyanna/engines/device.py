@@ -18,6 +18,7 @@ longer than the last bucket run eagerly at their own shape.
 """
 from __future__ import annotations
 
+import warnings
 import weakref
 from typing import Any, Callable, Sequence
 
@@ -123,9 +124,17 @@ class _StaticPass:
             with torch.cuda.stream(side):
                 self._forward()
             torch.cuda.current_stream(self.engine.device).wait_stream(side)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph, pool=self.engine._graph_pool):
+            graph = torch.cuda.CUDAGraph()
+            try:
+                with torch.cuda.graph(graph, pool=self.engine._graph_pool):
+                    self._forward()
+            except RuntimeError as e:  # an op this torch cannot capture: this shape runs eagerly
+                warnings.warn(f"CUDA graph capture failed ({e}); running blocks of {self.tokens.shape[0]} rows eagerly",
+                              RuntimeWarning, stacklevel=2)
+                self._use_graph = False
                 self._forward()
+                return
+            self.graph = graph
         self.graph.replay()
 
 

@@ -1,0 +1,89 @@
+"""Count the torch operations a decoding round issues on the device path, inside and outside the
+fixed-shape target passes (the part a GPU replays as one CUDA graph).
+
+On a GPU every operation outside a captured graph is a kernel launch of its own (a few
+microseconds each, plus Python), so this count says how far a round is from "one launch and one
+small copy": what `--backend torch` still does eagerly. Runs on any device (CPU torch counts the
+same operations); prefill is left out by subtracting a one-token generation.
+
+    python scripts/count-device-ops.py --out docs/bench/device-ops.json
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+from pathlib import Path
+
+# Operations that only make views or metadata: no kernel on a GPU.
+VIEWS = {"aten::view", "aten::slice", "aten::t", "aten::transpose", "aten::reshape", "aten::expand",
+         "aten::unsqueeze", "aten::select", "aten::as_strided", "aten::detach", "aten::alias",
+         "aten::_reshape_alias", "aten::squeeze", "aten::permute", "aten::numpy_T", "aten::lift_fresh",
+         "aten::detach_", "aten::empty", "aten::resolve_conj", "aten::resolve_neg"}
+MARK = "lyanna-static-pass"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--methods", default="ar,suffix,eagle@16,lyanna@16")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from lyanna.decoding.decoder import Decoder, GenerationRequest
+    from lyanna.engines import device
+    from lyanna.measure.bench import load_questions, machine_info, split_budget
+
+    forward = device._StaticPass._forward
+
+    def marked(self) -> None:
+        with record_function(MARK):
+            forward(self)
+
+    device._StaticPass._forward = marked
+    target, engine = device.load_device_target(args.model, args.device, args.dtype)
+    decoder = Decoder(target, engine=engine)
+    ids = decoder.encode(load_questions(limit=3)[2].prompt)
+
+    def count(method: str, budget, tokens: int) -> tuple[int, int, int]:
+        """(operations outside the static passes, inside them, rounds) of one generation."""
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            r = decoder.generate(ids, GenerationRequest(max_new_tokens=tokens), method=method, budget=budget)
+        outside = inside = 0
+        for e in prof.events():
+            parent = e.cpu_parent
+            if not e.name.startswith("aten::") or e.name in VIEWS or (parent is not None and parent.name.startswith("aten::")):
+                continue
+            while parent is not None and parent.name != MARK:
+                parent = parent.cpu_parent
+            inside, outside = (inside + 1, outside) if parent is not None else (inside, outside + 1)
+        return outside, inside, r.extra["rounds"]
+
+    rows = []
+    for spec in args.methods.split(","):
+        method, budget = split_budget(spec, "auto")
+        count(method, budget, 4)  # warm-up
+        o1, i1, r1 = count(method, budget, 1)
+        o, i, r = count(method, budget, args.max_new_tokens)
+        rounds = max(1, r - r1)
+        rows.append({"method": spec, "rounds": rounds, "ops_outside_per_round": round((o - o1) / rounds, 1),
+                     "ops_inside_per_round": round((i - i1) / rounds, 1)})
+        print(f"{spec}: {rows[-1]['ops_outside_per_round']} operations a round outside the fixed-shape passes, "
+              f"{rows[-1]['ops_inside_per_round']} inside ({rounds} rounds)")
+    report = {"model": args.model, "engine": engine.name, "machine": machine_info(),
+              "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+              "command": "python scripts/count-device-ops.py " + " ".join(
+                  f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None),
+              "rows": rows}
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

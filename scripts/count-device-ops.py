@@ -1,5 +1,5 @@
 """Count the torch operations a decoding round issues on the device path, inside and outside the
-fixed-shape target passes (the part a GPU replays as one CUDA graph).
+fixed-shape calls (the target's pass, Lyanna's draft: each replayed as one CUDA graph on a GPU).
 
 On a GPU every operation outside a captured graph is a kernel launch of its own (a few
 microseconds each, plus Python), so this count says how far a round is from "one launch and one
@@ -20,7 +20,7 @@ VIEWS = {"aten::view", "aten::slice", "aten::t", "aten::transpose", "aten::resha
          "aten::unsqueeze", "aten::select", "aten::as_strided", "aten::detach", "aten::alias",
          "aten::_reshape_alias", "aten::squeeze", "aten::permute", "aten::numpy_T", "aten::lift_fresh",
          "aten::detach_", "aten::empty", "aten::resolve_conj", "aten::resolve_neg"}
-MARK = "lyanna-static-pass"
+MARK = "lyanna-fixed-shape-call"
 
 
 def main() -> None:
@@ -39,22 +39,23 @@ def main() -> None:
     from lyanna.engines import device
     from lyanna.measure.bench import load_questions, machine_info, split_budget
 
-    forward = device._StaticPass._forward
+    run_fixed = device.FixedShapeCall.run_fixed
 
     def marked(self) -> None:
         with record_function(MARK):
-            forward(self)
+            run_fixed(self)
 
-    device._StaticPass._forward = marked
+    device.FixedShapeCall.run_fixed = marked
     target, engine = device.load_device_target(args.model, args.device, args.dtype)
     decoder = Decoder(target, engine=engine)
     ids = decoder.encode(load_questions(limit=3)[2].prompt)
 
-    def count(method: str, budget, tokens: int) -> tuple[int, int, int]:
-        """(operations outside the static passes, inside them, rounds) of one generation."""
+    def count(method: str, budget, tokens: int) -> tuple[int, int, int, int]:
+        """(operations outside the fixed-shape calls, inside them, the calls, rounds) of one generation."""
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             r = decoder.generate(ids, GenerationRequest(max_new_tokens=tokens), method=method, budget=budget)
         outside = inside = 0
+        calls = sum(e.name == MARK for e in prof.events())
         for e in prof.events():
             parent = e.cpu_parent
             if not e.name.startswith("aten::") or e.name in VIEWS or (parent is not None and parent.name.startswith("aten::")):
@@ -62,19 +63,20 @@ def main() -> None:
             while parent is not None and parent.name != MARK:
                 parent = parent.cpu_parent
             inside, outside = (inside + 1, outside) if parent is not None else (inside, outside + 1)
-        return outside, inside, r.extra["rounds"]
+        return outside, inside, calls, r.extra["rounds"]
 
     rows = []
     for spec in args.methods.split(","):
         method, budget = split_budget(spec, "auto")
         count(method, budget, 4)  # warm-up
-        o1, i1, r1 = count(method, budget, 1)
-        o, i, r = count(method, budget, args.max_new_tokens)
+        o1, i1, c1, r1 = count(method, budget, 1)
+        o, i, c, r = count(method, budget, args.max_new_tokens)
         rounds = max(1, r - r1)
         rows.append({"method": spec, "rounds": rounds, "ops_outside_per_round": round((o - o1) / rounds, 1),
-                     "ops_inside_per_round": round((i - i1) / rounds, 1)})
-        print(f"{spec}: {rows[-1]['ops_outside_per_round']} operations a round outside the fixed-shape passes, "
-              f"{rows[-1]['ops_inside_per_round']} inside ({rounds} rounds)")
+                     "ops_inside_per_round": round((i - i1) / rounds, 1),
+                     "fixed_shape_calls_per_round": round((c - c1) / rounds, 2)})
+        print(f"{spec}: {rows[-1]['ops_outside_per_round']} operations a round outside the fixed-shape calls, "
+              f"{rows[-1]['ops_inside_per_round']} inside {rows[-1]['fixed_shape_calls_per_round']} calls ({rounds} rounds)")
     report = {"model": args.model, "engine": engine.name, "machine": machine_info(),
               "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
               "command": "python scripts/count-device-ops.py " + " ".join(

@@ -272,3 +272,30 @@ def test_checkpoints_load_their_device_heads_on_the_device_engine(tiny, tmp_path
     ar = d.generate([1, 40, 41, 42, 40, 41, 42], req)
     for method in ("eagle", "lyanna", "lyanna+suffix"):
         assert d.generate([1, 40, 41, 42, 40, 41, 42], req, method=method, budget=None).tokens == ar.tokens
+
+
+def test_fixed_shape_draft_equals_the_host_heads_draft(tiny):
+    """The device head's draft in one fixed-shape call (catch-up padded to a bucket, the chain, raw
+    logits) gives the host head's raw logits and leaves its context where the host's is left:
+    a new prompt's pairs (more than one call takes), then a round with a few pending pairs."""
+    from lyanna.drafters.head import PairContext
+
+    e = DeviceEngine(tiny.config, tiny.weights, DEVICE)
+    vocab = tiny.config.vocab_size
+    torch.manual_seed(4)
+    w = init_lyanna_head(e, tiny.weights, np.arange(vocab)[::-1].copy(), rank=4).numpy_weights()
+    hidden = np.random.default_rng(6).standard_normal((40, tiny.config.hidden_size)).astype(np.float32)
+    ctx = np.arange(30, 71)
+    states = []
+    for head in (ChainHead(e, w), DeviceChainHead(e, w)):
+        pc, raws = PairContext(head, 2), []
+        pc.start({2: hidden[:20]})
+        raws.append(head.draft(pc, ctx[:21], 4))  # 20 pairs pending: more than a fixed catch-up takes
+        pc.commit({2: hidden[20:23]})
+        raws.append(head.draft(pc, ctx[:24], 3))  # 3 pending: padded to 4 rows
+        raws.append(head.draft(pc, ctx[:24], 1))  # the same context again, no chain step
+        states.append((raws, pc.cache.length, pc.base, pc.passes))
+    (host, *h_state), (dev, *d_state) = states
+    assert h_state == d_state == [23, 23, 8]
+    for a, b in zip(host, dev):
+        np.testing.assert_allclose(np.asarray(b.cpu()), a, rtol=1e-4, atol=1e-4)

@@ -14,31 +14,109 @@ gives cold parents no token information, as on the host.
 """
 from __future__ import annotations
 
-from typing import Sequence
+import weakref
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..engines.config import ModelConfig
+from ..engines.device import KEY_BUCKET_MIN, FixedShapeCall, Slab, pow2_at_least
 from ..engines.torch_layers import DecoderLayer, RMSNorm, rope
 from ..errors import LyannaError
+from .head import PairContext
 from .tree import DraftTree
 
 
-class HeadCache:
-    """The head's keys and values on the device, ``[1, kv heads, capacity, head dim]`` (the
-    layout ``PairContext`` grows by copying slices)."""
+# Committed pairs one fixed-shape catch-up takes (the root and the tokens accepted since the last
+# draft: at most the deepest tree's depth plus one); more (a new prompt's) are filled first.
+CATCH_UP_ROWS = 8
+# Head caches are pooled by capacity rounded up to a power of two from this (``PairContext``
+# starts at 1,024 positions and doubles).
+HEAD_POOL_MIN = 1024
 
-    def __init__(self, c: ModelConfig, capacity: int, dtype: torch.dtype, device: torch.device):
-        shape = (1, c.num_kv_heads, capacity, c.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.length = 0
+
+class HeadCache:
+    """The head's keys and values on the device, ``[1, kv heads, slots, head dim]`` (the layout
+    ``PairContext`` grows by copying slices), from its head's pool: ``capacity`` slots to use,
+    then scratch slots for a fixed-shape catch-up's padding rows."""
+
+    def __init__(self, slab: Slab, capacity: int, release: Callable[[Slab], None]):
+        self.slab, self.k, self.v, self.length = slab, slab.k, slab.v, 0
+        self._capacity = capacity
+        weakref.finalize(self, release, slab)
 
     @property
     def capacity(self) -> int:
-        return self.k.shape[2]
+        return self._capacity
+
+
+class _DraftPass(FixedShapeCall):
+    """Lyanna's draft at one fixed shape on one head-cache slab: ``rows`` catch-up pairs (the root
+    last, padding after it), ``depth - 1`` chain steps, the raw logits; attention over ``keys``
+    slots under host-built masks. Captured as one CUDA graph where the engine captures its own."""
+
+    def __init__(self, head: "DeviceChainHead", slab: Slab, rows: int, depth: int, keys: int, pool: Any):
+        super().__init__(head.device, pool)
+        dev, c = head.device, head.config
+        self.head, self.slab, self.keys, self.depth = head, slab, keys, depth
+        self.features = torch.zeros((rows, c.hidden_size), dtype=head.dtype, device=dev)
+        self.tokens = torch.zeros(rows, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(rows, dtype=torch.int64, device=dev)
+        self.slots = torch.zeros(rows, dtype=torch.int64, device=dev)
+        self.mask = torch.zeros((rows, keys), dtype=torch.bool, device=dev)
+        self.root = torch.zeros(1, dtype=torch.int64, device=dev)
+        steps = depth - 1
+        self.chain_positions = torch.zeros(steps, dtype=torch.int64, device=dev)
+        self.chain_slots = torch.zeros(steps, dtype=torch.int64, device=dev)
+        self.chain_mask = torch.zeros((steps, keys), dtype=torch.bool, device=dev)
+        self.raw: torch.Tensor | None = None
+
+    def _forward(self) -> None:
+        h, keys = self.head, self.keys
+        x = h.fc(torch.cat([self.features, h._embed[self.tokens]], dim=-1))
+        f = h.layer_at(x, self.positions, self.slots, self.mask, self.slab, keys).index_select(0, self.root)
+        features = [f]
+        for j in range(self.depth - 1):
+            f = h.layer_at(f, self.chain_positions[j : j + 1], self.chain_slots[j : j + 1], self.chain_mask[j : j + 1],
+                           self.slab, keys)
+            features.append(f)
+        self.raw = (h.norm(torch.cat(features)) @ h._draft_lm_head.T).float()
+
+
+class _TreePass(FixedShapeCall):
+    """A token-info tree's candidates at one fixed shape (``depth`` rows of raw logits, ``topk``
+    children a branch, ``width`` branches a depth): ``candidates`` is ``[3, n]`` float64, the
+    tokens, parents and joint log-probabilities of every candidate in the host builder's order."""
+
+    def __init__(self, head: "DeviceChainHead", depth: int, topk: int, width: int, lowrank: bool, pool: Any):
+        super().__init__(head.device, pool)
+        self.head, self.depth, self.topk, self.width = head, depth, topk, width
+        self.raw = torch.zeros((depth, head.d2t.size), dtype=torch.float32, device=head.device)
+        self.root = torch.zeros(1, dtype=torch.int64, device=head.device)
+        self.hot = None if lowrank else torch.zeros(head.config.vocab_size, dtype=torch.bool, device=head.device)
+        self.candidates: torch.Tensor | None = None
+
+    def _forward(self) -> None:
+        h, k = self.head, self.topk
+        f_tok, f_node = self.root, torch.full((1,), -1, dtype=torch.int64, device=self.device)
+        f_score = torch.zeros(1, dtype=torch.float64, device=self.device)
+        tokens, parents, scores, n = [], [], [], 0
+        for d in range(self.depth):
+            info = h._ti_a[f_tok] @ h._ti_b
+            if self.hot is not None:  # fallback "none": cold parents get no token information
+                info = info * self.hot[f_tok, None]
+            x = self.raw[d][None, :] + info
+            top_v, top_i = torch.topk(x, k, dim=-1)
+            lse = torch.logsumexp(x, dim=-1, keepdim=True)
+            s = (f_score[:, None] + (top_v - lse).double()).reshape(-1)
+            tokens.append(h._d2t[top_i].reshape(-1))
+            parents.append(f_node[:, None].expand(-1, k).reshape(-1))
+            scores.append(s)
+            order = torch.sort(s, descending=True, stable=True).indices[: self.width]
+            f_node, f_tok, f_score = n + order, tokens[-1][order], s[order]
+            n += s.shape[0]
+        self.candidates = torch.stack([torch.cat(tokens).double(), torch.cat(parents).double(), torch.cat(scores)])
 
 
 class DeviceDraftHead:
@@ -61,6 +139,8 @@ class DeviceDraftHead:
         self._embed = engine._embed
         self._lm_head = engine._lm_head
         self._inv_freq = engine._inv_freq
+        self._graph_pool = engine._graph_pool  # None: no graphs (CPU, or --no-cuda-graphs)
+        self._free: dict[int, list[Slab]] = {}  # pooled capacity -> slabs no cache holds
 
     @staticmethod
     def _weight(weights: dict[str, np.ndarray], name: str) -> torch.Tensor:
@@ -70,7 +150,13 @@ class DeviceDraftHead:
             raise LyannaError(f"draft head weight {name!r} is missing") from None
 
     def new_cache(self, capacity: int) -> HeadCache:
-        return HeadCache(self.config, capacity, self.dtype, self.device)
+        """A head cache for ``capacity`` positions, from the pool of caches no context holds."""
+        pooled = pow2_at_least(capacity, HEAD_POOL_MIN)
+        free = self._free.setdefault(pooled, [])
+        c = self.config
+        slab = free.pop() if free else Slab((1, c.num_kv_heads, pooled + CATCH_UP_ROWS, c.head_dim), pooled,
+                                            self.dtype, self.device)
+        return HeadCache(slab, capacity, free.append)
 
     def _rows(self, a: np.ndarray | torch.Tensor) -> torch.Tensor:
         """Feature rows on the device in the head's dtype (committed ones come from the host)."""
@@ -78,43 +164,54 @@ class DeviceDraftHead:
         return t.to(self.device, self.dtype)
 
     def _rotation(self, positions: Sequence[int] | np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        pos = torch.as_tensor(np.asarray(positions, np.int64), device=self.device)
-        angles = pos.to(torch.float32)[:, None] * self._inv_freq[None, :]
-        angles = torch.cat([angles, angles], dim=-1)
-        return angles.cos().to(self.dtype), angles.sin().to(self.dtype)
+        return self._rotation_of(torch.as_tensor(np.asarray(positions, np.int64), device=self.device))
 
     def _fuse(self, features: np.ndarray | torch.Tensor, tokens: np.ndarray) -> torch.Tensor:
         emb = self._embed[torch.as_tensor(np.asarray(tokens, np.int64), device=self.device)]
         return self.fc(torch.cat([self._rows(features), emb], dim=-1))
 
-    def _kv(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: HeadCache) -> None:
-        """Write the keys and values of normalized rows ``h`` after the cache's ``length`` rows."""
+    def _kv(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values of normalized rows ``h``, ``[kv heads, n, head dim]`` each."""
         c, attn, n = self.config, self.layer.self_attn, h.shape[0]
-        end = cache.length + n
-        cache.k[0, :, cache.length : end] = rope(attn.k_proj(h).view(n, c.num_kv_heads, c.head_dim).transpose(0, 1), cos, sin)
-        cache.v[0, :, cache.length : end] = attn.v_proj(h).view(n, c.num_kv_heads, c.head_dim).transpose(0, 1)
+        k = rope(attn.k_proj(h).view(n, c.num_kv_heads, c.head_dim).transpose(0, 1), cos, sin)
+        return k, attn.v_proj(h).view(n, c.num_kv_heads, c.head_dim).transpose(0, 1)
+
+    def _rotation_of(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        angles = positions.to(torch.float32)[:, None] * self._inv_freq[None, :]
+        angles = torch.cat([angles, angles], dim=-1)
+        return angles.cos().to(self.dtype), angles.sin().to(self.dtype)
+
+    def layer_at(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor | None,
+                 slab: Slab, keys: int) -> torch.Tensor:
+        """The head's layer over rows ``x``: keys and values written at ``slots``, attention over
+        the first ``keys`` slots under ``mask`` (None: all of them)."""
+        c, attn, n = self.config, self.layer.self_attn, x.shape[0]
+        cos, sin = self._rotation_of(positions)
+        h = self.layer.input_layernorm(x)
+        k, v = self._kv(h, cos, sin)
+        slab.k[0].index_copy_(1, slots, k)
+        slab.v[0].index_copy_(1, slots, v)
+        q = rope(attn.q_proj(h).view(n, c.num_heads, c.head_dim).transpose(0, 1), cos, sin)
+        o = F.scaled_dot_product_attention(q[None], slab.k[:, :, :keys], slab.v[:, :, :keys], attn_mask=mask,
+                                           enable_gqa=c.num_heads != c.num_kv_heads)
+        x = x + attn.o_proj(o[0].transpose(0, 1).reshape(n, -1))
+        return x + self.layer.mlp(self.layer.post_attention_layernorm(x))
 
     def layer_step(self, x: torch.Tensor, positions: Sequence[int] | np.ndarray, cache: HeadCache,
                    bias: np.ndarray | None) -> torch.Tensor:
         """The head's layer over rows ``x`` written after the cache's ``length`` rows (the caller
         advances ``length``); ``bias``: additive ``[n, length + n]`` (None: causal in the block)."""
-        c, attn, n = self.config, self.layer.self_attn, x.shape[0]
-        cos, sin = self._rotation(positions)
-        h = self.layer.input_layernorm(x)
-        self._kv(h, cos, sin, cache)
-        end = cache.length + n
+        n, start = x.shape[0], cache.length
+        end = start + n
         if bias is not None:
             mask = torch.from_numpy(np.asarray(bias, np.float32) == 0).to(self.device)
         elif n > 1:
             mask = torch.ones((n, end), dtype=torch.bool, device=self.device)
-            mask[:, cache.length :] = torch.tril(mask[:, cache.length :])
+            mask[:, start:] = torch.tril(mask[:, start:])
         else:
             mask = None
-        q = rope(attn.q_proj(h).view(n, c.num_heads, c.head_dim).transpose(0, 1), cos, sin)
-        o = F.scaled_dot_product_attention(q[None], cache.k[:, :, :end], cache.v[:, :, :end], attn_mask=mask,
-                                           enable_gqa=c.num_heads != c.num_kv_heads)
-        x = x + attn.o_proj(o[0].transpose(0, 1).reshape(n, -1))
-        return x + self.layer.mlp(self.layer.post_attention_layernorm(x))
+        pos = torch.as_tensor(np.asarray(positions, np.int64), device=self.device)
+        return self.layer_at(x, pos, torch.arange(start, end, device=self.device), mask, cache.slab, end)
 
     @torch.inference_mode()
     def step(self, features: np.ndarray | torch.Tensor, tokens: np.ndarray, positions: np.ndarray,
@@ -127,10 +224,13 @@ class DeviceDraftHead:
     @torch.inference_mode()
     def fill(self, features: np.ndarray, tokens: np.ndarray, positions: np.ndarray, cache: HeadCache) -> None:
         """Append pairs as ``step`` would, keys and values only (nobody reads their outputs)."""
-        if not len(tokens):
+        n = len(tokens)
+        if not n:
             return
-        self._kv(self.layer.input_layernorm(self._fuse(features, tokens)), *self._rotation(positions), cache)
-        cache.length += len(tokens)
+        k, v = self._kv(self.layer.input_layernorm(self._fuse(features, tokens)), *self._rotation(positions))
+        cache.k[0, :, cache.length : cache.length + n] = k
+        cache.v[0, :, cache.length : cache.length + n] = v
+        cache.length += n
 
     @torch.inference_mode()
     def top_children(self, features: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -165,6 +265,43 @@ class DeviceChainHead(DeviceDraftHead):
         # Token information in fp32 whatever the head's dtype: it shifts logits of order 1.
         self._ti_a = self._weight(weights, "ti.a").to(self.device)
         self._ti_b = self._weight(weights, "ti.b").to(self.device)
+        self._drafts: dict[tuple[int, int, int, int], _DraftPass] = {}
+        self._trees: dict[tuple[int, int, int, bool], _TreePass] = {}
+
+    @torch.inference_mode()
+    def draft(self, pc: PairContext, ctx: np.ndarray, depth: int) -> torch.Tensor:
+        """``ChainHead.draft`` at fixed shapes (one CUDA graph per shape on a GPU): the pairs not
+        fed yet (the last ``CATCH_UP_ROWS`` of them, after filling older ones), the chain, the raw
+        logits, in one call. The same numbers as the step-by-step path up to rounding."""
+        pending = pc.reserve(ctx, extra=depth)
+        if len(pending) > CATCH_UP_ROWS:  # a new prompt: fill all but the root step by step
+            old = pending[:-1]
+            self.fill(pc.features[old - 1], ctx[old], old, pc.cache)
+            pending = pending[-1:]
+        cache, n = pc.cache, len(pending)
+        slab, base = cache.slab, int(pending[-1])  # the root pair sits in slot base - 1
+        rows, keys = pow2_at_least(n), min(pow2_at_least(base + depth, KEY_BUCKET_MIN), slab.capacity)
+        key = (id(slab), rows, depth, keys)
+        p = self._drafts.get(key)
+        if p is None:
+            p = self._drafts[key] = _DraftPass(self, slab, rows, depth, keys, self._graph_pool)
+        pad = rows - n
+        slots = np.concatenate([pending - 1, slab.capacity + np.arange(pad)])
+        mask = np.zeros((rows, keys), bool)
+        mask[:n] = np.arange(keys)[None, :] <= (pending - 1)[:, None]  # a pair sees its own slot and those before
+        mask[n:, 0] = True  # padding rows read slot 0 and are dropped
+        chain_slots = base + np.arange(depth - 1)
+        feats = np.zeros((rows, self.config.hidden_size), np.float32)
+        feats[:n] = pc.features[pending - 1]
+        for buf, host in ((p.features, feats), (p.tokens, np.concatenate([ctx[pending], np.zeros(pad, np.int64)])),
+                          (p.positions, np.concatenate([pending, np.zeros(pad, np.int64)])), (p.slots, slots),
+                          (p.mask, mask), (p.root, np.array([n - 1])), (p.chain_positions, chain_slots + 1),
+                          (p.chain_slots, chain_slots), (p.chain_mask, np.arange(keys)[None, :] <= chain_slots[:, None])):
+            buf.copy_(torch.from_numpy(host))
+        p.run_fixed()
+        cache.length = pc.base = base
+        pc.passes += depth
+        return p.raw.clone()
 
     @torch.inference_mode()
     def chain(self, first: torch.Tensor, root_position: int, depth: int, cache: HeadCache) -> torch.Tensor:
@@ -183,35 +320,24 @@ class DeviceChainHead(DeviceDraftHead):
 
     @torch.inference_mode()
     def tree(self, raw: torch.Tensor, root: int, ti, topk: int, width: int, max_nodes: int, origin: int = 0) -> DraftTree:
-        """``lyanna.token_info_tree`` on the device: per depth, each frontier branch's top-k
-        children under ``log_softmax(raw[d] + TI(parent))``, the ``width`` best by joint
-        log-probability (a stable sort: ties to the earlier child) form the next frontier; the
-        candidates cross to the host once and the best ``max_nodes`` form the tree."""
+        """``lyanna.token_info_tree`` on the device, at a fixed shape per (depth, top-k, width):
+        per depth, each frontier branch's top-k children under ``log_softmax(raw[d] +
+        TI(parent))``, the ``width`` best by joint log-probability (a stable sort: ties to the
+        earlier child) form the next frontier; the candidates cross to the host once and the best
+        ``max_nodes`` form the tree."""
         depth, v = raw.shape
         if depth == 0 or width < 1 or topk < 1:
             return DraftTree.empty()
-        k = min(topk, v)
-        hot = None if ti.fallback == "lowrank" else torch.from_numpy(ti.row_of >= 0).to(self.device)
-        f_tok = torch.tensor([root], device=self.device)
-        f_node = torch.tensor([-1], device=self.device)
-        f_score = torch.zeros(1, dtype=torch.float64, device=self.device)
-        tokens, parents, scores = [], [], []
-        n = 0
-        for d in range(depth):
-            info = self._ti_a[f_tok] @ self._ti_b
-            if hot is not None:
-                info = info * hot[f_tok, None]
-            x = raw[d][None, :] + info
-            top_v, top_i = torch.topk(x, k, dim=-1)
-            lse = torch.logsumexp(x, dim=-1, keepdim=True)
-            s = (f_score[:, None] + (top_v - lse).double()).reshape(-1)
-            tokens.append(self._d2t[top_i].reshape(-1))
-            parents.append(f_node[:, None].expand(-1, k).reshape(-1))
-            scores.append(s)
-            order = torch.sort(s, descending=True, stable=True).indices[:width]
-            f_node, f_tok, f_score = n + order, tokens[-1][order], s[order]
-            n += s.shape[0]
-        host = torch.stack([torch.cat(tokens).double(), torch.cat(parents).double(), torch.cat(scores)]).cpu().numpy()
-        count = host.shape[1]
+        lowrank = ti.fallback == "lowrank"
+        key = (depth, min(topk, v), width, lowrank)
+        p = self._trees.get(key)
+        if p is None:
+            p = self._trees[key] = _TreePass(self, *key, self._graph_pool)
+        if not lowrank:
+            p.hot.copy_(torch.from_numpy(ti.row_of >= 0))
+        p.raw.copy_(raw)
+        p.root.fill_(int(root))
+        p.run_fixed()
+        host = p.candidates.cpu().numpy()
         return DraftTree.best_of(host[0].astype(np.int64), host[1].astype(np.int64), host[2], max_nodes,
-                                 np.full(count, origin))
+                                 np.full(host.shape[1], origin))

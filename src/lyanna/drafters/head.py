@@ -154,10 +154,10 @@ class PairContext:
         self._rows[self._count : need] = rows
         self._count = need
 
-    def catch_up(self, ctx: np.ndarray, extra: int) -> np.ndarray:
-        """Feed every committed pair not fed yet, the root (``ctx[-1]``) last, and return the
-        head's prediction after the root (the only output read: the others are only ``fill``ed). ``extra`` slots are reserved for speculative rows."""
-        # A root fed already (a repeated proposal for the same context) is fed again.
+    def reserve(self, ctx: np.ndarray, extra: int) -> np.ndarray:
+        """Make room for the pairs of ``ctx`` not fed yet and ``extra`` speculative rows after
+        them; return those pairs' positions (the root's last). A root fed already (a repeated
+        proposal for the same context) is fed again."""
         self.cache.length = min(self.cache.length, len(ctx) - 2)
         need = len(ctx) + extra
         if need > self.cache.capacity:
@@ -166,7 +166,12 @@ class PairContext:
             bigger.v[:, :, : self.cache.length] = self.cache.v[:, :, : self.cache.length]
             bigger.length = self.cache.length
             self.cache = bigger
-        pending = np.arange(self.cache.length + 1, len(ctx))
+        return np.arange(self.cache.length + 1, len(ctx))
+
+    def catch_up(self, ctx: np.ndarray, extra: int) -> np.ndarray:
+        """Feed every committed pair not fed yet, the root (``ctx[-1]``) last, and return the
+        head's prediction after the root (the only output read: the others are only ``fill``ed). ``extra`` slots are reserved for speculative rows."""
+        pending = self.reserve(ctx, extra)
         old, root = pending[:-1], pending[-1:]
         self.head.fill(self.features[old - 1], ctx[old], old, self.cache)
         out = self.head.step(self.features[root - 1], ctx[root], root, self.cache, None)

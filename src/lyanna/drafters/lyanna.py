@@ -106,6 +106,14 @@ class ChainHead(DraftHead):
     def raw_logits(self, features: np.ndarray) -> np.ndarray:
         return linear(rms_norm(features, self.norm, self.config.rms_norm_eps), self.draft_lm_head)
 
+    def draft(self, pc: PairContext, ctx: np.ndarray, depth: int) -> np.ndarray:
+        """Raw logits ``l_1..l_depth`` after ``ctx``: the catch-up, the chain, the logits; the
+        context's cache is left at its committed pairs."""
+        features = self.chain(pc.catch_up(ctx, extra=depth), len(ctx) - 1, depth, pc.cache)
+        pc.passes += depth - 1
+        pc.rewind()
+        return self.raw_logits(features)
+
     def tree(self, raw: np.ndarray, root: int, ti: "TokenInfo", topk: int, width: int, max_nodes: int,
              origin: int = 0) -> DraftTree:
         """The token-info tree of ``raw`` rooted at ``root`` (``token_info_tree``)."""
@@ -280,12 +288,7 @@ class LyannaDrafter(Drafter):
 
     def chain(self, context: Sequence[int], depth: int) -> np.ndarray:
         """Raw logits ``l_1..l_depth`` after ``context`` (its last token is the root)."""
-        ctx = np.asarray(context, np.int64)
-        pc = self.context
-        features = self.head.chain(pc.catch_up(ctx, extra=depth), len(ctx) - 1, depth, pc.cache)
-        pc.passes += depth - 1
-        pc.rewind()
-        return self.head.raw_logits(features)
+        return self.head.draft(self.context, np.asarray(context, np.int64), depth)
 
     def propose(self, context: Sequence[int], max_depth: int) -> DraftTree:
         return self._with_suffix(self._propose_chain(context, max_depth), context, max_depth)

@@ -47,12 +47,12 @@ KEY_BUCKET_MIN = 256
 POOL_CAPACITY_MIN = 512
 
 
-def _bucket(n: int, smallest: int = 1) -> int:
+def pow2_at_least(n: int, smallest: int = 1) -> int:
     """The smallest power of two >= max(n, smallest)."""
     return 1 << (max(n, smallest) - 1).bit_length()
 
 
-class _Slab:
+class Slab:
     """One pooled cache's device tensors, ``[layers, kv heads, capacity + scratch, head dim]``:
     slots past ``capacity`` take the padding rows of a bucketed block."""
 
@@ -67,7 +67,7 @@ class StaticCache:
     head dim]``); slot ``i`` holds position ``i`` of the committed sequence, ``length`` slots are
     valid, ``capacity`` may be used. Its tensors go back to the engine's pool when it is dropped."""
 
-    def __init__(self, slab: _Slab, capacity: int, release: Callable[[_Slab], None] | None = None):
+    def __init__(self, slab: Slab, capacity: int, release: Callable[[Slab], None] | None = None):
         self.slab, self.k, self.v, self.length = slab, slab.k, slab.v, 0
         self._capacity = capacity
         if release is not None:
@@ -88,20 +88,56 @@ class StaticCache:
         self.length = start + n
 
 
-class _StaticPass:
-    """A decoding block at one fixed shape (``rows`` padded rows, ``keys`` slots of attention) on
-    one cache slab, with the taps asked for: input buffers the host fills, outputs it reads. On
-    CUDA with graphs it is captured on its first run and replayed after; elsewhere it runs eagerly."""
+class FixedShapeCall:
+    """A computation over fixed device buffers that the host fills and reads (``_forward``, in a
+    subclass): on CUDA with graphs it is captured on its first run and replayed after (one launch);
+    elsewhere, or where capture fails, it runs eagerly. Its buffers must be allocated before the
+    first run, and every run must be harmless to repeat with the same inputs (the capture's
+    warm-up runs it once more)."""
 
-    def __init__(self, engine: "DeviceEngine", slab: _Slab, rows: int, keys: int, taps: tuple[int, ...], graph: bool):
+    def __init__(self, device: torch.device, graph_pool: Any):
+        self.device, self._pool = device, graph_pool
+        self.graph: Any = None
+
+    def _forward(self) -> None:
+        raise NotImplementedError
+
+    def run_fixed(self) -> None:
+        if self._pool is None:
+            self._forward()
+            return
+        if self.graph is None:
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                self._forward()
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            try:
+                with torch.cuda.graph(graph, pool=self._pool):
+                    self._forward()
+            except RuntimeError as e:  # an op this torch cannot capture: this shape runs eagerly
+                warnings.warn(f"CUDA graph capture of {type(self).__name__} failed ({e}); it runs eagerly",
+                              RuntimeWarning, stacklevel=2)
+                self._pool = None
+                self._forward()
+                return
+            self.graph = graph
+        self.graph.replay()
+
+
+class _StaticPass(FixedShapeCall):
+    """A decoding block at one fixed shape (``rows`` padded rows, ``keys`` slots of attention) on
+    one cache slab, with the taps asked for: input buffers the host fills, outputs it reads."""
+
+    def __init__(self, engine: "DeviceEngine", slab: Slab, rows: int, keys: int, taps: tuple[int, ...], graph: bool):
+        super().__init__(engine.device, engine._graph_pool if graph else None)
         dev = engine.device
         self.engine, self.slab, self.keys, self.taps = engine, slab, keys, taps
         self.tokens = torch.zeros(rows, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(rows, dtype=torch.int64, device=dev)
         self.slots = torch.zeros(rows, dtype=torch.int64, device=dev)
         self.mask = torch.zeros((rows, keys), dtype=torch.bool, device=dev)
-        self.graph: Any = None
-        self._use_graph = graph
         self.logits: torch.Tensor | None = None
         self.hidden: dict[int, torch.Tensor] = {}
 
@@ -110,32 +146,10 @@ class _StaticPass:
             self.slab, self.tokens, self.positions, self.slots, self.mask, self.keys, self.taps, None)
 
     def run(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray, mask: np.ndarray) -> None:
-        """Copy the inputs in and run (each copy is one transfer; the mask is built on the host)."""
+        """Copy the inputs in (one transfer each; the mask is built on the host) and run."""
         for buf, host in ((self.tokens, tokens), (self.positions, positions), (self.slots, slots), (self.mask, mask)):
-            buf.copy_(torch.from_numpy(host), non_blocking=False)
-        if not self._use_graph:
-            self._forward()
-            return
-        if self.graph is None:
-            # Warm-up on a side stream, as CUDA graph capture requires. Every run writes the same
-            # keys and values at the same slots from the same inputs, so running it here is harmless.
-            side = torch.cuda.Stream(self.engine.device)
-            side.wait_stream(torch.cuda.current_stream(self.engine.device))
-            with torch.cuda.stream(side):
-                self._forward()
-            torch.cuda.current_stream(self.engine.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            try:
-                with torch.cuda.graph(graph, pool=self.engine._graph_pool):
-                    self._forward()
-            except RuntimeError as e:  # an op this torch cannot capture: this shape runs eagerly
-                warnings.warn(f"CUDA graph capture failed ({e}); running blocks of {self.tokens.shape[0]} rows eagerly",
-                              RuntimeWarning, stacklevel=2)
-                self._use_graph = False
-                self._forward()
-                return
-            self.graph = graph
-        self.graph.replay()
+            buf.copy_(torch.from_numpy(host))
+        self.run_fixed()
 
 
 class DeviceEngine(TargetEngine):
@@ -203,21 +217,21 @@ class DeviceEngine(TargetEngine):
             raise LyannaError(f"CUDA graphs need a CUDA device, not {device!r}")
         self.graphs = cuda if graphs is None else graphs
         self._graph_pool = torch.cuda.graph_pool_handle() if self.graphs else None
-        self._free: dict[int, list[_Slab]] = {}  # pooled capacity -> slabs no cache holds
+        self._free: dict[int, list[Slab]] = {}  # pooled capacity -> slabs no cache holds
         self._passes: dict[tuple[int, int, int, tuple[int, ...]], _StaticPass] = {}
 
     def new_cache(self, capacity: int) -> StaticCache:
         """A cache for ``capacity`` positions, from the pool of caches no generation holds."""
         if capacity < 1:
             raise ValueError(f"cache capacity must be >= 1, got {capacity}")
-        pooled = _bucket(capacity, POOL_CAPACITY_MIN)
+        pooled = pow2_at_least(capacity, POOL_CAPACITY_MIN)
         free = self._free.setdefault(pooled, [])
         if free:
             slab = free.pop()
         else:
             c = self.config
             shape = (c.num_layers, c.num_kv_heads, pooled + ROW_BUCKETS[-1], c.head_dim)
-            slab = _Slab(shape, pooled, self.dtype, self.device)
+            slab = Slab(shape, pooled, self.dtype, self.device)
         return StaticCache(slab, capacity, free.append)
 
     def forward_batch(self, blocks: Sequence[Block]) -> list[ForwardOutput]:
@@ -242,7 +256,7 @@ class DeviceEngine(TargetEngine):
         cache: StaticCache = b.cache
         slab, n, start = cache.slab, tokens.shape[0], cache.length
         end = start + n
-        rows, keys = _bucket(n), min(_bucket(end, KEY_BUCKET_MIN), slab.capacity)
+        rows, keys = pow2_at_least(n), min(pow2_at_least(end, KEY_BUCKET_MIN), slab.capacity)
         taps = tuple(sorted(set(b.taps)))
         key = (id(slab), rows, keys, taps)
         if key not in self._passes:
@@ -287,7 +301,7 @@ class DeviceEngine(TargetEngine):
             self._mask(start, pos, within), start + n, tuple(b.taps), rows)
         return ForwardOutput(logits=_host(logits), hidden={tap: _host(hidden[tap]) for tap in b.taps})
 
-    def _layers_pass(self, slab: _Slab, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+    def _layers_pass(self, slab: Slab, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                      mask: torch.Tensor | None, keys: int, taps: tuple[int, ...],
                      rows: torch.Tensor | None) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """Every layer over the block: keys and values written at ``slots``, attention over the

@@ -14,7 +14,7 @@ import torch
 from lyanna.decoding import verify as verify_module
 from lyanna.decoding.decoder import Decoder, GenerationRequest
 from lyanna.drafters.eagle import EagleDrafter
-from lyanna.drafters.head import DraftHead
+from lyanna.drafters.head import DraftHead, PairContext
 from lyanna.drafters.checkpoint import save_head
 from lyanna.drafters.device import DeviceChainHead, DeviceDraftHead
 from lyanna.drafters.lyanna import ChainHead, LyannaDrafter, TokenInfo, token_info_tree
@@ -207,18 +207,25 @@ def test_device_path_fails_a_wrong_acceptance_rule(device_small_decoder, monkeyp
     assert chi2_pvalue(s.counts, exact_joint(device_small_decoder.engine, params, horizon)) < ALPHA
 
 
+def _lyanna_head(tiny, seed: int, varied: bool = False):
+    """A device engine and an unfitted Lyanna head's weights for it (``varied``: token
+    information random enough to change which children win)."""
+    e = DeviceEngine(tiny.config, tiny.weights, DEVICE)
+    torch.manual_seed(seed)
+    ly = init_lyanna_head(e, tiny.weights, np.arange(tiny.config.vocab_size)[::-1].copy(), rank=4)
+    if varied:
+        with torch.no_grad():
+            ly.ti.b.normal_(0, 1.0)
+    return e, ly.numpy_weights()
+
+
 @pytest.mark.parametrize("fallback", ["lowrank", "none"])
 def test_device_trees_equal_the_host_trees_on_the_same_raw_rows(tiny, fallback):
     """Token-info trees built on the device (token information formed on the fly) are the host
     builder's trees (hot-row table, cold rows formed once) on the same raw rows: same nodes,
     parents and order, scores equal to rounding; fresh and re-sampled (``origin``)."""
-    e = DeviceEngine(tiny.config, tiny.weights, DEVICE)
+    e, w = _lyanna_head(tiny, seed=1, varied=True)
     vocab = tiny.config.vocab_size
-    torch.manual_seed(1)
-    ly = init_lyanna_head(e, tiny.weights, np.arange(vocab)[::-1].copy(), rank=4)
-    with torch.no_grad():
-        ly.ti.b.normal_(0, 1.0)
-    w = ly.numpy_weights()
     head = DeviceChainHead(e, w)
     rng = np.random.default_rng(5)
     for trial in range(6):
@@ -236,12 +243,7 @@ def test_device_trees_equal_the_host_trees_on_the_same_raw_rows(tiny, fallback):
 
 def test_device_chain_head_matches_the_host_head(tiny):
     """The device head's catch-up, chain and raw logits are the host head's to fp32 rounding."""
-    from lyanna.drafters.head import PairContext
-
-    e = DeviceEngine(tiny.config, tiny.weights, DEVICE)
-    vocab = tiny.config.vocab_size
-    torch.manual_seed(2)
-    w = init_lyanna_head(e, tiny.weights, np.arange(vocab)[::-1].copy(), rank=4).numpy_weights()
+    e, w = _lyanna_head(tiny, seed=2)
     hidden = np.random.default_rng(3).standard_normal((9, tiny.config.hidden_size)).astype(np.float32)
     ctx = np.arange(20, 29)
     rows = []
@@ -278,12 +280,7 @@ def test_fixed_shape_draft_equals_the_host_heads_draft(tiny):
     """The device head's draft in one fixed-shape call (catch-up padded to a bucket, the chain, raw
     logits) gives the host head's raw logits and leaves its context where the host's is left:
     a new prompt's pairs (more than one call takes), then a round with a few pending pairs."""
-    from lyanna.drafters.head import PairContext
-
-    e = DeviceEngine(tiny.config, tiny.weights, DEVICE)
-    vocab = tiny.config.vocab_size
-    torch.manual_seed(4)
-    w = init_lyanna_head(e, tiny.weights, np.arange(vocab)[::-1].copy(), rank=4).numpy_weights()
+    e, w = _lyanna_head(tiny, seed=4)
     hidden = np.random.default_rng(6).standard_normal((40, tiny.config.hidden_size)).astype(np.float32)
     ctx = np.arange(30, 71)
     states = []

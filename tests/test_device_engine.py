@@ -296,3 +296,29 @@ def test_fixed_shape_draft_equals_the_host_heads_draft(tiny):
     assert h_state == d_state == [23, 23, 8]
     for a, b in zip(host, dev):
         np.testing.assert_allclose(np.asarray(b.cpu()), a, rtol=1e-4, atol=1e-4)
+
+
+def test_device_eagle_trees_equal_the_host_eagle_trees(tiny):
+    """EAGLE-2's tree grown on the device in one fixed-shape call (frontier, ancestor masks,
+    top-k all on the device) is the host drafter's tree for the same context: same nodes,
+    parents and order, scores equal to rounding; across rounds with a few pending pairs."""
+    e = DeviceEngine(tiny.config, tiny.weights, DEVICE)
+    torch.manual_seed(7)
+    w = init_eagle_head(e, tiny.weights).numpy_weights()
+    hidden = np.random.default_rng(8).standard_normal((40, tiny.config.hidden_size)).astype(np.float32)
+    ctx = np.arange(30, 71)
+    trees = []
+    for head in (DraftHead(e, w), DeviceDraftHead(e, w)):
+        drafter = EagleDrafter(head, tap=2, depth=4, topk=3, width=2, max_nodes=12)
+        drafter.start(ctx[:20].tolist(), {2: hidden[:20]})
+        got = [drafter.propose(ctx[:21], 4)]
+        drafter.commit(ctx[21:24].tolist(), {2: hidden[20:23]})
+        got += [drafter.propose(ctx[:24], 3), drafter.propose(ctx[:24], 1)]
+        trees.append((got, drafter.context.cache.length, drafter.passes))
+    (host, *h_state), (dev, *d_state) = trees
+    assert h_state == d_state
+    for a, b in zip(host, dev):
+        assert len(a) > 0
+        np.testing.assert_array_equal(b.tokens, a.tokens)
+        np.testing.assert_array_equal(b.parents, a.parents)
+        np.testing.assert_allclose(b.scores, a.scores, rtol=1e-4)

@@ -51,37 +51,117 @@ class HeadCache:
         return self._capacity
 
 
-class _DraftPass(FixedShapeCall):
-    """Lyanna's draft at one fixed shape on one head-cache slab: ``rows`` catch-up pairs (the root
-    last, padding after it), ``depth - 1`` chain steps, the raw logits; attention over ``keys``
-    slots under host-built masks. Captured as one CUDA graph where the engine captures its own."""
+class _CatchUpCall(FixedShapeCall):
+    """A head's call that starts with a fixed-shape catch-up on one head-cache slab: ``rows``
+    pending pairs (the root last, padding after it) through the head's layer, attention over
+    ``keys`` slots under host-built masks; ``_root`` gives the head's prediction after the root."""
 
-    def __init__(self, head: "DeviceChainHead", slab: Slab, rows: int, depth: int, keys: int, pool: Any):
+    def __init__(self, head: "DeviceDraftHead", slab: Slab, rows: int, keys: int, pool: Any):
         super().__init__(head.device, pool)
-        dev, c = head.device, head.config
-        self.head, self.slab, self.keys, self.depth = head, slab, keys, depth
-        self.features = torch.zeros((rows, c.hidden_size), dtype=head.dtype, device=dev)
+        dev = head.device
+        self.head, self.slab, self.keys = head, slab, keys
+        self.features = torch.zeros((rows, head.config.hidden_size), dtype=head.dtype, device=dev)
         self.tokens = torch.zeros(rows, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(rows, dtype=torch.int64, device=dev)
         self.slots = torch.zeros(rows, dtype=torch.int64, device=dev)
         self.mask = torch.zeros((rows, keys), dtype=torch.bool, device=dev)
         self.root = torch.zeros(1, dtype=torch.int64, device=dev)
-        steps = depth - 1
+
+    def load(self, pc: PairContext, ctx: np.ndarray, pending: np.ndarray) -> None:
+        """The pending pairs' inputs (pair ``p``: the feature after token ``p - 1`` and token
+        ``p``, at position ``p``, in slot ``p - 1``, seeing its own slot and those before)."""
+        rows, n = self.tokens.shape[0], len(pending)
+        pad = rows - n
+        mask = np.zeros((rows, self.keys), bool)
+        mask[:n] = np.arange(self.keys)[None, :] <= (pending - 1)[:, None]
+        mask[n:, 0] = True  # padding rows read slot 0 and are dropped
+        feats = np.zeros((rows, self.head.config.hidden_size), np.float32)
+        feats[:n] = pc.features[pending - 1]
+        zeros = np.zeros(pad, np.int64)
+        for buf, host in ((self.features, feats), (self.tokens, np.concatenate([ctx[pending], zeros])),
+                          (self.positions, np.concatenate([pending, zeros])),
+                          (self.slots, np.concatenate([pending - 1, self.slab.capacity + np.arange(pad)])),
+                          (self.mask, mask), (self.root, np.array([n - 1]))):
+            buf.copy_(torch.from_numpy(host))
+
+    def _root(self) -> torch.Tensor:
+        h = self.head
+        x = h.fc(torch.cat([self.features, h._embed[self.tokens]], dim=-1))
+        return h.layer_at(x, self.positions, self.slots, self.mask, self.slab, self.keys).index_select(0, self.root)
+
+
+class _DraftPass(_CatchUpCall):
+    """Lyanna's draft at one fixed shape: the catch-up, ``depth - 1`` chain steps, the raw logits.
+    Captured as one CUDA graph where the engine captures its own."""
+
+    def __init__(self, head: "DeviceChainHead", slab: Slab, rows: int, depth: int, keys: int, pool: Any):
+        super().__init__(head, slab, rows, keys, pool)
+        dev, steps = head.device, depth - 1
+        self.depth = depth
         self.chain_positions = torch.zeros(steps, dtype=torch.int64, device=dev)
         self.chain_slots = torch.zeros(steps, dtype=torch.int64, device=dev)
         self.chain_mask = torch.zeros((steps, keys), dtype=torch.bool, device=dev)
         self.raw: torch.Tensor | None = None
 
     def _forward(self) -> None:
-        h, keys = self.head, self.keys
-        x = h.fc(torch.cat([self.features, h._embed[self.tokens]], dim=-1))
-        f = h.layer_at(x, self.positions, self.slots, self.mask, self.slab, keys).index_select(0, self.root)
+        h, f = self.head, self._root()
         features = [f]
         for j in range(self.depth - 1):
             f = h.layer_at(f, self.chain_positions[j : j + 1], self.chain_slots[j : j + 1], self.chain_mask[j : j + 1],
-                           self.slab, keys)
+                           self.slab, self.keys)
             features.append(f)
         self.raw = (h.norm(torch.cat(features)) @ h._draft_lm_head.T).float()
+
+
+class _EagleTreePass(_CatchUpCall):
+    """EAGLE-2's tree growth at one fixed shape (``depth`` levels, ``topk`` children a node,
+    ``width`` frontier nodes a level), after the catch-up: the root's top-k children, then per
+    level the ``width`` best candidates by joint log-probability (a stable sort: ties to the
+    earlier) through the head at once, each seeing the prefix, its ancestors' slots and its own,
+    each expanded to its top-k. ``candidates`` is ``[3, n]`` float64 (tokens, parents, joint
+    log-probabilities) in the host drafter's order."""
+
+    def __init__(self, head: "DeviceDraftHead", slab: Slab, rows: int, depth: int, topk: int, width: int, keys: int,
+                 pool: Any):
+        super().__init__(head, slab, rows, keys, pool)
+        dev = head.device
+        self.depth, self.topk, self.width = depth, topk, width
+        spec = max(depth - 1, 0) * width  # slots of speculative pairs: ``width`` a level after the first
+        self.spec_slots = torch.zeros(spec, dtype=torch.int64, device=dev)
+        self.spec_positions = torch.zeros(max(depth - 1, 1), dtype=torch.int64, device=dev)
+        self.prefix = torch.zeros(keys, dtype=torch.bool, device=dev)  # the committed slots
+        self.candidates: torch.Tensor | None = None
+
+    def _forward(self) -> None:
+        h, k, w, dev = self.head, self.topk, self.width, self.device
+        spec = self.spec_slots.shape[0]
+        pred = self._root()  # [1, H]: the feature predicted after the root
+        top_v, top_i = torch.topk(torch.log_softmax((pred @ h._lm_head.T).float(), dim=-1), k, dim=-1)
+        c_tok, c_score = top_i.reshape(-1), top_v.double().reshape(-1)
+        c_src = torch.zeros(k, dtype=torch.int64, device=dev)  # row of ``pred`` / ``anc`` of each candidate's parent
+        c_global = torch.arange(k, device=dev)
+        anc = torch.zeros((1, spec), dtype=torch.bool, device=dev)  # speculative slots each row's pair sees
+        tokens, parents, scores = [c_tok], [torch.full((k,), -1, dtype=torch.int64, device=dev)], [c_score]
+        n = k
+        for d in range(2, self.depth + 1):
+            fw = min(w, c_tok.shape[0])
+            order = torch.sort(c_score, descending=True, stable=True).indices[:fw]
+            own = (d - 2) * w + torch.arange(fw, device=dev)
+            rows_anc = anc[c_src[order]].clone()
+            rows_anc[torch.arange(fw, device=dev), own] = True
+            mask = self.prefix[None, :].expand(fw, -1).clone()
+            mask[:, self.spec_slots] = rows_anc
+            x = h.fc(torch.cat([pred[c_src[order]], h._embed[c_tok[order]]], dim=-1))
+            pred = h.layer_at(x, self.spec_positions[d - 2].expand(fw), self.spec_slots[own], mask, self.slab, self.keys)
+            top_v, top_i = torch.topk(torch.log_softmax((pred @ h._lm_head.T).float(), dim=-1), k, dim=-1)
+            c_tok, c_score = top_i.reshape(-1), (c_score[order][:, None] + top_v.double()).reshape(-1)
+            tokens.append(c_tok)
+            parents.append(c_global[order].repeat_interleave(k))
+            scores.append(c_score)
+            c_src, anc = torch.arange(fw, device=dev).repeat_interleave(k), rows_anc
+            c_global = n + torch.arange(fw * k, device=dev)
+            n += fw * k
+        self.candidates = torch.stack([torch.cat(tokens).double(), torch.cat(parents).double(), torch.cat(scores)])
 
 
 class _TreePass(FixedShapeCall):
@@ -141,6 +221,7 @@ class DeviceDraftHead:
         self._inv_freq = engine._inv_freq
         self._graph_pool = engine._graph_pool  # None: no graphs (CPU, or --no-cuda-graphs)
         self._free: dict[int, list[Slab]] = {}  # pooled capacity -> slabs no cache holds
+        self._eagles: dict[tuple[int, ...], _EagleTreePass] = {}
 
     @staticmethod
     def _weight(weights: dict[str, np.ndarray], name: str) -> torch.Tensor:
@@ -232,6 +313,43 @@ class DeviceDraftHead:
         cache.v[0, :, cache.length : cache.length + n] = v
         cache.length += n
 
+    def _pending(self, pc: PairContext, ctx: np.ndarray, extra: int) -> np.ndarray:
+        """The pairs a fixed-shape catch-up takes (at most ``CATCH_UP_ROWS``, the root last) after
+        room is made for them and ``extra`` speculative rows; a new prompt's older pairs are
+        filled first, step by step."""
+        pending = pc.reserve(ctx, extra)
+        if len(pending) > CATCH_UP_ROWS:
+            old = pending[:-1]
+            self.fill(pc.features[old - 1], ctx[old], old, pc.cache)
+            pending = pending[-1:]
+        return pending
+
+    @torch.inference_mode()
+    def eagle_tree(self, pc: PairContext, ctx: np.ndarray, depth: int, topk: int, width: int,
+                   max_nodes: int) -> DraftTree:
+        """``EagleDrafter.propose`` in one fixed-shape call (a CUDA graph on a GPU) per shape:
+        the catch-up, then the tree's growth (``_EagleTreePass``); the candidates cross to the host
+        once and the best ``max_nodes`` form the tree. The context is left at its committed pairs."""
+        k = min(topk, self.config.vocab_size)
+        pending = self._pending(pc, ctx, extra=width * depth + 1)
+        cache, n = pc.cache, len(pending)
+        slab, base = cache.slab, int(pending[-1])
+        spec = max(depth - 1, 0) * width
+        rows, keys = pow2_at_least(n), min(pow2_at_least(base + spec, KEY_BUCKET_MIN), slab.capacity)
+        key = (id(slab), rows, depth, k, width, keys)
+        p = self._eagles.get(key)
+        if p is None:
+            p = self._eagles[key] = _EagleTreePass(self, slab, rows, depth, k, width, keys, self._graph_pool)
+        p.load(pc, ctx, pending)
+        for buf, host in ((p.spec_slots, base + np.arange(spec)), (p.spec_positions, len(ctx) - 1 + np.arange(1, depth)),
+                          (p.prefix, np.arange(keys) < base)):
+            buf.copy_(torch.from_numpy(host[: buf.shape[0]]) if len(host) else torch.zeros_like(buf))
+        p.run_fixed()
+        cache.length = pc.base = base
+        pc.passes += depth
+        c = p.candidates.cpu().numpy()
+        return DraftTree.best_of(c[0].astype(np.int64), c[1].astype(np.int64), c[2], max_nodes)
+
     @torch.inference_mode()
     def top_children(self, features: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
         """Each row's ``k`` likeliest next tokens under the target's LM head, likeliest first, and
@@ -273,11 +391,7 @@ class DeviceChainHead(DeviceDraftHead):
         """``ChainHead.draft`` at fixed shapes (one CUDA graph per shape on a GPU): the pairs not
         fed yet (the last ``CATCH_UP_ROWS`` of them, after filling older ones), the chain, the raw
         logits, in one call. The same numbers as the step-by-step path up to rounding."""
-        pending = pc.reserve(ctx, extra=depth)
-        if len(pending) > CATCH_UP_ROWS:  # a new prompt: fill all but the root step by step
-            old = pending[:-1]
-            self.fill(pc.features[old - 1], ctx[old], old, pc.cache)
-            pending = pending[-1:]
+        pending = self._pending(pc, ctx, extra=depth)
         cache, n = pc.cache, len(pending)
         slab, base = cache.slab, int(pending[-1])  # the root pair sits in slot base - 1
         rows, keys = pow2_at_least(n), min(pow2_at_least(base + depth, KEY_BUCKET_MIN), slab.capacity)
@@ -285,18 +399,10 @@ class DeviceChainHead(DeviceDraftHead):
         p = self._drafts.get(key)
         if p is None:
             p = self._drafts[key] = _DraftPass(self, slab, rows, depth, keys, self._graph_pool)
-        pad = rows - n
-        slots = np.concatenate([pending - 1, slab.capacity + np.arange(pad)])
-        mask = np.zeros((rows, keys), bool)
-        mask[:n] = np.arange(keys)[None, :] <= (pending - 1)[:, None]  # a pair sees its own slot and those before
-        mask[n:, 0] = True  # padding rows read slot 0 and are dropped
+        p.load(pc, ctx, pending)
         chain_slots = base + np.arange(depth - 1)
-        feats = np.zeros((rows, self.config.hidden_size), np.float32)
-        feats[:n] = pc.features[pending - 1]
-        for buf, host in ((p.features, feats), (p.tokens, np.concatenate([ctx[pending], np.zeros(pad, np.int64)])),
-                          (p.positions, np.concatenate([pending, np.zeros(pad, np.int64)])), (p.slots, slots),
-                          (p.mask, mask), (p.root, np.array([n - 1])), (p.chain_positions, chain_slots + 1),
-                          (p.chain_slots, chain_slots), (p.chain_mask, np.arange(keys)[None, :] <= chain_slots[:, None])):
+        for buf, host in ((p.chain_positions, chain_slots + 1), (p.chain_slots, chain_slots),
+                          (p.chain_mask, np.arange(keys)[None, :] <= chain_slots[:, None])):
             buf.copy_(torch.from_numpy(host))
         p.run_fixed()
         cache.length = pc.base = base

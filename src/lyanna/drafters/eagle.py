@@ -83,6 +83,8 @@ class EagleDrafter(Drafter):
             return DraftTree.empty()
         ctx = np.asarray(context, np.int64)
         pc = self.context
+        if not isinstance(self.head, DraftHead):  # a device head grows the tree in one fixed-shape call
+            return self.head.eagle_tree(pc, ctx, depth, self.topk, self.width, self.max_nodes)
         root_pred = pc.catch_up(ctx, extra=self.width * depth + 1)
         base, cache = pc.base, pc.cache
         root_pos = len(ctx) - 1

@@ -241,41 +241,6 @@ def test_device_trees_equal_the_host_trees_on_the_same_raw_rows(tiny, fallback):
         np.testing.assert_allclose(got.scores, want.scores, rtol=1e-5)
 
 
-def test_device_chain_head_matches_the_host_head(tiny):
-    """The device head's catch-up, chain and raw logits are the host head's to fp32 rounding."""
-    e, w = _lyanna_head(tiny, seed=2)
-    hidden = np.random.default_rng(3).standard_normal((9, tiny.config.hidden_size)).astype(np.float32)
-    ctx = np.arange(20, 29)
-    rows = []
-    for head in (ChainHead(e, w), DeviceChainHead(e, w)):
-        pc = PairContext(head, 2)
-        pc.start({2: hidden[:6]})
-        pc.commit({2: hidden[6:]})
-        first = pc.catch_up(ctx, extra=4)
-        rows.append(np.asarray(torch.as_tensor(head.raw_logits(head.chain(first, len(ctx) - 1, 4, pc.cache))).cpu()))
-        assert pc.cache.length == len(ctx) - 1 + 3
-    np.testing.assert_allclose(rows[1], rows[0], rtol=1e-4, atol=1e-4)
-
-
-def test_checkpoints_load_their_device_heads_on_the_device_engine(tiny, tmp_path):
-    """``--backend torch``: a head loaded from a checkpoint runs on the engine's device, and its
-    method gives ``ar``'s tokens."""
-    e = DeviceEngine(tiny.config, tiny.weights, DEVICE)
-    vocab = tiny.config.vocab_size
-    save_head(tmp_path / "eagle", "eagle", init_eagle_head(e, tiny.weights).numpy_weights(), tiny, 2)
-    ly = init_lyanna_head(e, tiny.weights, np.arange(vocab)[::-1].copy(), rank=4)
-    save_head(tmp_path / "lyanna", "lyanna", {**ly.numpy_weights(), "ti.hot": np.arange(0, vocab, 2)}, tiny, 2)
-    d = Decoder(tiny, engine=e, default_drafts=False)
-    for arch in ("eagle", "lyanna"):
-        d.load_draft(str(tmp_path / arch))
-    assert isinstance(d.drafter_for("eagle").head, DeviceDraftHead)
-    assert isinstance(d.drafter_for("lyanna").head, DeviceChainHead)
-    req = GenerationRequest(max_new_tokens=16, eos_token_ids=())
-    ar = d.generate([1, 40, 41, 42, 40, 41, 42], req)
-    for method in ("eagle", "lyanna", "lyanna+suffix"):
-        assert d.generate([1, 40, 41, 42, 40, 41, 42], req, method=method, budget=None).tokens == ar.tokens
-
-
 def test_fixed_shape_draft_equals_the_host_heads_draft(tiny):
     """The device head's draft in one fixed-shape call (catch-up padded to a bucket, the chain, raw
     logits) gives the host head's raw logits and leaves its context where the host's is left:

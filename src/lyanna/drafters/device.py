@@ -3,9 +3,10 @@
 On a ``DeviceEngine`` a draft head runs where the target does: the catch-up over committed pairs,
 the head's steps, and for ``lyanna`` the chain, the raw logits over the draft vocabulary and the
 trees built from them stay on the device; only candidate nodes (a few dozen token ids, parents
-and scores) cross to the host to become a ``DraftTree``. ``DeviceDraftHead`` has the interface
-of ``head.DraftHead`` (what ``PairContext`` and ``EagleDrafter`` call), ``DeviceChainHead`` that
-of ``lyanna.ChainHead``; the same numbers up to floating-point rounding.
+and scores) cross to the host to become a ``DraftTree``. ``DeviceDraftHead`` gives ``PairContext``
+its cache and ``fill`` and ``EagleDrafter`` the whole tree (``eagle_tree``); ``DeviceChainHead``
+gives ``LyannaDrafter`` what ``lyanna.ChainHead`` does (``draft``, ``tree``); the same numbers
+as the host heads up to floating-point rounding.
 
 Token information is computed on the fly, ``TI(parent) = A[parent] @ B`` for the whole frontier
 in one product: the hot-row table is a CPU optimization (a row read instead of a rank-r product),
@@ -278,30 +279,6 @@ class DeviceDraftHead:
         x = x + attn.o_proj(o[0].transpose(0, 1).reshape(n, -1))
         return x + self.layer.mlp(self.layer.post_attention_layernorm(x))
 
-    def layer_step(self, x: torch.Tensor, positions: Sequence[int] | np.ndarray, cache: HeadCache,
-                   bias: np.ndarray | None) -> torch.Tensor:
-        """The head's layer over rows ``x`` written after the cache's ``length`` rows (the caller
-        advances ``length``); ``bias``: additive ``[n, length + n]`` (None: causal in the block)."""
-        n, start = x.shape[0], cache.length
-        end = start + n
-        if bias is not None:
-            mask = torch.from_numpy(np.asarray(bias, np.float32) == 0).to(self.device)
-        elif n > 1:
-            mask = torch.ones((n, end), dtype=torch.bool, device=self.device)
-            mask[:, start:] = torch.tril(mask[:, start:])
-        else:
-            mask = None
-        pos = torch.as_tensor(np.asarray(positions, np.int64), device=self.device)
-        return self.layer_at(x, pos, torch.arange(start, end, device=self.device), mask, cache.slab, end)
-
-    @torch.inference_mode()
-    def step(self, features: np.ndarray | torch.Tensor, tokens: np.ndarray, positions: np.ndarray,
-             cache: HeadCache, bias: np.ndarray | None) -> torch.Tensor:
-        """Predict the next features for n (feature, token) pairs appended to ``cache``."""
-        out = self.layer_step(self._fuse(features, tokens), positions, cache, bias)
-        cache.length += len(tokens)
-        return out
-
     @torch.inference_mode()
     def fill(self, features: np.ndarray, tokens: np.ndarray, positions: np.ndarray, cache: HeadCache) -> None:
         """Append pairs as ``step`` would, keys and values only (nobody reads their outputs)."""
@@ -350,20 +327,6 @@ class DeviceDraftHead:
         c = p.candidates.cpu().numpy()
         return DraftTree.best_of(c[0].astype(np.int64), c[1].astype(np.int64), c[2], max_nodes)
 
-    @torch.inference_mode()
-    def top_children(self, features: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """Each row's ``k`` likeliest next tokens under the target's LM head, likeliest first, and
-        their log-probabilities (``[rows, k]`` host arrays; only these cross from the device)."""
-        logp = torch.log_softmax((features @ self._lm_head.T).float(), dim=-1)
-        top_v, top_i = torch.topk(logp, k, dim=-1)
-        return top_i.cpu().numpy(), top_v.cpu().numpy()
-
-    @staticmethod
-    def stack(rows: Sequence[torch.Tensor]) -> torch.Tensor:
-        """Feature rows (as ``step`` returns them) stacked into one block."""
-        return torch.stack(list(rows))
-
-
 class DeviceChainHead(DeviceDraftHead):
     """``DeviceDraftHead`` plus the chain's norm, the raw logits over the draft vocabulary (the
     engine's LM-head rows of ``d2t``) and token-info trees."""
@@ -408,21 +371,6 @@ class DeviceChainHead(DeviceDraftHead):
         cache.length = pc.base = base
         pc.passes += depth
         return p.raw.clone()
-
-    @torch.inference_mode()
-    def chain(self, first: torch.Tensor, root_position: int, depth: int, cache: HeadCache) -> torch.Tensor:
-        """``f_1..f_depth`` from ``f_1 = first``: ``f_k = layer(f_{k-1})`` at position
-        ``root_position + k - 1``, written to ``cache`` (the caller rewinds it)."""
-        features = [first.reshape(1, -1)]
-        for k in range(2, depth + 1):
-            features.append(self.layer_step(features[-1], [root_position + k - 1], cache, None))
-            cache.length += 1
-        return torch.cat(features)
-
-    @torch.inference_mode()
-    def raw_logits(self, features: torch.Tensor) -> torch.Tensor:
-        """``norm(f_k) @ W_draft`` in fp32, ``[depth, draft vocab]``."""
-        return (self.norm(features) @ self._draft_lm_head.T).float()
 
     @torch.inference_mode()
     def tree(self, raw: torch.Tensor, root: int, ti, topk: int, width: int, max_nodes: int, origin: int = 0) -> DraftTree:

@@ -112,7 +112,7 @@ class EagleDrafter(Drafter):
         candidates = add_children(-1, top[0], logp[0], 0.0, 1)
         for d in range(2, depth + 1):
             frontier = sorted(candidates, key=lambda i: -scores[i])[: self.width]
-            feats = self.head.stack([frontier_feats[parents[i]] for i in frontier])
+            feats = np.stack([frontier_feats[parents[i]] for i in frontier])
             start = cache.length
             bias = np.full((len(frontier), start + len(frontier)), -np.inf, np.float32)
             bias[:, :base] = 0.0

@@ -110,11 +110,6 @@ class DraftHead:
         top = np.take_along_axis(top, np.argsort(-np.take_along_axis(logp, top, -1), axis=-1), -1)
         return top, np.take_along_axis(logp, top, -1)
 
-    @staticmethod
-    def stack(rows: Sequence[np.ndarray]) -> np.ndarray:
-        """Feature rows (as ``step`` returns them) stacked into one block."""
-        return np.stack(rows)
-
 
 class PairContext:
     """A draft head's view of the committed context.

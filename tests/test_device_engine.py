@@ -241,6 +241,25 @@ def test_device_trees_equal_the_host_trees_on_the_same_raw_rows(tiny, fallback):
         np.testing.assert_allclose(got.scores, want.scores, rtol=1e-5)
 
 
+def test_checkpoints_load_their_device_heads_on_the_device_engine(tiny, tmp_path):
+    """``--backend torch``: a head loaded from a checkpoint runs on the engine's device, and its
+    method gives ``ar``'s tokens."""
+    e = DeviceEngine(tiny.config, tiny.weights, DEVICE)
+    vocab = tiny.config.vocab_size
+    save_head(tmp_path / "eagle", "eagle", init_eagle_head(e, tiny.weights).numpy_weights(), tiny, 2)
+    ly = init_lyanna_head(e, tiny.weights, np.arange(vocab)[::-1].copy(), rank=4)
+    save_head(tmp_path / "lyanna", "lyanna", {**ly.numpy_weights(), "ti.hot": np.arange(0, vocab, 2)}, tiny, 2)
+    d = Decoder(tiny, engine=e, default_drafts=False)
+    for arch in ("eagle", "lyanna"):
+        d.load_draft(str(tmp_path / arch))
+    assert isinstance(d.drafter_for("eagle").head, DeviceDraftHead)
+    assert isinstance(d.drafter_for("lyanna").head, DeviceChainHead)
+    req = GenerationRequest(max_new_tokens=16, eos_token_ids=())
+    ar = d.generate([1, 40, 41, 42, 40, 41, 42], req)
+    for method in ("eagle", "lyanna", "lyanna+suffix"):
+        assert d.generate([1, 40, 41, 42, 40, 41, 42], req, method=method, budget=None).tokens == ar.tokens
+
+
 def test_fixed_shape_draft_equals_the_host_heads_draft(tiny):
     """The device head's draft in one fixed-shape call (catch-up padded to a bucket, the chain, raw
     logits) gives the host head's raw logits and leaves its context where the host's is left:

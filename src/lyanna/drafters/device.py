@@ -15,15 +15,13 @@ gives cold parents no token information, as on the host.
 """
 from __future__ import annotations
 
-import weakref
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from ..engines.device import KEY_BUCKET_MIN, FixedShapeCall, Slab, pow2_at_least
-from ..engines.torch_layers import DecoderLayer, RMSNorm, rope
+from ..engines.device import KEY_BUCKET_MIN, FixedShapeCall, Slab, SlabPool, StaticCache, pow2_at_least
+from ..engines.torch_layers import DecoderLayer, RMSNorm, cached_layer, project_kv, rotation
 from ..errors import LyannaError
 from .head import PairContext
 from .tree import DraftTree
@@ -35,21 +33,6 @@ CATCH_UP_ROWS = 8
 # Head caches are pooled by capacity rounded up to a power of two from this (``PairContext``
 # starts at 1,024 positions and doubles).
 HEAD_POOL_MIN = 1024
-
-
-class HeadCache:
-    """The head's keys and values on the device, ``[1, kv heads, slots, head dim]`` (the layout
-    ``PairContext`` grows by copying slices), from its head's pool: ``capacity`` slots to use,
-    then scratch slots for a fixed-shape catch-up's padding rows."""
-
-    def __init__(self, slab: Slab, capacity: int, release: Callable[[Slab], None]):
-        self.slab, self.k, self.v, self.length = slab, slab.k, slab.v, 0
-        self._capacity = capacity
-        weakref.finalize(self, release, slab)
-
-    @property
-    def capacity(self) -> int:
-        return self._capacity
 
 
 class _CatchUpCall(FixedShapeCall):
@@ -221,7 +204,8 @@ class DeviceDraftHead:
         self._lm_head = engine._lm_head
         self._inv_freq = engine._inv_freq
         self._graph_pool = engine._graph_pool  # None: no graphs (CPU, or --no-cuda-graphs)
-        self._free: dict[int, list[Slab]] = {}  # pooled capacity -> slabs no cache holds
+        # One layer's keys and values a cache, ``CATCH_UP_ROWS`` scratch slots for a catch-up's padding.
+        self._pool = SlabPool(1, c, CATCH_UP_ROWS, HEAD_POOL_MIN, self.dtype, self.device)
         self._eagles: dict[tuple[int, ...], _EagleTreePass] = {}
 
     @staticmethod
@@ -231,14 +215,10 @@ class DeviceDraftHead:
         except KeyError:
             raise LyannaError(f"draft head weight {name!r} is missing") from None
 
-    def new_cache(self, capacity: int) -> HeadCache:
-        """A head cache for ``capacity`` positions, from the pool of caches no context holds."""
-        pooled = pow2_at_least(capacity, HEAD_POOL_MIN)
-        free = self._free.setdefault(pooled, [])
-        c = self.config
-        slab = free.pop() if free else Slab((1, c.num_kv_heads, pooled + CATCH_UP_ROWS, c.head_dim), pooled,
-                                            self.dtype, self.device)
-        return HeadCache(slab, capacity, free.append)
+    def new_cache(self, capacity: int) -> StaticCache:
+        """A head cache for ``capacity`` positions (``[1, kv heads, slots, head dim]``, the layout
+        ``PairContext`` grows by copying slices), from the pool of caches no context holds."""
+        return self._pool.cache(capacity)
 
     def _rows(self, a: np.ndarray | torch.Tensor) -> torch.Tensor:
         """Feature rows on the device in the head's dtype (committed ones come from the host)."""
@@ -246,46 +226,27 @@ class DeviceDraftHead:
         return t.to(self.device, self.dtype)
 
     def _rotation(self, positions: Sequence[int] | np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._rotation_of(torch.as_tensor(np.asarray(positions, np.int64), device=self.device))
+        return rotation(torch.as_tensor(np.asarray(positions, np.int64), device=self.device), self._inv_freq, self.dtype)
 
     def _fuse(self, features: np.ndarray | torch.Tensor, tokens: np.ndarray) -> torch.Tensor:
         emb = self._embed[torch.as_tensor(np.asarray(tokens, np.int64), device=self.device)]
         return self.fc(torch.cat([self._rows(features), emb], dim=-1))
 
-    def _kv(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The keys and values of normalized rows ``h``, ``[kv heads, n, head dim]`` each."""
-        c, attn, n = self.config, self.layer.self_attn, h.shape[0]
-        k = rope(attn.k_proj(h).view(n, c.num_kv_heads, c.head_dim).transpose(0, 1), cos, sin)
-        return k, attn.v_proj(h).view(n, c.num_kv_heads, c.head_dim).transpose(0, 1)
-
-    def _rotation_of(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        angles = positions.to(torch.float32)[:, None] * self._inv_freq[None, :]
-        angles = torch.cat([angles, angles], dim=-1)
-        return angles.cos().to(self.dtype), angles.sin().to(self.dtype)
-
     def layer_at(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor | None,
                  slab: Slab, keys: int) -> torch.Tensor:
         """The head's layer over rows ``x``: keys and values written at ``slots``, attention over
         the first ``keys`` slots under ``mask`` (None: all of them)."""
-        c, attn, n = self.config, self.layer.self_attn, x.shape[0]
-        cos, sin = self._rotation_of(positions)
-        h = self.layer.input_layernorm(x)
-        k, v = self._kv(h, cos, sin)
-        slab.k[0].index_copy_(1, slots, k)
-        slab.v[0].index_copy_(1, slots, v)
-        q = rope(attn.q_proj(h).view(n, c.num_heads, c.head_dim).transpose(0, 1), cos, sin)
-        o = F.scaled_dot_product_attention(q[None], slab.k[:, :, :keys], slab.v[:, :, :keys], attn_mask=mask,
-                                           enable_gqa=c.num_heads != c.num_kv_heads)
-        x = x + attn.o_proj(o[0].transpose(0, 1).reshape(n, -1))
-        return x + self.layer.mlp(self.layer.post_attention_layernorm(x))
+        cos, sin = rotation(positions, self._inv_freq, self.dtype)
+        return cached_layer(self.layer, self.config, x, cos, sin, slab.k[0], slab.v[0], slots, mask, keys)
 
     @torch.inference_mode()
-    def fill(self, features: np.ndarray, tokens: np.ndarray, positions: np.ndarray, cache: HeadCache) -> None:
-        """Append pairs as ``step`` would, keys and values only (nobody reads their outputs)."""
+    def fill(self, features: np.ndarray, tokens: np.ndarray, positions: np.ndarray, cache: StaticCache) -> None:
+        """Append pairs as a full step would, keys and values only (nobody reads their outputs)."""
         n = len(tokens)
         if not n:
             return
-        k, v = self._kv(self.layer.input_layernorm(self._fuse(features, tokens)), *self._rotation(positions))
+        h = self.layer.input_layernorm(self._fuse(features, tokens))
+        k, v = project_kv(self.layer, self.config, h, *self._rotation(positions))
         cache.k[0, :, cache.length : cache.length + n] = k
         cache.v[0, :, cache.length : cache.length + n] = v
         cache.length += n

@@ -12,8 +12,9 @@ same ``TargetEngine`` as everywhere else.
 Decoding blocks (one token, or a tree) run at fixed shapes, so that on a GPU each shape is
 captured once as a CUDA graph and replayed with one launch: the rows are padded to a bucket of
 ``ROW_BUCKETS`` (padding rows write to scratch slots past the capacity and are dropped), attention
-reads a key range of ``KEY_BUCKETS`` slots with a mask built on the host, and caches come from a
-pool, so the graphs captured for one generation's cache serve the next ones. Prefills and blocks
+reads a key range of a power of two from ``KEY_BUCKET_MIN`` slots with a mask built on the host,
+and caches come from a pool (``SlabPool``), so the graphs captured for one generation's cache
+serve the next ones. Prefills and blocks
 longer than the last bucket run eagerly at their own shape.
 """
 from __future__ import annotations
@@ -24,14 +25,13 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from ..errors import LyannaError
 from .base import Block, ForwardOutput, TargetEngine, block_inputs, compaction
 from .config import ModelConfig, rope_inv_freq
 from .loading import Target, load_target
 from .quant import QuantMatrix
-from .torch_layers import DecoderLayer, RMSNorm, rope
+from .torch_layers import DecoderLayer, RMSNorm, cached_layer, rotation
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -54,7 +54,7 @@ def pow2_at_least(n: int, smallest: int = 1) -> int:
 
 class Slab:
     """One pooled cache's device tensors, ``[layers, kv heads, capacity + scratch, head dim]``:
-    slots past ``capacity`` take the padding rows of a bucketed block."""
+    slots past ``capacity`` take the padding rows of a fixed-shape call."""
 
     def __init__(self, shape: tuple[int, ...], capacity: int, dtype: torch.dtype, device: torch.device):
         self.k = torch.zeros(shape, dtype=dtype, device=device)
@@ -62,16 +62,42 @@ class Slab:
         self.capacity = capacity
 
 
+class SlabPool:
+    """Caches whose tensors outlive them: a dropped cache's slab goes back to the pool and the
+    next cache of about its capacity (rounded up to a power of two from ``smallest``) gets it,
+    with the fixed-shape calls (CUDA graphs) captured on it."""
+
+    def __init__(self, layers: int, c: ModelConfig, scratch: int, smallest: int, dtype: torch.dtype,
+                 device: torch.device):
+        self.layers, self.config, self.scratch, self.smallest = layers, c, scratch, smallest
+        self.dtype, self.device = dtype, device
+        self._free: dict[int, list[Slab]] = {}  # pooled capacity -> slabs no cache holds
+
+    def cache(self, capacity: int) -> "StaticCache":
+        if capacity < 1:
+            raise ValueError(f"cache capacity must be >= 1, got {capacity}")
+        pooled = pow2_at_least(capacity, self.smallest)
+        free = self._free.setdefault(pooled, [])
+        c = self.config
+        slab = free.pop() if free else Slab((self.layers, c.num_kv_heads, pooled + self.scratch, c.head_dim), pooled,
+                                            self.dtype, self.device)
+        return StaticCache(slab, capacity, free.append)
+
+    @property
+    def idle(self) -> int:
+        """Slabs no cache holds."""
+        return sum(map(len, self._free.values()))
+
+
 class StaticCache:
     """One sequence's keys and values on the device (``k``, ``v``: ``[layers, kv heads, slots,
     head dim]``); slot ``i`` holds position ``i`` of the committed sequence, ``length`` slots are
     valid, ``capacity`` may be used. Its tensors go back to the engine's pool when it is dropped."""
 
-    def __init__(self, slab: Slab, capacity: int, release: Callable[[Slab], None] | None = None):
+    def __init__(self, slab: Slab, capacity: int, release: Callable[[Slab], None]):
         self.slab, self.k, self.v, self.length = slab, slab.k, slab.v, 0
         self._capacity = capacity
-        if release is not None:
-            weakref.finalize(self, release, slab)
+        weakref.finalize(self, release, slab)
 
     @property
     def capacity(self) -> int:
@@ -130,8 +156,8 @@ class _StaticPass(FixedShapeCall):
     """A decoding block at one fixed shape (``rows`` padded rows, ``keys`` slots of attention) on
     one cache slab, with the taps asked for: input buffers the host fills, outputs it reads."""
 
-    def __init__(self, engine: "DeviceEngine", slab: Slab, rows: int, keys: int, taps: tuple[int, ...], graph: bool):
-        super().__init__(engine.device, engine._graph_pool if graph else None)
+    def __init__(self, engine: "DeviceEngine", slab: Slab, rows: int, keys: int, taps: tuple[int, ...]):
+        super().__init__(engine.device, engine._graph_pool)
         dev = engine.device
         self.engine, self.slab, self.keys, self.taps = engine, slab, keys, taps
         self.tokens = torch.zeros(rows, dtype=torch.int64, device=dev)
@@ -215,24 +241,14 @@ class DeviceEngine(TargetEngine):
         cuda = self.device.type == "cuda"
         if graphs and not cuda:
             raise LyannaError(f"CUDA graphs need a CUDA device, not {device!r}")
-        self.graphs = cuda if graphs is None else graphs
-        self._graph_pool = torch.cuda.graph_pool_handle() if self.graphs else None
-        self._free: dict[int, list[Slab]] = {}  # pooled capacity -> slabs no cache holds
+        # None: fixed-shape calls run eagerly (not CUDA, or --no-cuda-graphs)
+        self._graph_pool = torch.cuda.graph_pool_handle() if (cuda if graphs is None else graphs) else None
+        self.pool = SlabPool(c.num_layers, c, ROW_BUCKETS[-1], POOL_CAPACITY_MIN, self.dtype, self.device)
         self._passes: dict[tuple[int, int, int, tuple[int, ...]], _StaticPass] = {}
 
     def new_cache(self, capacity: int) -> StaticCache:
         """A cache for ``capacity`` positions, from the pool of caches no generation holds."""
-        if capacity < 1:
-            raise ValueError(f"cache capacity must be >= 1, got {capacity}")
-        pooled = pow2_at_least(capacity, POOL_CAPACITY_MIN)
-        free = self._free.setdefault(pooled, [])
-        if free:
-            slab = free.pop()
-        else:
-            c = self.config
-            shape = (c.num_layers, c.num_kv_heads, pooled + ROW_BUCKETS[-1], c.head_dim)
-            slab = Slab(shape, pooled, self.dtype, self.device)
-        return StaticCache(slab, capacity, free.append)
+        return self.pool.cache(capacity)
 
     def forward_batch(self, blocks: Sequence[Block]) -> list[ForwardOutput]:
         """The blocks one after another, each on its own cache; every block is checked before any runs."""
@@ -260,16 +276,10 @@ class DeviceEngine(TargetEngine):
         taps = tuple(sorted(set(b.taps)))
         key = (id(slab), rows, keys, taps)
         if key not in self._passes:
-            self._passes[key] = _StaticPass(self, slab, rows, keys, taps, self.graphs)
+            self._passes[key] = _StaticPass(self, slab, rows, keys, taps)
         p = self._passes[key]
         pad = rows - n
-        mask = np.zeros((rows, keys), bool)
-        mask[:n, :start] = True
-        mask[:n, start:end] = True if within is None else within
-        window = self.config.sliding_window
-        if window is not None:
-            key_positions = np.concatenate([np.arange(start), positions])
-            mask[:n, :end] &= positions[:, None] - key_positions[None, :] < window
+        mask = self._visible(start, positions, within, rows, keys)
         mask[n:, 0] = True  # padding rows read slot 0 (never empty after a prefill) and are dropped
         p.run(np.concatenate([tokens, np.zeros(pad, np.int64)]), np.concatenate([positions, np.zeros(pad, np.int64)]),
               np.concatenate([np.arange(start, end), slab.capacity + np.arange(pad)]), mask)
@@ -277,28 +287,31 @@ class DeviceEngine(TargetEngine):
         # overwrites); the tapped rows, which every drafter reads, come over now.
         return ForwardOutput(logits=_Logits(p.logits[:n].clone()), hidden={tap: _host(p.hidden[tap][:n]) for tap in b.taps})
 
-    def _mask(self, start: int, positions: torch.Tensor, within: np.ndarray | None) -> torch.Tensor | None:
-        """Which of the ``start + n`` slots each block row sees: the cached prefix, the block's own
-        ancestors (``within``; None: a single row), keys inside a sliding window. None: all."""
-        n, window = positions.shape[0], self.config.sliding_window
-        if within is None and window is None:
-            return None
-        allowed = torch.ones((n, start + n), dtype=torch.bool, device=self.device)
-        if within is not None:
-            allowed[:, start:] = torch.from_numpy(within).to(self.device)
+    def _visible(self, start: int, positions: np.ndarray, within: np.ndarray | None, rows: int, keys: int) -> np.ndarray:
+        """``[rows, keys]``: which slots each of the block's ``n`` rows sees (the cached prefix, the
+        block's own ancestors (``within``; None: a single row), keys inside a sliding window);
+        rows past ``n`` see nothing."""
+        n = positions.shape[0]
+        end = start + n
+        mask = np.zeros((rows, keys), bool)
+        mask[:n, :start] = True
+        mask[:n, start:end] = True if within is None else within
+        window = self.config.sliding_window
         if window is not None:
-            keys = torch.cat([torch.arange(start, device=self.device), positions])
-            allowed &= positions[:, None] - keys[None, :] < window
-        return allowed
+            key_positions = np.concatenate([np.arange(start), positions])
+            mask[:n, :end] &= positions[:, None] - key_positions[None, :] < window
+        return mask
 
     def _run_eager(self, b: Block, tokens: np.ndarray, positions: np.ndarray, within: np.ndarray | None) -> ForwardOutput:
         """A block at its own shape (prefills, blocks past the last bucket)."""
         start, n = b.cache.length, tokens.shape[0]
         pos = torch.from_numpy(positions).to(self.device)
         rows = None if b.logit_rows is None else torch.from_numpy(np.arange(n)[b.logit_rows]).to(self.device)
+        everything = within is None and self.config.sliding_window is None  # a single row sees every slot
+        mask = None if everything else torch.from_numpy(self._visible(start, positions, within, n, start + n)).to(self.device)
         logits, hidden = self._layers_pass(
             b.cache.slab, torch.from_numpy(tokens).to(self.device), pos, torch.arange(start, start + n, device=self.device),
-            self._mask(start, pos, within), start + n, tuple(b.taps), rows)
+            mask, start + n, tuple(b.taps), rows)
         return ForwardOutput(logits=_host(logits), hidden={tap: _host(hidden[tap]) for tap in b.taps})
 
     def _layers_pass(self, slab: Slab, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
@@ -306,23 +319,14 @@ class DeviceEngine(TargetEngine):
                      rows: torch.Tensor | None) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """Every layer over the block: keys and values written at ``slots``, attention over the
         first ``keys`` slots under ``mask`` (None: all of them), the logits of ``rows`` (None: all)."""
-        c, n = self.config, tokens.shape[0]
-        angles = positions.to(torch.float32)[:, None] * self._inv_freq[None, :]
-        angles = torch.cat([angles, angles], dim=-1)
-        cos, sin = angles.cos().to(self.dtype), angles.sin().to(self.dtype)
+        c = self.config
+        cos, sin = rotation(positions, self._inv_freq, self.dtype)
         x = self._embed[tokens]
         hidden: dict[int, torch.Tensor] = {}
         for li, layer in enumerate(self.layers):
             if li in taps:
                 hidden[li] = x
-            attn, h = layer.self_attn, layer.input_layernorm(x)
-            q = rope(attn.q_proj(h).view(n, c.num_heads, c.head_dim).transpose(0, 1), cos, sin)
-            slab.k[li].index_copy_(1, slots, rope(attn.k_proj(h).view(n, c.num_kv_heads, c.head_dim).transpose(0, 1), cos, sin))
-            slab.v[li].index_copy_(1, slots, attn.v_proj(h).view(n, c.num_kv_heads, c.head_dim).transpose(0, 1))
-            o = F.scaled_dot_product_attention(q[None], slab.k[li, :, :keys][None], slab.v[li, :, :keys][None],
-                                               attn_mask=mask, enable_gqa=c.num_heads != c.num_kv_heads)
-            x = x + attn.o_proj(o[0].transpose(0, 1).reshape(n, -1))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = cached_layer(layer, c, x, cos, sin, slab.k[li], slab.v[li], slots, mask, keys)
         if c.num_layers in taps:  # the final norm of every row is wanted: normalize once, pick after
             hidden[c.num_layers] = self.norm(x)
             normed = hidden[c.num_layers] if rows is None else hidden[c.num_layers][rows]

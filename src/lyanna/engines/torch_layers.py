@@ -17,6 +17,40 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return x * cos + rotated * sin
 
 
+def rotation(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE's cos and sin for ``positions`` ([n] int) in ``dtype``, angles in fp32."""
+    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def project_kv(layer: "DecoderLayer", c: ModelConfig, h: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys (rotated) and values of normalized rows ``h`` [n, hidden], ``[kv heads, n, head dim]`` each."""
+    attn, n = layer.self_attn, h.shape[0]
+    k = rope(attn.k_proj(h).view(n, c.num_kv_heads, c.head_dim).transpose(0, 1), cos, sin)
+    return k, attn.v_proj(h).view(n, c.num_kv_heads, c.head_dim).transpose(0, 1)
+
+
+def cached_layer(layer: "DecoderLayer", c: ModelConfig, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor | None,
+                 keys: int) -> torch.Tensor:
+    """``layer`` over rows ``x`` [n, hidden] of one sequence whose keys and values live in
+    ``k_cache``/``v_cache`` ([kv heads, slots, head dim]): the rows' own are written at ``slots``,
+    attention reads the first ``keys`` slots under ``mask`` ([n, keys] bool; None: all). The
+    device engine's target layers and its draft heads' layer both run this."""
+    attn, n = layer.self_attn, x.shape[0]
+    h = layer.input_layernorm(x)
+    k, v = project_kv(layer, c, h, cos, sin)
+    k_cache.index_copy_(1, slots, k)
+    v_cache.index_copy_(1, slots, v)
+    q = rope(attn.q_proj(h).view(n, c.num_heads, c.head_dim).transpose(0, 1), cos, sin)
+    o = F.scaled_dot_product_attention(q[None], k_cache[None, :, :keys], v_cache[None, :, :keys], attn_mask=mask,
+                                       enable_gqa=c.num_heads != c.num_kv_heads)
+    x = x + attn.o_proj(o[0].transpose(0, 1).reshape(n, -1))
+    return x + layer.mlp(layer.post_attention_layernorm(x))
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
         super().__init__()

@@ -1,27 +1,33 @@
 #!/usr/bin/env bash
 # The GPU measurements of the device path, in the pieces a lent GPU machine accepts.
 #
-# The machine gets the repository plus at most 64 MiB a command (the draft heads already take
-# ~45 MiB of that), has PyTorch, transformers, numba and no network. So the default model's GGUF
-# travels in parts, one part per command, while the machine stays warm between commands, and the
-# one wheel it lacks (gguf) travels with them.
+# The machine gets the repository plus at most 64 MiB a command, has PyTorch, transformers, numba
+# and no network. The default model's GGUF (94 MiB) travels in two parts of 47 MiB, one per
+# command, while the machine stays warm (it goes back after 30 s idle: send the calls back to
+# back); the draft heads (~39 MiB, tracked) leave no room for a part, so take them out of the
+# index for the two receive calls and put them back for the run. The one wheel the machine lacks
+# (gguf) travels with the run.
 #
-#   here:  scripts/gpu-bench.sh prepare     # .gpu/ (in .gitignore): part-00.., MANIFEST, wheels/
-#   there: scripts/gpu-bench.sh receive     # one command per part, carry [".gpu/part-NN", ".gpu/MANIFEST"]
+#   here:  scripts/gpu-bench.sh prepare     # .gpu/ (in .gitignore): part-00, part-01, MANIFEST, wheels/
+#   here:  git rm --cached -q $HEADS && printf '/%s\n' $HEADS >> .git/info/exclude
+#   there: scripts/gpu-bench.sh receive     # once per part, carry [".gpu/part-NN", ".gpu/MANIFEST"]
+#   here:  git reset -q -- $HEADS, and drop those two lines from .git/info/exclude
 #   there: scripts/gpu-bench.sh run         # carry [".gpu/MANIFEST", ".gpu/wheels"]; JSONs to $OUT
 #
-# `run` reassembles and checks the GGUF, runs tests/test_device_engine.py on the GPU, measures the
-# device's latency for blocks of 1..128 tokens, and runs the bench in float32 and bfloat16 (HF
-# generate(), ar, suffix, eagle, lyanna, lyanna+suffix; Spec-Bench, 26 prompts x 128 tokens; decoding
-# blocks replayed as CUDA graphs, and `ar` once more without them, in bfloat16). It
-# is meant to finish inside one 10-minute command; BENCH_LIMIT and BENCH_TOKENS shrink the bench.
+# ($HEADS: src/lyanna/drafts/smollm2-135m-instruct/{lyanna,eagle}/model.safetensors.)
+# `run` reassembles and checks the GGUF, then, each step time-boxed so that a failure or a hang
+# costs only its own step: the bench in bfloat16 and in float32 (ar, suffix, eagle, lyanna,
+# lyanna+suffix, HF generate() and its prompt lookup; Spec-Bench, 26 prompts x 128 tokens, cut by
+# --time-limit), tests/test_device_engine.py on the GPU, the device's latency for blocks of 1..128
+# tokens, and `ar` without CUDA graphs. It fits one 10-minute command (~8 minutes on an H200);
+# BF16_S, FP32_S, EAGER_S and TESTS_S set the steps' seconds, BENCH_LIMIT and BENCH_TOKENS the bench.
 # `local` runs the same steps here on the CPU (device cpu, a short bench) to check the script.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STAGE=${LYANNA_GPU_STAGE:-/tmp/lyanna-gpu}   # where parts, the model and the cache live on the machine
-PART_MB=${PART_MB:-16}
+PART_MB=${PART_MB:-47}
 GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
-METHODS=${METHODS:-hf,ar,suffix,eagle,lyanna,lyanna+suffix}
+METHODS=${METHODS:-ar,suffix,eagle,lyanna,lyanna+suffix,hf,hf-pld}
 LATENCY_DTYPE=${LATENCY_DTYPE:-bfloat16}
 
 prepare() {
@@ -56,7 +62,7 @@ setup() {
   if [ ! -f "$pkg/$GGUF_NAME" ]; then
     (cd "$STAGE/parts" && grep part- "$OLDPWD/.gpu/MANIFEST" | sha256sum -c --quiet -) \
       || { echo "parts missing or damaged in $STAGE/parts: send them again with receive"; exit 1; }
-    cat "$STAGE"/parts/part-* > "$pkg/$GGUF_NAME.tmp"
+    grep -o 'part-[0-9]*' .gpu/MANIFEST | sed "s|^|$STAGE/parts/|" | xargs cat > "$pkg/$GGUF_NAME.tmp"
     (cd "$pkg" && grep " $GGUF_NAME\$" "$OLDPWD/.gpu/MANIFEST" | sed "s/$GGUF_NAME\$/$GGUF_NAME.tmp/" | sha256sum -c --quiet -)
     mv "$pkg/$GGUF_NAME.tmp" "$pkg/$GGUF_NAME"
   fi
@@ -67,33 +73,46 @@ setup() {
   export PYTHONPATH="$PWD/src:$STAGE/site${PYTHONPATH:+:$PYTHONPATH}" LYANNA_CACHE="$STAGE/cache" PYTHONUNBUFFERED=1
 }
 
-measure() {  # measure DEVICE OUT LIMIT TOKENS
-  local device=$1 out=$2 limit=$3 tokens=$4 py=${PY:-python3}
+step() {  # step SECONDS NAME COMMAND...: a step that fails or overruns is logged, the next one runs
+  local seconds=$1 name=$2; shift 2
+  echo "== $name ($(date -u +%T), at most ${seconds}s)"
+  timeout -k 10 "$seconds" "$@" || echo "!! $name ended with status $?"
+}
+
+measure() {  # measure DEVICE OUT LIMIT TOKENS; the headline comes first, each step time-boxed
+  local device=$1 out=$2 limit=$3 tokens=$4
+  local lyanna=("${PY:-python3}" -c "import sys; from lyanna.cli import main; sys.exit(main(sys.argv[1:]))")
   mkdir -p "$out"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/device.txt" 2>/dev/null || echo "$device" > "$out/device.txt"
-  echo "== tests on $device"
-  LYANNA_TEST_DEVICE=$device $py -m pytest -x -q -p no:cacheprovider tests/test_device_engine.py 2>&1 | tail -3 | tee "$out/tests.txt"
-  echo "== latency against block size ($device, $LATENCY_DTYPE)"
-  $py scripts/project-speedup.py --device "$device" --dtype "$LATENCY_DTYPE" --out "$out/latency-$LATENCY_DTYPE.json" | tail -2
-  for dtype in float32 bfloat16; do
-    echo "== bench $dtype"
-    $py -c "import sys; from lyanna.cli import main; sys.exit(main(sys.argv[1:]))" --backend torch --device "$device" \
-      --dtype "$dtype" bench --methods "$METHODS" --limit "$limit" --max-new-tokens "$tokens" --json "$out/bench-$dtype.json" 2>&1 | tail -14
+  "${PY:-python3}" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" | tee -a "$out/device.txt"
+  # --time-limit starts no new prompt past it; the step's own limit adds room for loading,
+  # calibration and warm-up (graph captures, numba compiles on a fresh machine).
+  for dtype in bfloat16 float32; do
+    local seconds=$BF16_S; [ "$dtype" = float32 ] && seconds=$FP32_S
+    step $((seconds + 150)) "bench $dtype" "${lyanna[@]}" --backend torch --device "$device" --dtype "$dtype" bench \
+      --methods "$METHODS" --limit "$limit" --max-new-tokens "$tokens" --time-limit "$seconds" \
+      --no-progress --json "$out/bench-$dtype.json"
   done
-  if [ "$device" != cpu ]; then
-    echo "== ar without CUDA graphs (bfloat16), for what the graphs are worth"
-    $py -c "import sys; from lyanna.cli import main; sys.exit(main(sys.argv[1:]))" --backend torch --device "$device" \
-      --dtype bfloat16 --no-cuda-graphs bench --methods ar --limit "$limit" --max-new-tokens "$tokens" \
-      --json "$out/bench-bfloat16-eager.json" 2>&1 | tail -4
-  fi
+  step "$TESTS_S" "tests on $device" env LYANNA_TEST_DEVICE="$device" "${PY:-python3}" -m pytest -x -q -p no:cacheprovider \
+    tests/test_device_engine.py
+  step 90 "latency against block size ($device, $LATENCY_DTYPE)" "${PY:-python3}" scripts/project-speedup.py \
+    --device "$device" --dtype "$LATENCY_DTYPE" --out "$out/latency-$LATENCY_DTYPE.json"
+  [ "$device" != cpu ] && step $((EAGER_S + 90)) "ar without CUDA graphs (bfloat16)" "${lyanna[@]}" --backend torch \
+    --device "$device" --dtype bfloat16 --no-cuda-graphs bench --methods ar --limit "$limit" \
+    --max-new-tokens "$tokens" --time-limit "$EAGER_S" --no-progress --json "$out/bench-bfloat16-eager.json"
+  echo "== done $(date -u +%T)"
 }
+
+# Seconds of prompts per step (see step()); the defaults fit one 10-minute command with the
+# machine's start: bf16 is the headline, fp32 shows equality with ar.
+BF16_S=${BF16_S:-150} FP32_S=${FP32_S:-90} EAGER_S=${EAGER_S:-20} TESTS_S=${TESTS_S:-90}
 
 case "${1:-}" in
   prepare) prepare ;;
   receive) receive ;;
   run)
     setup
-    measure cuda "${OUT:?run this on the device machine, where OUT is set}" "${BENCH_LIMIT:-26}" "${BENCH_TOKENS:-128}" ;;
+    measure cuda "${OUT:?run this on the device machine, where OUT is set}" "${BENCH_LIMIT:-26}" "${BENCH_TOKENS:-128}" 2>&1 | tee "$OUT/log.txt" ;;
   local)
     STAGE=${LYANNA_GPU_STAGE:-/tmp/lyanna-gpu-local}
     receive

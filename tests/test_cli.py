@@ -144,6 +144,20 @@ def test_bench_turns_start_at_the_next_method(tmp_path, tiny_decoder, monkeypatc
     assert order[2:] == ["ar", "suffix", "suffix", "ar"] * 3  # after the warm-up of each method
 
 
+def test_bench_time_limit_stops_starting_prompts(tmp_path, tiny_decoder):
+    """Past the time limit no new prompt starts, and every method's row covers the same prompts."""
+    from lyanna.measure import bench
+
+    questions = tmp_path / "q.jsonl"
+    questions.write_text("\n".join(json.dumps({"question_id": i, "category": "a", "turns": [f"q {i}"]}) for i in range(4)))
+    # A limit shorter than the warm-up: the first prompt runs (never an empty report), no other.
+    report = bench.run_bench(tiny_decoder, ["ar", "suffix"], bench.load_questions(questions), 4,
+                             progress=False, time_limit=1e-6)
+    assert report["settings"]["questions"] == 1 and report["settings"]["time_limit"] == 1e-6
+    assert [len(r["per_question"]) for r in report["results"]] == [1, 1]
+    assert all(r["equal_to_ar"] for r in report["results"])
+
+
 def test_report_pools_load_test_runs_and_compares_with_ar(tmp_path):
     """Runs of one configuration become one row: all their tokens over all their seconds, next
     to ``ar``'s under the same load."""

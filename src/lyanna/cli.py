@@ -129,6 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeats", type=_positive_int, default=1,
                    help="run each question N times per method, interleaved, and keep the fastest run (greedy only; "
                         "for a shared host, whose bursts of load would otherwise land on one method's runs)")
+    b.add_argument("--time-limit", type=_positive_seconds, default=None, metavar="SECONDS",
+                   help="start no new prompt once this many seconds have passed; the report covers the "
+                        "prompts every method finished (for runs that must end inside a slot)")
     b.add_argument("--no-progress", action="store_true")
     _budget_args(b)
     _sampling_args(b)
@@ -254,6 +257,7 @@ def _bench(args: argparse.Namespace) -> None:
         budget=args.budget,
         fallback=args.fallback,
         repeats=args.repeats,
+        time_limit=args.time_limit,
     )
     print(format_table(report))
     for row in report["results"]:

@@ -9,6 +9,7 @@ import datetime as _dt
 import json
 import os
 import platform
+import time
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -234,13 +235,17 @@ def run_bench(
     budget: int | str = "auto",
     fallback: bool = False,
     repeats: int = 1,
+    time_limit: float | None = None,
 ) -> dict[str, Any]:
     """Run every method on every question and return the JSON-ready report. ``repeats`` > 1
     (greedy only) runs each question that many times per method, interleaved, and keeps each
     method's fastest run: its tokens are the same every time, and noise on a shared host only
-    ever adds time, so the fastest run is the one a burst of load from elsewhere missed."""
+    ever adds time, so the fastest run is the one a burst of load from elsewhere missed.
+    ``time_limit`` (seconds from the call, warm-up included) starts no new prompt once passed, so a
+    bench fits a lent machine's slot; every method still runs the same prompts."""
     from tqdm import tqdm
 
+    started = time.perf_counter()
     if not methods:
         raise LyannaError("give at least one method")
     if max_new_tokens < 1:
@@ -256,7 +261,10 @@ def run_bench(
     per_method: dict[str, list[GenerationResult]] = {m: [] for m in methods}
     bar = tqdm(total=len(questions) * len(methods) * repeats, desc="bench", unit="run", disable=not progress)
     order, turn = list(runners.items()), 0
-    for ids in prompts:
+    for done, ids in enumerate(prompts):
+        if time_limit is not None and done and time.perf_counter() - started > time_limit:
+            questions = questions[:done]
+            break
         runs: dict[str, list[GenerationResult]] = {m: [] for m in methods}
         for _ in range(repeats):
             # Each turn starts at the next method, so that no method always runs first (or last)
@@ -280,6 +288,7 @@ def run_bench(
         "settings": {
             "methods": list(methods),
             "questions": len(questions),
+            "time_limit": time_limit,
             "max_new_tokens": max_new_tokens,
             "temperature": sampling.temperature,
             "top_p": sampling.top_p,

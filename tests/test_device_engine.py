@@ -306,3 +306,40 @@ def test_device_eagle_trees_equal_the_host_eagle_trees(tiny):
         np.testing.assert_array_equal(b.tokens, a.tokens)
         np.testing.assert_array_equal(b.parents, a.parents)
         np.testing.assert_allclose(b.scores, a.scores, rtol=1e-4)
+
+
+def test_fixed_shape_calls_issue_no_op_a_cuda_graph_cannot_capture(tiny, monkeypatch):
+    """Every fixed-shape call (target blocks, lyanna's draft and trees, eagle's tree) runs only
+    ops a CUDA graph can capture: no Python scalar lifted to a host tensor (``t[i] = True`` copies
+    it host-to-device), no read of a device value on the host (``.item()``), no op whose output
+    size depends on data. Checked on CPU, so CI catches what only a GPU run would show."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from lyanna.engines.device import FixedShapeCall
+
+    banned = {torch.ops.aten.lift_fresh.default, torch.ops.aten._local_scalar_dense.default,
+              torch.ops.aten.nonzero.default, torch.ops.aten.masked_select.default}
+    seen: dict[str, set[str]] = {}
+
+    class Watch(TorchDispatchMode):
+        def __init__(self, name: str):
+            super().__init__()
+            self.name = name
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.setdefault(self.name, set())
+            if func in banned:
+                seen[self.name].add(str(func))
+            return func(*args, **(kwargs or {}))
+
+    def watched(self):
+        with Watch(type(self).__name__):
+            self._forward()
+
+    monkeypatch.setattr(FixedShapeCall, "run_fixed", watched)
+    d = _with_heads(Decoder(tiny, engine=DeviceEngine(tiny.config, tiny.weights, DEVICE), default_drafts=False), tiny)
+    req = GenerationRequest(max_new_tokens=12, eos_token_ids=())
+    for method in ("ar", "eagle-device", "lyanna-device"):
+        d.generate(list(range(3, 30)), req, method=method, budget=None)
+    assert set(seen) == {"_StaticPass", "_DraftPass", "_TreePass", "_EagleTreePass"}
+    assert seen == {name: set() for name in seen}

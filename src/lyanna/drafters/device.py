@@ -131,8 +131,9 @@ class _EagleTreePass(_CatchUpCall):
             fw = min(w, c_tok.shape[0])
             order = torch.sort(c_score, descending=True, stable=True).indices[:fw]
             own = (d - 2) * w + torch.arange(fw, device=dev)
-            rows_anc = anc[c_src[order]].clone()
-            rows_anc[torch.arange(fw, device=dev), own] = True
+            # Each row also sees its own slot. No ``t[i, j] = True``: a Python scalar becomes a
+            # host tensor copied to the device, which a CUDA graph cannot capture.
+            rows_anc = anc[c_src[order]] | (torch.arange(spec, device=dev)[None, :] == own[:, None])
             mask = self.prefix[None, :].expand(fw, -1).clone()
             mask[:, self.spec_slots] = rows_anc
             x = h.fc(torch.cat([pred[c_src[order]], h._embed[c_tok[order]]], dim=-1))

@@ -156,6 +156,15 @@ def test_bench_time_limit_stops_starting_prompts(tmp_path, tiny_decoder):
     assert report["settings"]["questions"] == 1 and report["settings"]["time_limit"] == 1e-6
     assert [len(r["per_question"]) for r in report["results"]] == [1, 1]
     assert all(r["equal_to_ar"] for r in report["results"])
+    assert [q["first_difference"] for r in report["results"] for q in r["per_question"]] == [None, None]
+
+
+def test_bench_names_the_first_token_where_a_method_left_ar():
+    from lyanna.measure.bench import _first_difference
+
+    assert _first_difference([5, 6, 7], [5, 6, 8]) == 2
+    assert _first_difference([5, 6], [5, 6]) is None
+    assert _first_difference([5, 6], [5, 6, 9]) == 2  # one stopped early (EOS): it differs there
 
 
 def test_report_pools_load_test_runs_and_compares_with_ar(tmp_path):

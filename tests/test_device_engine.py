@@ -131,7 +131,8 @@ def test_cuda_graphs_give_the_same_tokens(tiny):
 def test_gguf_blocks_load_dequantized_and_bad_settings_are_refused(tiny):
     weights = {k: quantize_q8_0(w) if w.ndim == 2 and ".layers." in k else w for k, w in tiny.weights.items()}
     e = DeviceEngine(tiny.config, weights, DEVICE)
-    np.testing.assert_array_equal(e.layers[0].mlp.up_proj.weight.cpu().numpy(), weights["model.layers.0.mlp.up_proj.weight"].dense())
+    np.testing.assert_array_equal(e.layers[0].views()["mlp.up_proj.weight"].cpu().numpy(),
+                                  weights["model.layers.0.mlp.up_proj.weight"].dense())
     with pytest.raises(LyannaError, match="dtype"):
         DeviceEngine(tiny.config, tiny.weights, DEVICE, "float64")
     with pytest.raises(LyannaError, match="missing"):

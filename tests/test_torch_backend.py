@@ -136,8 +136,10 @@ def test_hf_generate_runs_our_forward_over_the_models_own_tensors(tiny):
     _, model, _ = tiny
     engine = lyanna.hf.decoder_for(model).engine
     assert isinstance(engine, DeviceEngine)
-    ours, theirs = engine.layers[1].mlp.up_proj.weight, model.model.layers[1].mlp.up_proj.weight
-    assert ours.data_ptr() == theirs.data_ptr()
+    ours, theirs = engine.layers[1].views(), model.model.layers[1]
+    assert ours["mlp.up_proj.weight"].data_ptr() == theirs.mlp.up_proj.weight.data_ptr()
+    assert ours["self_attn.k_proj.weight"].data_ptr() == theirs.self_attn.k_proj.weight.data_ptr()
+    assert engine.layers[1].down.data_ptr() == theirs.mlp.down_proj.weight.data_ptr()
     assert engine._embed.data_ptr() == model.get_input_embeddings().weight.data_ptr()
     np.testing.assert_array_equal(engine.lm_head, model.get_output_embeddings().weight.detach().numpy())
 

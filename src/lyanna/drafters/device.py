@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from ..engines.device import KEY_BUCKET_MIN, FixedShapeCall, Slab, SlabPool, StaticCache, pow2_at_least
-from ..engines.torch_layers import DecoderLayer, RMSNorm, cached_layer, project_kv, rotation
+from ..engines.torch_layers import DecoderLayer, PackedLayer, cached_layer, rms_norm, rotation
 from ..errors import LyannaError
 from .head import PairContext
 from .tree import DraftTree
@@ -94,7 +94,7 @@ class _DraftPass(_CatchUpCall):
             f = h.layer_at(f, self.chain_positions[j : j + 1], self.chain_slots[j : j + 1], self.chain_mask[j : j + 1],
                            self.slab, self.keys)
             features.append(f)
-        self.raw = (h.norm(torch.cat(features)) @ h._draft_lm_head.T).float()
+        self.raw = (rms_norm(torch.cat(features), h._norm, h.config.rms_norm_eps) @ h._draft_lm_head.T).float()
 
 
 class _EagleTreePass(_CatchUpCall):
@@ -197,10 +197,12 @@ class DeviceDraftHead:
             raise LyannaError(f"draft head fc.weight has shape {tuple(fc_w.shape)}, expected {(c.hidden_size, 2 * c.hidden_size)}")
         self.fc = torch.nn.Linear(2 * c.hidden_size, c.hidden_size)
         self.fc.load_state_dict({"weight": fc_w, "bias": self._weight(weights, "fc.bias")})
-        self.layer = DecoderLayer(c)
-        self.layer.load_state_dict({k: self._weight(weights, f"layer.{k}") for k in self.layer.state_dict()})
-        for m in (self.fc, self.layer):
+        layer = DecoderLayer(c)
+        layer.load_state_dict({k: self._weight(weights, f"layer.{k}") for k in layer.state_dict()})
+        for m in (self.fc, layer):
             m.to(self.device, self.dtype).eval().requires_grad_(False)
+        with torch.no_grad():
+            self.layer = PackedLayer(layer, c)
         self._embed = engine._embed
         self._lm_head = engine._lm_head
         self._inv_freq = engine._inv_freq
@@ -238,7 +240,7 @@ class DeviceDraftHead:
         """The head's layer over rows ``x``: keys and values written at ``slots``, attention over
         the first ``keys`` slots under ``mask`` (None: all of them)."""
         cos, sin = rotation(positions, self._inv_freq, self.dtype)
-        return cached_layer(self.layer, self.config, x, cos, sin, slab.k[0], slab.v[0], slots, mask, keys)
+        return cached_layer(self.layer, x, cos, sin, slab.k[0], slab.v[0], slots, mask, keys)
 
     @torch.inference_mode()
     def fill(self, features: np.ndarray, tokens: np.ndarray, positions: np.ndarray, cache: StaticCache) -> None:
@@ -246,8 +248,8 @@ class DeviceDraftHead:
         n = len(tokens)
         if not n:
             return
-        h = self.layer.input_layernorm(self._fuse(features, tokens))
-        k, v = project_kv(self.layer, self.config, h, *self._rotation(positions))
+        h = rms_norm(self._fuse(features, tokens), self.layer.input_norm, self.layer.eps)
+        _, k, v = self.layer.qkv_rows(h, *self._rotation(positions))
         cache.k[0, :, cache.length : cache.length + n] = k
         cache.v[0, :, cache.length : cache.length + n] = v
         cache.length += n
@@ -296,9 +298,7 @@ class DeviceChainHead(DeviceDraftHead):
     def __init__(self, engine, weights: dict[str, np.ndarray]):
         super().__init__(engine, weights)
         c = self.config
-        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.norm.load_state_dict({"weight": self._weight(weights, "norm.weight")})
-        self.norm.to(self.device, self.dtype).eval().requires_grad_(False)
+        self._norm = self._weight(weights, "norm.weight").to(self.device, self.dtype)
         d2t = np.asarray(weights["d2t"], np.int64)
         if d2t.ndim != 1 or d2t.size == 0 or np.unique(d2t).size != d2t.size or d2t.min() < 0 or d2t.max() >= c.vocab_size:
             raise LyannaError("draft vocabulary map d2t must list distinct target token ids")

@@ -31,7 +31,7 @@ from .base import Block, ForwardOutput, TargetEngine, block_inputs, compaction
 from .config import ModelConfig, rope_inv_freq
 from .loading import Target, load_target
 from .quant import QuantMatrix
-from .torch_layers import DecoderLayer, RMSNorm, cached_layer, rotation
+from .torch_layers import DecoderLayer, PackedLayer, cached_layer, rms_norm, rotation
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -227,13 +227,14 @@ class DeviceEngine(TargetEngine):
 
         # ``assign``: the modules hold the given tensors; ``to`` copies only what is not already
         # on the device in the dtype (so a model's own weights are shared, never duplicated).
-        self.layers = torch.nn.ModuleList(DecoderLayer(c) for _ in range(c.num_layers))
-        for i, layer in enumerate(self.layers):
+        # Each layer packed for few kernels (``PackedLayer``); the module it was read into goes.
+        self.layers: list[PackedLayer] = []
+        for i in range(c.num_layers):
+            layer = DecoderLayer(c)
             layer.load_state_dict({k: tensor(f"model.layers.{i}.{k}") for k in layer.state_dict()}, assign=True)
-        self.layers.to(self.device, self.dtype).eval().requires_grad_(False)
-        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.norm.load_state_dict({"weight": tensor("model.norm.weight")}, assign=True)
-        self.norm.to(self.device, self.dtype).requires_grad_(False)
+            with torch.no_grad():
+                self.layers.append(PackedLayer(layer.to(self.device, self.dtype).requires_grad_(False), c))
+        self._norm = tensor("model.norm.weight").to(self.device, self.dtype)
         self._embed = tensor("model.embed_tokens.weight").to(self.device, self.dtype)
         tied = self.lm_head is self.embed
         self._lm_head = self._embed if tied else tensor("lm_head.weight").to(self.device, self.dtype)
@@ -326,12 +327,12 @@ class DeviceEngine(TargetEngine):
         for li, layer in enumerate(self.layers):
             if li in taps:
                 hidden[li] = x
-            x = cached_layer(layer, c, x, cos, sin, slab.k[li], slab.v[li], slots, mask, keys)
+            x = cached_layer(layer, x, cos, sin, slab.k[li], slab.v[li], slots, mask, keys)
         if c.num_layers in taps:  # the final norm of every row is wanted: normalize once, pick after
-            hidden[c.num_layers] = self.norm(x)
+            hidden[c.num_layers] = rms_norm(x, self._norm, c.rms_norm_eps)
             normed = hidden[c.num_layers] if rows is None else hidden[c.num_layers][rows]
         else:
-            normed = self.norm(x if rows is None else x[rows])
+            normed = rms_norm(x if rows is None else x[rows], self._norm, c.rms_norm_eps)
         return normed @ self._lm_head.T, hidden
 
 
@@ -371,6 +372,12 @@ def device_engine_of(engine: Any, graphs: bool | None = None) -> DeviceEngine | 
     if dtype not in DTYPES or any(name not in weights or weights[name].shape != shape for name, shape in wanted.items()):
         return None
     device = DeviceEngine(config, weights, str(engine.device), dtype, graphs)
+    # The packed layers copied the attention and MLP input weights; the model holds slices of
+    # them instead (the same values), so that those weights are not kept twice.
+    with torch.no_grad():
+        for i, layer in enumerate(device.layers):
+            for name, view in layer.views().items():
+                weights[f"model.layers.{i}.{name}"].data = view
     device.embed, device.lm_head, device.final_norm = engine.embed, engine.lm_head, engine.final_norm
     return device
 

@@ -24,31 +24,85 @@ def rotation(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
-def project_kv(layer: "DecoderLayer", c: ModelConfig, h: torch.Tensor, cos: torch.Tensor,
-               sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The keys (rotated) and values of normalized rows ``h`` [n, hidden], ``[kv heads, n, head dim]`` each."""
-    attn, n = layer.self_attn, h.shape[0]
-    k = rope(attn.k_proj(h).view(n, c.num_kv_heads, c.head_dim).transpose(0, 1), cos, sin)
-    return k, attn.v_proj(h).view(n, c.num_kv_heads, c.head_dim).transpose(0, 1)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as one fused kernel on a GPU (``RMSNorm`` below is Hugging Face's formula, kernel by
+    kernel, for training); the same in fp32, within a rounding of it in bf16."""
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
-def cached_layer(layer: "DecoderLayer", c: ModelConfig, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor | None,
-                 keys: int) -> torch.Tensor:
-    """``layer`` over rows ``x`` [n, hidden] of one sequence whose keys and values live in
+def _half_rotated(w: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
+    """Rows (or a bias) ``w`` of ``heads`` heads such that ``w_rot @ h`` is RoPE's rotated half of
+    ``w @ h``, ``cat(-second half, first half)`` per head: a sign and a permutation of rows, exact."""
+    per_head = w.reshape(heads, head_dim, *w.shape[1:])
+    half = head_dim // 2
+    return torch.cat([-per_head[:, half:], per_head[:, :half]], dim=1).reshape(w.shape)
+
+
+class PackedLayer:
+    """A decoder layer's weights as the device path multiplies them, for few kernels a layer (on
+    a GPU a small model's step is bound by how many kernels it launches, not by their work):
+    one matmul gives q, k, their rotated halves and v (rows ``[q | k | q_rot | k_rot | v]``, so
+    RoPE is two elementwise kernels for q and k together), one gives gate and up, the output
+    and down projections add the residual in their matmul (``addmm``), and the norms are fused
+    ``rms_norm``s. ``views`` names the slices that hold a Hugging Face layer's own weights."""
+
+    def __init__(self, layer: "DecoderLayer", c: ModelConfig):
+        attn, mlp = layer.self_attn, layer.mlp
+        qk_w = torch.cat([attn.q_proj.weight, attn.k_proj.weight])
+        qk_heads = c.num_heads + c.num_kv_heads
+        self.qkv = torch.cat([qk_w, _half_rotated(qk_w, qk_heads, c.head_dim), attn.v_proj.weight])
+        self.qkv_bias = None
+        if attn.q_proj.bias is not None:
+            qk_b = torch.cat([attn.q_proj.bias, attn.k_proj.bias])
+            self.qkv_bias = torch.cat([qk_b, _half_rotated(qk_b, qk_heads, c.head_dim), attn.v_proj.bias])
+        self.o = attn.o_proj.weight
+        self.gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
+        self.down = mlp.down_proj.weight
+        self.input_norm, self.post_norm = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
+        self.eps, self.config = layer.input_layernorm.eps, c
+
+    def views(self) -> dict[str, torch.Tensor]:
+        """Hugging Face parameter names (under ``model.layers.N.``) -> the packed tensors' slices
+        that equal them, so a model whose weights this layer copied can hold these instead."""
+        c, d = self.config, self.config.head_dim
+        q, k = c.num_heads * d, c.num_kv_heads * d
+        v0 = 2 * (q + k)
+        names = {"self_attn.q_proj.weight": self.qkv[:q], "self_attn.k_proj.weight": self.qkv[q : q + k],
+                 "self_attn.v_proj.weight": self.qkv[v0:],
+                 "mlp.gate_proj.weight": self.gate_up[: c.intermediate_size],
+                 "mlp.up_proj.weight": self.gate_up[c.intermediate_size :]}
+        if self.qkv_bias is not None:
+            names |= {"self_attn.q_proj.bias": self.qkv_bias[:q], "self_attn.k_proj.bias": self.qkv_bias[q : q + k],
+                      "self_attn.v_proj.bias": self.qkv_bias[v0:]}
+        return names
+
+    def qkv_rows(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Queries and keys (rotated) and values of normalized rows ``h`` [n, hidden]:
+        ``[heads, n, head dim]`` each (views of one product)."""
+        c, n, d = self.config, h.shape[0], self.config.head_dim
+        qk_heads = c.num_heads + c.num_kv_heads
+        proj = F.linear(h, self.qkv, self.qkv_bias)
+        qk, qk_rot = proj[:, : qk_heads * d].view(n, qk_heads, d), proj[:, qk_heads * d : 2 * qk_heads * d].view(n, qk_heads, d)
+        qk = torch.addcmul(qk * cos[:, None], qk_rot, sin[:, None]).transpose(0, 1)
+        v = proj[:, 2 * qk_heads * d :].view(n, c.num_kv_heads, d).transpose(0, 1)
+        return qk[: c.num_heads], qk[c.num_heads :], v
+
+
+def cached_layer(p: PackedLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor | None, keys: int) -> torch.Tensor:
+    """A layer over rows ``x`` [n, hidden] of one sequence whose keys and values live in
     ``k_cache``/``v_cache`` ([kv heads, slots, head dim]): the rows' own are written at ``slots``,
     attention reads the first ``keys`` slots under ``mask`` ([n, keys] bool; None: all). The
     device engine's target layers and its draft heads' layer both run this."""
-    attn, n = layer.self_attn, x.shape[0]
-    h = layer.input_layernorm(x)
-    k, v = project_kv(layer, c, h, cos, sin)
+    c, n = p.config, x.shape[0]
+    q, k, v = p.qkv_rows(rms_norm(x, p.input_norm, p.eps), cos, sin)
     k_cache.index_copy_(1, slots, k)
     v_cache.index_copy_(1, slots, v)
-    q = rope(attn.q_proj(h).view(n, c.num_heads, c.head_dim).transpose(0, 1), cos, sin)
     o = F.scaled_dot_product_attention(q[None], k_cache[None, :, :keys], v_cache[None, :, :keys], attn_mask=mask,
                                        enable_gqa=c.num_heads != c.num_kv_heads)
-    x = x + attn.o_proj(o[0].transpose(0, 1).reshape(n, -1))
-    return x + layer.mlp(layer.post_attention_layernorm(x))
+    x = torch.addmm(x, o[0].transpose(0, 1).reshape(n, -1), p.o.T)
+    gate, up = F.linear(rms_norm(x, p.post_norm, p.eps), p.gate_up).chunk(2, dim=-1)
+    return torch.addmm(x, F.silu(gate) * up, p.down.T)
 
 
 class RMSNorm(nn.Module):

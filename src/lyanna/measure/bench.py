@@ -80,6 +80,8 @@ def machine_info() -> dict[str, Any]:
         "python": platform.python_version(),
         "numpy": np.__version__,
         "torch": torch.__version__,
+        # The accelerator, when one is visible (a bench on one names it beside the host's CPU).
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
     }
 
 
@@ -191,6 +193,15 @@ def _aggregate(results: list[GenerationResult]) -> dict[str, Any]:
     }
 
 
+def _first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """The index of the first new token where two greedy outputs differ (None: equal), which
+    says whether a bfloat16 run drifted from ``ar`` at a near-tie late or went wrong early."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
 def _method_row(method: str, rs: list[GenerationResult], greedy_ar: list[GenerationResult] | None,
                 ar: list[GenerationResult] | None, questions: Sequence[Question]) -> dict[str, Any]:
     """One method's report row: totals, speedup over ``ar`` overall and per category, and per
@@ -216,7 +227,8 @@ def _method_row(method: str, rs: list[GenerationResult], greedy_ar: list[Generat
         "per_question": [
             {"question_id": q.question_id, "category": q.category, "new_tokens": r.new_tokens,
              "seconds": round(r.seconds, 4), "prefill_seconds": round(r.prefill_seconds, 4),
-             "equal_to_ar": (r.tokens == greedy_ar[i].tokens) if greedy_ar else None}
+             "equal_to_ar": (r.tokens == greedy_ar[i].tokens) if greedy_ar else None,
+             "first_difference": _first_difference(r.tokens, greedy_ar[i].tokens) if greedy_ar else None}
             for i, (q, r) in enumerate(zip(questions, rs))
         ],
     }

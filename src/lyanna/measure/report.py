@@ -142,7 +142,9 @@ def write_report(bench_files: Sequence[str | Path], out: str | Path = "BENCHMARK
         lines += [
             f"## {settings.get('label') or f.stem}", "",
             f"- command: `{cmd}`",
-            f"- machine: {machine['cpu']}, {machine['cores']} cores, {machine['platform']}; numpy {machine['numpy']}, torch {machine['torch']}",
+            f"- machine: {machine['cpu']}, {machine['cores']} cores"
+            f"{', GPU ' + machine['gpu'] if machine.get('gpu') else ''}, {machine['platform']}; "
+            f"numpy {machine['numpy']}, torch {machine['torch']}",
             f"- date: {settings['date']}; model: {report['model']}; engine: {report.get('engine', 'numpy')}; "
             f"{settings['questions']} questions; temperature {settings['temperature']}",
             *([f"- memory: target weights {report['memory']['target_weights_mb']} MiB as held by the engine; "

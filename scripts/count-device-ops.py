@@ -1,10 +1,15 @@
 """Count the torch operations a decoding round issues on the device path, inside and outside the
-fixed-shape calls (the target's pass, Lyanna's draft: each replayed as one CUDA graph on a GPU).
+fixed-shape calls (the target's pass, Lyanna's draft: each replayed as one CUDA graph on a GPU),
+and time where a round's time goes.
 
 On a GPU every operation outside a captured graph is a kernel launch of its own (a few
 microseconds each, plus Python), so this count says how far a round is from "one launch and one
 small copy": what `--backend torch` still does eagerly. Runs on any device (CPU torch counts the
-same operations); prefill is left out by subtracting a one-token generation.
+same operations); prefill is left out by subtracting a one-token generation. The timing pass
+(without the profiler) gives, per round, the milliseconds inside each kind of fixed-shape call
+(the target's pass by its row bucket: ``_StaticPass[16]``; on CUDA synchronized before and
+after, so a call's time is its device time) and outside them (the host's own work: the gap a
+GPU waits through).
 
     python scripts/count-device-ops.py --out docs/bench/device-ops.json
 """
@@ -39,11 +44,29 @@ def main() -> None:
     from lyanna.engines import device
     from lyanna.measure.bench import load_questions, machine_info, split_budget
 
+    import time
+    from collections import defaultdict
+
+    import torch
+
     run_fixed = device.FixedShapeCall.run_fixed
+    timing = {"on": False, "seconds": defaultdict(float)}
+
+    def sync() -> None:
+        if torch.device(args.device).type == "cuda":
+            torch.cuda.synchronize()
 
     def marked(self) -> None:
-        with record_function(MARK):
-            run_fixed(self)
+        if not timing["on"]:
+            with record_function(MARK):
+                run_fixed(self)
+            return
+        name = type(self).__name__ + (f"[{self.tokens.shape[0]}]" if isinstance(self, device._StaticPass) else "")
+        sync()
+        start = time.perf_counter()
+        run_fixed(self)
+        sync()
+        timing["seconds"][name] += time.perf_counter() - start
 
     device.FixedShapeCall.run_fixed = marked
     target, engine = device.load_device_target(args.model, args.device, args.dtype)
@@ -65,6 +88,19 @@ def main() -> None:
             inside, outside = (inside + 1, outside) if parent is not None else (inside, outside + 1)
         return outside, inside, calls, r.extra["rounds"]
 
+    def timed(method: str, budget) -> dict:
+        """Milliseconds a round inside each kind of fixed-shape call and outside them (decoding
+        only: the generation's time less its prefill), over a longer generation."""
+        timing["seconds"].clear()
+        timing["on"] = True
+        sync()
+        r = decoder.generate(ids, GenerationRequest(max_new_tokens=args.max_new_tokens * 2), method=method, budget=budget)
+        timing["on"] = False
+        rounds, inside = r.extra["rounds"], sum(timing["seconds"].values())
+        ms = {name: round(1000 * s / rounds, 3) for name, s in sorted(timing["seconds"].items())}
+        return {"timed_rounds": rounds, "tokens_per_round": round(r.new_tokens / rounds, 3), "ms_per_round_inside": ms,
+                "ms_per_round_outside": round(1000 * (r.seconds - r.prefill_seconds - inside) / rounds, 3)}
+
     rows = []
     for spec in args.methods.split(","):
         method, budget = split_budget(spec, "auto")
@@ -74,9 +110,10 @@ def main() -> None:
         rounds = max(1, r - r1)
         rows.append({"method": spec, "rounds": rounds, "ops_outside_per_round": round((o - o1) / rounds, 1),
                      "ops_inside_per_round": round((i - i1) / rounds, 1),
-                     "fixed_shape_calls_per_round": round((c - c1) / rounds, 2)})
+                     "fixed_shape_calls_per_round": round((c - c1) / rounds, 2), **timed(method, budget)})
         print(f"{spec}: {rows[-1]['ops_outside_per_round']} operations a round outside the fixed-shape calls, "
-              f"{rows[-1]['ops_inside_per_round']} inside {rows[-1]['fixed_shape_calls_per_round']} calls ({rounds} rounds)")
+              f"{rows[-1]['ops_inside_per_round']} inside {rows[-1]['fixed_shape_calls_per_round']} calls ({rounds} rounds); "
+              f"ms a round inside {rows[-1]['ms_per_round_inside']}, outside {rows[-1]['ms_per_round_outside']}")
     report = {"model": args.model, "engine": engine.name, "machine": machine_info(),
               "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
               "command": "python scripts/count-device-ops.py " + " ".join(

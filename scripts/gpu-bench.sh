@@ -18,9 +18,11 @@
 # `run` reassembles and checks the GGUF, then, each step time-boxed so that a failure or a hang
 # costs only its own step: the bench in bfloat16 and in float32 (ar, suffix, eagle, lyanna,
 # lyanna+suffix, HF generate() and its prompt lookup; Spec-Bench, 26 prompts x 128 tokens, cut by
-# --time-limit), tests/test_device_engine.py on the GPU, the device's latency for blocks of 1..128
-# tokens, and `ar` without CUDA graphs. It fits one 10-minute command (~8 minutes on an H200);
-# BF16_S, FP32_S, EAGER_S and TESTS_S set the steps' seconds, BENCH_LIMIT and BENCH_TOKENS the bench.
+# --time-limit), where a round's time goes (scripts/count-device-ops.py: each fixed-shape call's
+# device time and the host's gap, per round), tests/test_device_engine.py on the GPU, the device's
+# latency for blocks of 1..128 tokens, and `ar` without CUDA graphs. It fits one 10-minute command
+# (~8 minutes on an H200); BF16_S, FP32_S, EAGER_S and TESTS_S set the steps' seconds, BENCH_LIMIT
+# and BENCH_TOKENS the bench.
 # `local` runs the same steps here on the CPU (device cpu, a short bench) to check the script.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -93,6 +95,8 @@ measure() {  # measure DEVICE OUT LIMIT TOKENS; the headline comes first, each s
       --methods "$METHODS" --limit "$limit" --max-new-tokens "$tokens" --time-limit "$seconds" \
       --no-progress --json "$out/bench-$dtype.json"
   done
+  step 180 "where a round's time goes ($device, bfloat16)" "${PY:-python3}" scripts/count-device-ops.py --device "$device" \
+    --dtype bfloat16 --methods "ar,suffix,eagle@16,lyanna@16" --out "$out/device-ops-bfloat16.json"
   step "$TESTS_S" "tests on $device" env LYANNA_TEST_DEVICE="$device" "${PY:-python3}" -m pytest -x -q -p no:cacheprovider \
     tests/test_device_engine.py
   step 90 "latency against block size ($device, $LATENCY_DTYPE)" "${PY:-python3}" scripts/project-speedup.py \

@@ -188,6 +188,25 @@ def test_scores_at_the_bounds_are_accepted():
     np.testing.assert_array_equal(DraftTree.chain([1, 2]).scores, [1.0, 1.0])  # no estimate: 1
 
 
+@pytest.mark.parametrize("seed", range(20))
+def test_depths_and_closed_scores_follow_each_nodes_path(seed):
+    """Each node's depth is its path's length and its closed score the minimum along its path
+    (what ``best`` ranks by, so that any top-n is ancestor-closed), on random trees."""
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(0, 40))
+    parents = np.array([int(rng.integers(-1, i)) for i in range(n)], np.int64)
+    tree = DraftTree(rng.permutation(n), parents, rng.random(n))  # distinct tokens name the nodes
+    paths = [tree.path_to(i) for i in range(n)]
+    assert tree.depths.tolist() == [len(p) for p in paths]
+    assert tree.closed_scores().tolist() == [min(tree.scores[p]) for p in paths]
+    node_of = {int(t): i for i, t in enumerate(tree.tokens)}
+    for k in range(n + 1):  # every cut keeps each kept node's parent, still its parent
+        cut = tree.best(k)
+        kept = [node_of[int(t)] for t in cut.tokens]
+        assert len(cut) == k
+        assert [kept[p] if p >= 0 else -1 for p in cut.parents.tolist()] == [int(parents[i]) for i in kept]
+
+
 def test_suffix_scores_are_the_measured_acceptance_rates():
     """Every node scores the measured probability that its path is accepted: the product of the
     per-token rates for the match length, falling with depth (no longer match_len/rank >= 3)."""

@@ -15,6 +15,7 @@ from lyanna.decoding import verify as verify_module
 from lyanna.decoding.decoder import Decoder, GenerationRequest
 from lyanna.drafters.eagle import EagleDrafter
 from lyanna.drafters.head import DraftHead, PairContext
+from lyanna.drafters.tree import DraftTree
 from lyanna.drafters.checkpoint import save_head
 from lyanna.drafters.device import DeviceChainHead, DeviceDraftHead
 from lyanna.drafters.lyanna import ChainHead, LyannaDrafter, TokenInfo, token_info_tree
@@ -283,6 +284,36 @@ def test_fixed_shape_draft_equals_the_host_heads_draft(tiny):
         np.testing.assert_allclose(np.asarray(b.cpu()), a, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("fallback", ["lowrank", "none"])
+def test_a_rounds_drafting_in_one_call_equals_the_host_heads(tiny, fallback):
+    """``draft_trees`` (draft, its tree and the tree re-sampled from leftover rows, one call on
+    the device) gives the host head's raw rows and trees: with and without leftover rows."""
+    e, w = _lyanna_head(tiny, seed=9, varied=True)
+    vocab = tiny.config.vocab_size
+    ti = TokenInfo(w["ti.a"], w["ti.b"], np.arange(0, vocab, 3), fallback)
+    hidden = np.random.default_rng(10).standard_normal((40, tiny.config.hidden_size)).astype(np.float32)
+    ctx = np.arange(30, 71)
+    rounds = []
+    for head, rows in ((ChainHead(e, w), np.asarray), (DeviceChainHead(e, w), lambda r: torch.from_numpy(r).to(DEVICE))):
+        pc = PairContext(head, 2)
+        pc.start({2: hidden[:20]})
+        raw, fresh, none = head.draft_trees(pc, ctx[:21], 4, None, ti, 3, 2, 12)
+        pc.commit({2: hidden[20:22]})
+        leftover = rows(np.asarray(raw.cpu() if isinstance(raw, torch.Tensor) else raw)[2:])
+        raw2, fresh2, resampled = head.draft_trees(pc, ctx[:23], 3, leftover, ti, 3, 2, 12)
+        assert none is None and len(resampled) > 0 and np.all(resampled.origin == 1)
+        rounds.append((raw, fresh, raw2, fresh2, resampled, pc.passes))
+    host, dev = rounds
+    assert host[-1] == dev[-1]
+    for a, b in zip(host[:-1], dev[:-1]):
+        if isinstance(a, DraftTree):
+            np.testing.assert_array_equal(b.tokens, a.tokens)
+            np.testing.assert_array_equal(b.parents, a.parents)
+            np.testing.assert_allclose(b.scores, a.scores, rtol=1e-4)
+        else:
+            np.testing.assert_allclose(np.asarray(b.cpu()), a, rtol=1e-4, atol=1e-4)
+
+
 def test_device_eagle_trees_equal_the_host_eagle_trees(tiny):
     """EAGLE-2's tree grown on the device in one fixed-shape call (frontier, ancestor masks,
     top-k all on the device) is the host drafter's tree for the same context: same nodes,
@@ -342,5 +373,9 @@ def test_fixed_shape_calls_issue_no_op_a_cuda_graph_cannot_capture(tiny, monkeyp
     req = GenerationRequest(max_new_tokens=12, eos_token_ids=())
     for method in ("ar", "eagle-device", "lyanna-device"):
         d.generate(list(range(3, 30)), req, method=method, budget=None)
-    assert set(seen) == {"_StaticPass", "_DraftPass", "_TreePass", "_EagleTreePass"}
+    lyanna = d.drafters["lyanna-device"].fork()  # the draft and the tree alone, as other policies call them
+    lyanna.start(list(range(3, 30)), {2: np.zeros((27, tiny.config.hidden_size), np.float32)})
+    raw = lyanna.chain(list(range(3, 30)), 3)
+    lyanna.head.tree(raw, 5, lyanna.ti, 2, 2, 8)
+    assert set(seen) == {"_StaticPass", "_DraftPass", "_DraftTreesPass", "_TreePass", "_EagleTreePass"}
     assert seen == {name: set() for name in seen}

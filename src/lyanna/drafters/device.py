@@ -5,8 +5,8 @@ the head's steps, and for ``lyanna`` the chain, the raw logits over the draft vo
 trees built from them stay on the device; only candidate nodes (a few dozen token ids, parents
 and scores) cross to the host to become a ``DraftTree``. ``DeviceDraftHead`` gives ``PairContext``
 its cache and ``fill`` and ``EagleDrafter`` the whole tree (``eagle_tree``); ``DeviceChainHead``
-gives ``LyannaDrafter`` what ``lyanna.ChainHead`` does (``draft``, ``tree``); the same numbers
-as the host heads up to floating-point rounding.
+gives ``LyannaDrafter`` what ``lyanna.ChainHead`` does (``draft``, ``tree``, and ``draft_trees``, a
+round's drafting in one call); the same numbers as the host heads up to floating-point rounding.
 
 Token information is computed on the fly, ``TI(parent) = A[parent] @ B`` for the whole frontier
 in one product: the hot-row table is a CPU optimization (a row read instead of a rank-r product),
@@ -97,6 +97,29 @@ class _DraftPass(_CatchUpCall):
         self.raw = (rms_norm(torch.cat(features), h._norm, h.config.rms_norm_eps) @ h._draft_lm_head.T).float()
 
 
+class _DraftTreesPass(_DraftPass):
+    """A round of lyanna's drafting in one call: ``_DraftPass``, then the tree of its raw logits
+    and, with ``leftover`` rows (the last chain's rows still valid), the tree re-sampled from
+    them, both under the same root (``fresh``, ``resampled``: ``_grow``'s candidates)."""
+
+    def __init__(self, head: "DeviceChainHead", slab: Slab, rows: int, depth: int, keys: int, leftover: int, topk: int,
+                 width: int, lowrank: bool, pool: Any):
+        super().__init__(head, slab, rows, depth, keys, pool)
+        dev = head.device
+        self.topk, self.width = topk, width
+        self.leftover = torch.zeros((leftover, head.d2t.size), dtype=torch.float32, device=dev) if leftover else None
+        self.root_token = torch.zeros(1, dtype=torch.int64, device=dev)
+        self.hot = None if lowrank else torch.zeros(head.config.vocab_size, dtype=torch.bool, device=dev)
+        self.fresh: torch.Tensor | None = None
+        self.resampled: torch.Tensor | None = None
+
+    def _forward(self) -> None:
+        super()._forward()
+        self.fresh = _grow(self.head, self.raw, self.root_token, self.topk, self.width, self.hot)
+        if self.leftover is not None:
+            self.resampled = _grow(self.head, self.leftover, self.root_token, self.topk, self.width, self.hot)
+
+
 class _EagleTreePass(_CatchUpCall):
     """EAGLE-2's tree growth at one fixed shape (``depth`` levels, ``topk`` children a node,
     ``width`` frontier nodes a level), after the catch-up: the root's top-k children, then per
@@ -149,39 +172,49 @@ class _EagleTreePass(_CatchUpCall):
         self.candidates = torch.stack([torch.cat(tokens).double(), torch.cat(parents).double(), torch.cat(scores)])
 
 
+def _grow(head: "DeviceChainHead", raw: torch.Tensor, root: torch.Tensor, topk: int, width: int,
+          hot: torch.Tensor | None) -> torch.Tensor:
+    """A token-info tree's candidates from ``raw`` ([depth, draft vocab]) under ``root`` ([1]
+    token): per depth, each frontier branch's top-k children under ``log_softmax(raw[d] +
+    TI(parent))``, the ``width`` best by joint log-probability (a stable sort: ties to the earlier
+    child) form the next frontier. ``[3, n]`` float64: tokens, parents, joint log-probabilities,
+    in the host builder's order. ``hot``: the vocabulary's hot tokens, where cold parents get no
+    token information (fallback "none"; None: every parent gets it)."""
+    dev = raw.device
+    f_tok, f_node = root, torch.full((1,), -1, dtype=torch.int64, device=dev)
+    f_score = torch.zeros(1, dtype=torch.float64, device=dev)
+    tokens, parents, scores, n = [], [], [], 0
+    for d in range(raw.shape[0]):
+        info = head._ti_a[f_tok] @ head._ti_b
+        if hot is not None:
+            info = info * hot[f_tok, None]
+        x = raw[d][None, :] + info
+        top_v, top_i = torch.topk(x, topk, dim=-1)
+        lse = torch.logsumexp(x, dim=-1, keepdim=True)
+        s = (f_score[:, None] + (top_v - lse).double()).reshape(-1)
+        tokens.append(head._d2t[top_i].reshape(-1))
+        parents.append(f_node[:, None].expand(-1, topk).reshape(-1))
+        scores.append(s)
+        order = torch.sort(s, descending=True, stable=True).indices[:width]
+        f_node, f_tok, f_score = n + order, tokens[-1][order], s[order]
+        n += s.shape[0]
+    return torch.stack([torch.cat(tokens).double(), torch.cat(parents).double(), torch.cat(scores)])
+
+
 class _TreePass(FixedShapeCall):
     """A token-info tree's candidates at one fixed shape (``depth`` rows of raw logits, ``topk``
-    children a branch, ``width`` branches a depth): ``candidates`` is ``[3, n]`` float64, the
-    tokens, parents and joint log-probabilities of every candidate in the host builder's order."""
+    children a branch, ``width`` branches a depth; ``_grow``)."""
 
     def __init__(self, head: "DeviceChainHead", depth: int, topk: int, width: int, lowrank: bool, pool: Any):
         super().__init__(head.device, pool)
-        self.head, self.depth, self.topk, self.width = head, depth, topk, width
+        self.head, self.topk, self.width = head, topk, width
         self.raw = torch.zeros((depth, head.d2t.size), dtype=torch.float32, device=head.device)
         self.root = torch.zeros(1, dtype=torch.int64, device=head.device)
         self.hot = None if lowrank else torch.zeros(head.config.vocab_size, dtype=torch.bool, device=head.device)
         self.candidates: torch.Tensor | None = None
 
     def _forward(self) -> None:
-        h, k = self.head, self.topk
-        f_tok, f_node = self.root, torch.full((1,), -1, dtype=torch.int64, device=self.device)
-        f_score = torch.zeros(1, dtype=torch.float64, device=self.device)
-        tokens, parents, scores, n = [], [], [], 0
-        for d in range(self.depth):
-            info = h._ti_a[f_tok] @ h._ti_b
-            if self.hot is not None:  # fallback "none": cold parents get no token information
-                info = info * self.hot[f_tok, None]
-            x = self.raw[d][None, :] + info
-            top_v, top_i = torch.topk(x, k, dim=-1)
-            lse = torch.logsumexp(x, dim=-1, keepdim=True)
-            s = (f_score[:, None] + (top_v - lse).double()).reshape(-1)
-            tokens.append(h._d2t[top_i].reshape(-1))
-            parents.append(f_node[:, None].expand(-1, k).reshape(-1))
-            scores.append(s)
-            order = torch.sort(s, descending=True, stable=True).indices[: self.width]
-            f_node, f_tok, f_score = n + order, tokens[-1][order], s[order]
-            n += s.shape[0]
-        self.candidates = torch.stack([torch.cat(tokens).double(), torch.cat(parents).double(), torch.cat(scores)])
+        self.candidates = _grow(self.head, self.raw, self.root, self.topk, self.width, self.hot)
 
 
 class DeviceDraftHead:
@@ -309,21 +342,25 @@ class DeviceChainHead(DeviceDraftHead):
         self._ti_a = self._weight(weights, "ti.a").to(self.device)
         self._ti_b = self._weight(weights, "ti.b").to(self.device)
         self._drafts: dict[tuple[int, int, int, int], _DraftPass] = {}
+        self._draft_trees: dict[tuple, _DraftTreesPass] = {}
         self._trees: dict[tuple[int, int, int, bool], _TreePass] = {}
+        self._hot_of: tuple[Any, torch.Tensor] | None = None  # (TokenInfo, its hot tokens on the device)
 
-    @torch.inference_mode()
-    def draft(self, pc: PairContext, ctx: np.ndarray, depth: int) -> torch.Tensor:
-        """``ChainHead.draft`` at fixed shapes (one CUDA graph per shape on a GPU): the pairs not
-        fed yet (the last ``CATCH_UP_ROWS`` of them, after filling older ones), the chain, the raw
-        logits, in one call. The same numbers as the step-by-step path up to rounding."""
+    def _hot(self, ti) -> torch.Tensor:
+        """``ti``'s hot tokens as a device mask over the vocabulary (fallback "none"), made once."""
+        if self._hot_of is None or self._hot_of[0] is not ti:
+            self._hot_of = (ti, torch.from_numpy(ti.row_of >= 0).to(self.device))
+        return self._hot_of[1]
+
+    def _drafted(self, pc: PairContext, ctx: np.ndarray, depth: int, make) -> _DraftPass:
+        """Run the draft call ``make(slab, rows, keys)`` builds for this context's shape (one per
+        shape, a CUDA graph on a GPU): the pairs not fed yet (the last ``CATCH_UP_ROWS`` of them,
+        after filling older ones), the chain, the raw logits."""
         pending = self._pending(pc, ctx, extra=depth)
         cache, n = pc.cache, len(pending)
         slab, base = cache.slab, int(pending[-1])  # the root pair sits in slot base - 1
         rows, keys = pow2_at_least(n), min(pow2_at_least(base + depth, KEY_BUCKET_MIN), slab.capacity)
-        key = (id(slab), rows, depth, keys)
-        p = self._drafts.get(key)
-        if p is None:
-            p = self._drafts[key] = _DraftPass(self, slab, rows, depth, keys, self._graph_pool)
+        p = make(slab, rows, keys)
         p.load(pc, ctx, pending)
         chain_slots = base + np.arange(depth - 1)
         for buf, host in ((p.chain_positions, chain_slots + 1), (p.chain_slots, chain_slots),
@@ -332,15 +369,55 @@ class DeviceChainHead(DeviceDraftHead):
         p.run_fixed()
         cache.length = pc.base = base
         pc.passes += depth
-        return p.raw.clone()
+        return p
+
+    @torch.inference_mode()
+    def draft(self, pc: PairContext, ctx: np.ndarray, depth: int) -> torch.Tensor:
+        """``ChainHead.draft`` at fixed shapes: the catch-up, the chain, the raw logits, in one
+        call. The same numbers as the step-by-step path up to rounding."""
+        def make(slab: Slab, rows: int, keys: int) -> _DraftPass:
+            key = (id(slab), rows, depth, keys)
+            if key not in self._drafts:
+                self._drafts[key] = _DraftPass(self, slab, rows, depth, keys, self._graph_pool)
+            return self._drafts[key]
+
+        return self._drafted(pc, ctx, depth, make).raw.clone()
+
+    @torch.inference_mode()
+    def draft_trees(self, pc: PairContext, ctx: np.ndarray, depth: int, leftover: torch.Tensor | None, ti,
+                    topk: int, width: int, max_nodes: int) -> tuple[torch.Tensor, DraftTree, DraftTree | None]:
+        """``ChainHead.draft_trees`` in one fixed-shape call (``_DraftTreesPass``): one launch and
+        one copy to the host (both trees' candidates) a round, instead of three calls and two."""
+        if topk < 1 or width < 1:
+            return self.draft(pc, ctx, depth), DraftTree.empty(), None if leftover is None else DraftTree.empty()
+        v, lowrank, left = self.d2t.size, ti.fallback == "lowrank", 0 if leftover is None else leftover.shape[0]
+        k = min(topk, v)
+
+        def make(slab: Slab, rows: int, keys: int) -> _DraftTreesPass:
+            key = (id(slab), rows, depth, keys, left, k, width, lowrank)
+            p = self._draft_trees.get(key)
+            if p is None:
+                p = self._draft_trees[key] = _DraftTreesPass(self, slab, rows, depth, keys, left, k, width, lowrank,
+                                                              self._graph_pool)
+            p.root_token.fill_(int(ctx[-1]))
+            if leftover is not None:
+                p.leftover.copy_(leftover)
+            if not lowrank:
+                p.hot.copy_(self._hot(ti))
+            return p
+
+        p = self._drafted(pc, ctx, depth, make)
+        host = torch.cat([p.fresh] + ([] if leftover is None else [p.resampled]), dim=1).cpu().numpy()
+        n = p.fresh.shape[1]
+        fresh = DraftTree.best_of(host[0, :n].astype(np.int64), host[1, :n].astype(np.int64), host[2, :n], max_nodes)
+        resampled = None if leftover is None else DraftTree.best_of(
+            host[0, n:].astype(np.int64), host[1, n:].astype(np.int64), host[2, n:], max_nodes, np.ones(host.shape[1] - n))
+        return p.raw.clone(), fresh, resampled
 
     @torch.inference_mode()
     def tree(self, raw: torch.Tensor, root: int, ti, topk: int, width: int, max_nodes: int, origin: int = 0) -> DraftTree:
-        """``lyanna.token_info_tree`` on the device, at a fixed shape per (depth, top-k, width):
-        per depth, each frontier branch's top-k children under ``log_softmax(raw[d] +
-        TI(parent))``, the ``width`` best by joint log-probability (a stable sort: ties to the
-        earlier child) form the next frontier; the candidates cross to the host once and the best
-        ``max_nodes`` form the tree."""
+        """``lyanna.token_info_tree`` on the device (``_grow``), at a fixed shape per (depth, top-k,
+        width); the candidates cross to the host once and the best ``max_nodes`` form the tree."""
         depth, v = raw.shape
         if depth == 0 or width < 1 or topk < 1:
             return DraftTree.empty()
@@ -350,7 +427,7 @@ class DeviceChainHead(DeviceDraftHead):
         if p is None:
             p = self._trees[key] = _TreePass(self, *key, self._graph_pool)
         if not lowrank:
-            p.hot.copy_(torch.from_numpy(ti.row_of >= 0))
+            p.hot.copy_(self._hot(ti))
         p.raw.copy_(raw)
         p.root.fill_(int(root))
         p.run_fixed()

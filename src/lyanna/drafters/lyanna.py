@@ -119,6 +119,15 @@ class ChainHead(DraftHead):
         """The token-info tree of ``raw`` rooted at ``root`` (``token_info_tree``)."""
         return token_info_tree(raw, root, ti, self.d2t, topk, width, max_nodes, origin)
 
+    def draft_trees(self, pc: PairContext, ctx: np.ndarray, depth: int, leftover: np.ndarray | None, ti: "TokenInfo",
+                    topk: int, width: int, max_nodes: int) -> tuple[np.ndarray, DraftTree, DraftTree | None]:
+        """A round's drafting: the chain's raw logits after ``ctx`` (``draft``), their tree, and the
+        tree re-sampled from ``leftover`` rows (None: none), both rooted at ``ctx[-1]`` (the device
+        head does all of it in one call)."""
+        raw, root = self.draft(pc, ctx, depth), int(ctx[-1])
+        resampled = None if leftover is None else self.tree(leftover, root, ti, topk, width, max_nodes, origin=1)
+        return raw, self.tree(raw, root, ti, topk, width, max_nodes), resampled
+
 
 @njit(cache=True, fastmath={"reassoc", "contract", "nsz", "arcp"})
 def _add_low_rank(a: np.ndarray, b: np.ndarray, token: int, out: np.ndarray) -> None:  # pragma: no cover - compiled
@@ -325,14 +334,14 @@ class LyannaDrafter(Drafter):
         depth = min(self.depth, max_depth)
         if depth < 1:
             return DraftTree.empty()
-        root = int(context[-1])
-        found = self._resampled(root, depth)
-        resampled = None if found is None else found[1]
-        if found is not None and self.policy == "reuse" and resampled.scores.sum() >= self.reuse_min_expected:
-            self._chain = found[0]
-            return resampled
-        self._chain = self.chain(context, depth)
-        fresh = self.head.tree(self._chain, root, self.ti, self.topk, self.width, self.max_nodes)
-        if self.policy == "fuse" and resampled is not None:
-            return fresh.merged(resampled, self.max_nodes)
-        return fresh
+        if self.policy == "reuse":  # the re-sampled tree alone, when it is likely enough
+            found = self._resampled(int(context[-1]), depth)
+            if found is not None and found[1].scores.sum() >= self.reuse_min_expected:
+                self._chain = found[0]
+                return found[1]
+        leftover = None
+        if self.policy == "fuse" and self._leftover is not None and len(self._leftover):
+            leftover = self._leftover[:depth]
+        self._chain, fresh, resampled = self.head.draft_trees(
+            self.context, np.asarray(context, np.int64), depth, leftover, self.ti, self.topk, self.width, self.max_nodes)
+        return fresh if resampled is None else fresh.merged(resampled, self.max_nodes)

@@ -207,6 +207,40 @@ def test_depths_and_closed_scores_follow_each_nodes_path(seed):
         assert [kept[p] if p >= 0 else -1 for p in cut.parents.tolist()] == [int(parents[i]) for i in kept]
 
 
+def _random_tree(rng, n: int, vocab: int, origin: int) -> DraftTree:
+    parents = np.array([int(rng.integers(-1, i)) for i in range(n)], np.int64)
+    return DraftTree(rng.integers(0, vocab, n), parents, rng.random(n), origin=np.full(n, origin))
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_merging_deterministic_trees_unites_equal_paths_and_keeps_the_best(seed):
+    """The compiled merge against its definition: nodes in order (this tree's, then the other's),
+    a child equal to one its merged parent already has (same token) is that node with the higher
+    score and the first origin; then the best ``max_nodes`` by closed score, depth, order."""
+    rng = np.random.default_rng(seed)
+    a, b = (_random_tree(rng, int(rng.integers(0, 30)), 4, origin) for origin in (0, 1))  # few tokens: many equal paths
+    tokens, parents, scores, origin, index = [], [], [], [], {}
+    for tree in (a, b):
+        remap = []
+        for t, p, sc, o in zip(tree.tokens.tolist(), tree.parents.tolist(), tree.scores.tolist(), tree.origin.tolist()):
+            parent = remap[p] if p >= 0 else -1
+            if (parent, t) in index:
+                node = index[(parent, t)]
+                scores[node] = max(scores[node], sc)
+            else:
+                node = index[(parent, t)] = len(tokens)
+                tokens.append(t), parents.append(parent), scores.append(sc), origin.append(o)
+            remap.append(node)
+    union = DraftTree(tokens, parents, scores, origin=origin)
+    for k in (0, 3, 10, len(union)):
+        got = a.merged(b, k)
+        order = np.lexsort((np.arange(len(union)), union.depths, -union.closed_scores()))
+        want = np.sort(order[:k]) if k < len(union) else np.arange(len(union))
+        assert got.tokens.tolist() == union.tokens[want].tolist()
+        assert got.scores.tolist() == union.scores[want].tolist() and got.origin.tolist() == union.origin[want].tolist()
+        assert [want[p] if p >= 0 else -1 for p in got.parents.tolist()] == union.parents[want].tolist()
+
+
 def test_suffix_scores_are_the_measured_acceptance_rates():
     """Every node scores the measured probability that its path is accepted: the product of the
     per-token rates for the match length, falling with depth (no longer match_len/rank >= 3)."""

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 import numpy as np
+from numba import njit
 
 
 @dataclass(frozen=True)
@@ -39,10 +40,10 @@ class DraftTree:
         scores = np.ones(tokens.shape, np.float64) if self.scores is None else np.asarray(self.scores, np.float64).reshape(-1)
         if parents.shape != tokens.shape or scores.shape != tokens.shape:
             raise ValueError(f"tokens, parents and scores must have one entry per node: {tokens.shape}, {parents.shape}, {scores.shape}")
-        idx = np.arange(tokens.size)
-        if np.any(parents < -1) or np.any(parents >= idx):
+        flaw = _flaw(parents, scores)
+        if flaw == 1:
             raise ValueError("each parent must be -1 or an earlier node (topological order)")
-        if scores.size and not np.all((scores >= 0.0) & (scores <= 1.0)):  # NaN fails too
+        if flaw == 2:
             raise ValueError("DraftTree scores are acceptance-probability estimates and must lie in [0, 1]; got "
                              f"values from {np.min(scores)} to {np.max(scores)}")
         for parent, q in self.sampled_from.items():
@@ -85,6 +86,10 @@ class DraftTree:
         from q. Any other mix under one node (samples from different q's, or samples beside
         deterministic children) has no lossless verification rule here and is refused. A result
         with sampled children is cut by depth (``shallowest``), never by score."""
+        if not self.sampled_from and not other.sampled_from:  # every round's case, compiled
+            tokens, parents, scores, origin = _union(self.tokens, self.parents, self.scores, self.origin,
+                                                     other.tokens, other.parents, other.scores, other.origin)
+            return DraftTree(tokens, parents, scores, origin=origin).best(max_nodes)
         tokens: list[int] = []
         parents: list[int] = []
         scores: list[float] = []
@@ -145,11 +150,7 @@ class DraftTree:
     def closed_scores(self) -> np.ndarray:
         """Scores made non-increasing from parent to child (a node is no likelier than its
         ancestors), so the best ``n`` by this score always form an ancestor-closed tree."""
-        s = self.scores.copy()
-        for i, p in enumerate(self.parents.tolist()):
-            if p >= 0:
-                s[i] = min(s[i], s[p])
-        return s
+        return _closed_scores(self.parents, self.scores)
 
     def best(self, n: int, closed: np.ndarray | None = None) -> "DraftTree":
         """The ``n`` nodes with the highest (closed) scores, ties to the shallower and earlier node;
@@ -160,8 +161,7 @@ class DraftTree:
         if self.sampled_from:
             raise ValueError("choosing among sampled children by score is not lossless; cut the tree with shallowest()")
         s = self.closed_scores() if closed is None else closed
-        order = np.lexsort((np.arange(len(self)), self.depths, -s))  # by score, then depth, then order
-        return self._subset(np.sort(order[:max(n, 0)]))
+        return self._subset(_best_nodes(self.depths, s, max(n, 0)))
 
     def shallowest(self, n: int) -> "DraftTree":
         """The first ``n`` nodes by depth, then tree order, scores unseen (for trees of i.i.d.
@@ -185,10 +185,7 @@ class DraftTree:
     @cached_property
     def depths(self) -> np.ndarray:
         """Depth of each node, 1 for children of the committed context (read-only: computed once)."""
-        d: list[int] = []
-        for p in self.parents.tolist():
-            d.append(1 if p < 0 else d[p] + 1)
-        out = np.asarray(d, np.int64)
+        out = _depths(self.parents)
         out.flags.writeable = False
         return out
 
@@ -212,6 +209,81 @@ class DraftTree:
             path.append(node)
             node = int(self.parents[node])
         return path[::-1]
+
+
+# Compiled: a round builds, merges and cuts a few trees of ~100 nodes, and in Python these loops
+# cost a sizeable part of a CPU step (their data is cold after the target's pass).
+
+
+@njit(cache=True)
+def _flaw(parents: np.ndarray, scores: np.ndarray) -> int:  # pragma: no cover - compiled
+    """0 for a valid tree; 1: a parent not -1 or an earlier node; 2: a score outside [0, 1] (NaN too)."""
+    for i in range(parents.shape[0]):
+        if parents[i] < -1 or parents[i] >= i:
+            return 1
+    for i in range(scores.shape[0]):
+        if not (0.0 <= scores[i] <= 1.0):
+            return 2
+    return 0
+
+
+@njit(cache=True)
+def _depths(parents: np.ndarray) -> np.ndarray:  # pragma: no cover - compiled
+    out = np.ones(parents.shape[0], np.int64)
+    for i in range(parents.shape[0]):
+        if parents[i] >= 0:
+            out[i] = out[parents[i]] + 1
+    return out
+
+
+@njit(cache=True)
+def _closed_scores(parents: np.ndarray, scores: np.ndarray) -> np.ndarray:  # pragma: no cover - compiled
+    """Each node's score, lowered to its parent's closed score where that is lower (topological order)."""
+    out = scores.copy()
+    for i in range(parents.shape[0]):
+        p = parents[i]
+        if p >= 0 and out[p] < out[i]:
+            out[i] = out[p]
+    return out
+
+
+@njit(cache=True)
+def _best_nodes(depths: np.ndarray, closed: np.ndarray, n: int) -> np.ndarray:  # pragma: no cover - compiled
+    """The ``n`` nodes first by closed score (descending), then depth, then tree order, in tree
+    order: two stable sorts, the secondary key first."""
+    by_depth = np.argsort(depths, kind="mergesort")
+    order = by_depth[np.argsort(-closed[by_depth], kind="mergesort")]
+    return np.sort(order[:n])
+
+
+@njit(cache=True)
+def _union(ta: np.ndarray, pa: np.ndarray, sa: np.ndarray, oa: np.ndarray, tb: np.ndarray, pb: np.ndarray,
+           sb: np.ndarray, ob: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:  # pragma: no cover
+    """``DraftTree.merged`` of two trees without sampled children: nodes in order, the first
+    tree's then the second's; a child whose parent already has a child of its token becomes that
+    node (the higher score, the first origin)."""
+    size = ta.shape[0] + tb.shape[0]
+    tokens, parents = np.empty(size, np.int64), np.empty(size, np.int64)
+    scores, origin = np.empty(size, np.float64), np.empty(size, np.int8)
+    remap = np.empty(max(ta.shape[0], tb.shape[0]), np.int64)
+    m = 0
+    for which in range(2):
+        tt, pp, ss, oo = (ta, pa, sa, oa) if which == 0 else (tb, pb, sb, ob)
+        for i in range(tt.shape[0]):
+            parent = remap[pp[i]] if pp[i] >= 0 else -1
+            node = -1
+            for j in range(m):  # ~100 nodes: a scan beats a hash map
+                if parents[j] == parent and tokens[j] == tt[i]:
+                    node = j
+                    break
+            if node >= 0:
+                scores[node] = max(scores[node], ss[i])
+            else:
+                node = m
+                tokens[m], parents[m], scores[m], origin[m] = tt[i], parent, ss[i], oo[i]
+                m += 1
+            remap[i] = node
+    return tokens[:m], parents[:m], scores[:m], origin[:m]
 
 
 _EMPTY = DraftTree(np.zeros(0, np.int64), np.zeros(0, np.int64))

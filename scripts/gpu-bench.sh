@@ -16,13 +16,13 @@
 #
 # ($HEADS: src/lyanna/drafts/smollm2-135m-instruct/{lyanna,eagle}/model.safetensors.)
 # `run` reassembles and checks the GGUF, then, each step time-boxed so that a failure or a hang
-# costs only its own step: the bench in bfloat16 and in float32 (ar, suffix, eagle, lyanna,
-# lyanna+suffix, HF generate() and its prompt lookup; Spec-Bench, 26 prompts x 128 tokens, cut by
-# --time-limit), where a round's time goes (scripts/count-device-ops.py: each fixed-shape call's
-# device time and the host's gap, per round), tests/test_device_engine.py on the GPU, the device's
-# latency for blocks of 1..128 tokens, and `ar` without CUDA graphs. It fits one 10-minute command
-# (~8 minutes on an H200); BF16_S, FP32_S, EAGER_S and TESTS_S set the steps' seconds, BENCH_LIMIT
-# and BENCH_TOKENS the bench.
+# costs only its own step: the bench in bfloat16 (ar, suffix, eagle, lyanna, lyanna+suffix, HF
+# generate() and its prompt lookup; Spec-Bench, 26 prompts x 128 tokens, cut by --time-limit),
+# where a round's time goes (scripts/count-device-ops.py: each fixed-shape call's device time and
+# the host's gap, per round), fixed budgets without the fallback, the bench in float32,
+# tests/test_device_engine.py on the GPU, and the device's latency for blocks of 1..128 tokens. It
+# fits one 10-minute command (~8 minutes on an H200); BF16_S, FIXED_S, FP32_S and TESTS_S set the
+# steps' seconds, BENCH_LIMIT and BENCH_TOKENS the bench.
 # `local` runs the same steps here on the CPU (device cpu, a short bench) to check the script.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -89,27 +89,29 @@ measure() {  # measure DEVICE OUT LIMIT TOKENS; the headline comes first, each s
   "${PY:-python3}" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" | tee -a "$out/device.txt"
   # --time-limit starts no new prompt past it; the step's own limit adds room for loading,
   # calibration and warm-up (graph captures, numba compiles on a fresh machine).
-  for dtype in bfloat16 float32; do
-    local seconds=$BF16_S; [ "$dtype" = float32 ] && seconds=$FP32_S
-    step $((seconds + 150)) "bench $dtype" "${lyanna[@]}" --backend torch --device "$device" --dtype "$dtype" bench \
-      --methods "$METHODS" --limit "$limit" --max-new-tokens "$tokens" --time-limit "$seconds" \
-      --no-progress --json "$out/bench-$dtype.json"
-  done
+  step $((BF16_S + 150)) "bench bfloat16" "${lyanna[@]}" --backend torch --device "$device" --dtype bfloat16 bench \
+    --methods "$METHODS" --limit "$limit" --max-new-tokens "$tokens" --time-limit "$BF16_S" \
+    --no-progress --json "$out/bench-bfloat16.json"
   step 180 "where a round's time goes ($device, bfloat16)" "${PY:-python3}" scripts/count-device-ops.py --device "$device" \
     --dtype bfloat16 --methods "ar,suffix,eagle@16,lyanna@16" --out "$out/device-ops-bfloat16.json"
+  # Fixed budgets with the fallback off: what each head's trees accept and cost where a tree of
+  # 64 verifies at a token's price (the auto budget and the fallback hide that when drafting loses).
+  step $((FIXED_S + 120)) "fixed budgets, no fallback (bfloat16)" "${lyanna[@]}" --backend torch --device "$device" \
+    --dtype bfloat16 bench --methods ar,eagle@16,lyanna@16,lyanna@64,lyanna+suffix@64 --no-fallback --limit 8 \
+    --max-new-tokens 96 --time-limit "$FIXED_S" --no-progress --json "$out/bench-bfloat16-fixed.json"
+  step $((FP32_S + 150)) "bench float32" "${lyanna[@]}" --backend torch --device "$device" --dtype float32 bench \
+    --methods "$METHODS" --limit "$limit" --max-new-tokens "$tokens" --time-limit "$FP32_S" \
+    --no-progress --json "$out/bench-float32.json"
   step "$TESTS_S" "tests on $device" env LYANNA_TEST_DEVICE="$device" "${PY:-python3}" -m pytest -x -q -p no:cacheprovider \
     tests/test_device_engine.py
   step 90 "latency against block size ($device, $LATENCY_DTYPE)" "${PY:-python3}" scripts/project-speedup.py \
     --device "$device" --dtype "$LATENCY_DTYPE" --out "$out/latency-$LATENCY_DTYPE.json"
-  [ "$device" != cpu ] && step $((EAGER_S + 90)) "ar without CUDA graphs (bfloat16)" "${lyanna[@]}" --backend torch \
-    --device "$device" --dtype bfloat16 --no-cuda-graphs bench --methods ar --limit "$limit" \
-    --max-new-tokens "$tokens" --time-limit "$EAGER_S" --no-progress --json "$out/bench-bfloat16-eager.json"
   echo "== done $(date -u +%T)"
 }
 
-# Seconds of prompts per step (see step()); the defaults fit one 10-minute command with the
-# machine's start: bf16 is the headline, fp32 shows equality with ar.
-BF16_S=${BF16_S:-150} FP32_S=${FP32_S:-90} EAGER_S=${EAGER_S:-20} TESTS_S=${TESTS_S:-90}
+# Seconds of prompts per step (see step()); the defaults fit one 10-minute command: bf16 is the
+# headline, fp32 shows equality with ar.
+BF16_S=${BF16_S:-150} FIXED_S=${FIXED_S:-45} FP32_S=${FP32_S:-75} TESTS_S=${TESTS_S:-90}
 
 case "${1:-}" in
   prepare) prepare ;;

@@ -230,10 +230,12 @@ def test_drafting_that_does_not_pay_is_skipped_then_probed_again():
     assert MAX_SKIP >= PROBE_EVERY
 
 
-def _longest_wait(draft_seconds: float, rounds: int = 12) -> int:
+def _longest_wait(draft_seconds: float, rounds: int = 12, others: int = 0,
+                  latency: LatencyCurve = curve([1, 2, 64], [0.01, 0.02, 0.64])) -> int:
     """The wait a budget settles on after ``rounds`` probes that do not beat plain decoding
-    (every row costs a 10 ms step, more than any node is worth)."""
-    budget = Budget("auto", curve([1, 2, 64], [0.01, 0.02, 0.64]))
+    (by default every row costs a 10 ms step, more than any node is worth), alone or beside
+    ``others`` one-row sequences."""
+    budget = Budget("auto", latency, load=lambda: (others, others))
     for _ in range(rounds):
         budget.choose(binary_tree(20, 0.5), draft_seconds)
         assert not budget.evidence.paid
@@ -248,6 +250,16 @@ def test_a_dear_probe_waits_longer_than_a_cheap_one():
     assert _longest_wait(0.05e-3) == MAX_SKIP
     assert _longest_wait(0.025) == int(0.025 / (PROBE_SHARE * 0.01)) == 250
     assert _longest_wait(10.0) == MAX_PROBE_WAIT
+
+
+def test_in_a_batch_a_probe_waits_for_its_stall_of_every_sequence():
+    """A probe's drafting holds up every sequence of the pass, so beside 3 others it costs 4
+    times its seconds against the whole pass: where a batched pass costs less than a step per
+    sequence (8 ms here, against 10 ms alone), a batched probe waits longer than a lone one."""
+    cheap_rows = curve([1, 2, 64], [0.01, 0.011, 0.64])  # a second row costs 1 ms, later ones ~10
+    alone, batched = _longest_wait(0.025, latency=cheap_rows), _longest_wait(0.025, others=3, latency=cheap_rows)
+    assert alone == int(0.025 / (PROBE_SHARE * 0.01)) == 250
+    assert batched == int(4 * 0.025 / (PROBE_SHARE * cheap_rows(4))) > alone
 
 
 def test_budgets_sharing_evidence_start_from_what_the_others_learned():

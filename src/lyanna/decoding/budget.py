@@ -194,7 +194,8 @@ def parse_budget(text: str | int) -> int | str:
 # the wait, up to MAX_SKIP rounds, or further for a drafter whose probe is dear: until a probe costs
 # at most PROBE_SHARE of the plain steps it waits for (a draft head's probe, ~25 ms with its
 # catch-up and LM-head passes, cost 2-3% of the time at 64 rounds on a 2-core CPU where a step is
-# ~9 ms), but never more than MAX_PROBE_WAIT rounds, so that a text turning predictable is seen.
+# ~9 ms; in a batch every sequence waits for it), but never more than MAX_PROBE_WAIT rounds, so
+# that a text turning predictable is seen.
 PROBE_EVERY = 8
 MAX_SKIP = 8 * PROBE_EVERY
 PROBE_SHARE = 0.01
@@ -290,7 +291,10 @@ class Budget:
             if ev.paid:
                 ev.wait = PROBE_EVERY - 1
             else:
-                longest = min(MAX_PROBE_WAIT, max(MAX_SKIP, int(seconds / (PROBE_SHARE * passes[0]))))
+                # A probe's drafting stalls the whole pass: every sequence in it waits, so in a
+                # batch it costs its seconds once per sequence.
+                dear = int(seconds * (others + 1) / (PROBE_SHARE * passes[0]))
+                longest = min(MAX_PROBE_WAIT, max(MAX_SKIP, dear))
                 self._skip_left, ev.wait = ev.wait, min(2 * ev.wait + 1, longest)
         chosen = tree.best(keep, closed)
         self._kept_depths.append(int(chosen.depths.max()) if len(chosen) else 0)

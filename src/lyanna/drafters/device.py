@@ -172,6 +172,12 @@ class _EagleTreePass(_CatchUpCall):
         self.candidates = torch.stack([torch.cat(tokens).double(), torch.cat(parents).double(), torch.cat(scores)])
 
 
+def _best_candidates(c: np.ndarray, max_nodes: int, origin: int = 0) -> DraftTree:
+    """The best ``max_nodes`` of candidates ``c`` (``[3, n]``: tokens, parents, joint
+    log-probabilities, as a fixed-shape call leaves them) as a tree."""
+    return DraftTree.best_of(c[0].astype(np.int64), c[1].astype(np.int64), c[2], max_nodes, np.full(c.shape[1], origin))
+
+
 def _grow(head: "DeviceChainHead", raw: torch.Tensor, root: torch.Tensor, topk: int, width: int,
           hot: torch.Tensor | None) -> torch.Tensor:
     """A token-info tree's candidates from ``raw`` ([depth, draft vocab]) under ``root`` ([1]
@@ -305,24 +311,38 @@ class DeviceDraftHead:
         the catch-up, then the tree's growth (``_EagleTreePass``); the candidates cross to the host
         once and the best ``max_nodes`` form the tree. The context is left at its committed pairs."""
         k = min(topk, self.config.vocab_size)
-        pending = self._pending(pc, ctx, extra=width * depth + 1)
-        cache, n = pc.cache, len(pending)
-        slab, base = cache.slab, int(pending[-1])
-        spec = max(depth - 1, 0) * width
-        rows, keys = pow2_at_least(n), min(pow2_at_least(base + spec, KEY_BUCKET_MIN), slab.capacity)
-        key = (id(slab), rows, depth, k, width, keys)
-        p = self._eagles.get(key)
-        if p is None:
-            p = self._eagles[key] = _EagleTreePass(self, slab, rows, depth, k, width, keys, self._graph_pool)
+        spec = max(depth - 1, 0) * width  # speculative pairs' slots: ``width`` a level after the first
+
+        def make(slab: Slab, rows: int, keys: int, base: int) -> _EagleTreePass:
+            key = (id(slab), rows, depth, k, width, keys)
+            p = self._eagles.get(key)
+            if p is None:
+                p = self._eagles[key] = _EagleTreePass(self, slab, rows, depth, k, width, keys, self._graph_pool)
+            for buf, host in ((p.spec_slots, base + np.arange(spec)),
+                              (p.spec_positions, len(ctx) - 1 + np.arange(1, depth)), (p.prefix, np.arange(keys) < base)):
+                buf.copy_(torch.from_numpy(host[: buf.shape[0]]) if len(host) else torch.zeros_like(buf))
+            return p
+
+        p = self._catch_up_call(pc, ctx, width * depth + 1, spec, depth, make)
+        return _best_candidates(p.candidates.cpu().numpy(), max_nodes)
+
+    def _catch_up_call(self, pc: PairContext, ctx: np.ndarray, extra: int, span: int, depth: int, make) -> Any:
+        """Run the call ``make(slab, rows, keys, base)`` gives (one per shape, a CUDA graph on a GPU;
+        it fills its own buffers past the catch-up) for this context: room for the pending pairs
+        and ``extra`` speculative rows, the last ``CATCH_UP_ROWS`` pending pairs in the call (older
+        ones filled first), attention over the committed pairs and ``span`` slots after them. The
+        context is left at its committed pairs, ``depth`` head passes counted."""
+        pending = self._pending(pc, ctx, extra)
+        cache = pc.cache
+        slab, base = cache.slab, int(pending[-1])  # the root pair sits in slot base - 1
+        rows, keys = pow2_at_least(len(pending)), min(pow2_at_least(base + span, KEY_BUCKET_MIN), slab.capacity)
+        p = make(slab, rows, keys, base)
         p.load(pc, ctx, pending)
-        for buf, host in ((p.spec_slots, base + np.arange(spec)), (p.spec_positions, len(ctx) - 1 + np.arange(1, depth)),
-                          (p.prefix, np.arange(keys) < base)):
-            buf.copy_(torch.from_numpy(host[: buf.shape[0]]) if len(host) else torch.zeros_like(buf))
         p.run_fixed()
         cache.length = pc.base = base
         pc.passes += depth
-        c = p.candidates.cpu().numpy()
-        return DraftTree.best_of(c[0].astype(np.int64), c[1].astype(np.int64), c[2], max_nodes)
+        return p
+
 
 class DeviceChainHead(DeviceDraftHead):
     """``DeviceDraftHead`` plus the chain's norm, the raw logits over the draft vocabulary (the
@@ -353,23 +373,17 @@ class DeviceChainHead(DeviceDraftHead):
         return self._hot_of[1]
 
     def _drafted(self, pc: PairContext, ctx: np.ndarray, depth: int, make) -> _DraftPass:
-        """Run the draft call ``make(slab, rows, keys)`` builds for this context's shape (one per
-        shape, a CUDA graph on a GPU): the pairs not fed yet (the last ``CATCH_UP_ROWS`` of them,
-        after filling older ones), the chain, the raw logits."""
-        pending = self._pending(pc, ctx, extra=depth)
-        cache, n = pc.cache, len(pending)
-        slab, base = cache.slab, int(pending[-1])  # the root pair sits in slot base - 1
-        rows, keys = pow2_at_least(n), min(pow2_at_least(base + depth, KEY_BUCKET_MIN), slab.capacity)
-        p = make(slab, rows, keys)
-        p.load(pc, ctx, pending)
-        chain_slots = base + np.arange(depth - 1)
-        for buf, host in ((p.chain_positions, chain_slots + 1), (p.chain_slots, chain_slots),
-                          (p.chain_mask, np.arange(keys)[None, :] <= chain_slots[:, None])):
-            buf.copy_(torch.from_numpy(host))
-        p.run_fixed()
-        cache.length = pc.base = base
-        pc.passes += depth
-        return p
+        """Run the draft call ``make(slab, rows, keys)`` gives for this context's shape: the
+        catch-up, the chain, the raw logits (``_catch_up_call``)."""
+        def chained(slab: Slab, rows: int, keys: int, base: int) -> _DraftPass:
+            p = make(slab, rows, keys)
+            chain_slots = base + np.arange(depth - 1)
+            for buf, host in ((p.chain_positions, chain_slots + 1), (p.chain_slots, chain_slots),
+                              (p.chain_mask, np.arange(keys)[None, :] <= chain_slots[:, None])):
+                buf.copy_(torch.from_numpy(host))
+            return p
+
+        return self._catch_up_call(pc, ctx, depth, depth, depth, chained)
 
     @torch.inference_mode()
     def draft(self, pc: PairContext, ctx: np.ndarray, depth: int) -> torch.Tensor:
@@ -409,10 +423,8 @@ class DeviceChainHead(DeviceDraftHead):
         p = self._drafted(pc, ctx, depth, make)
         host = torch.cat([p.fresh] + ([] if leftover is None else [p.resampled]), dim=1).cpu().numpy()
         n = p.fresh.shape[1]
-        fresh = DraftTree.best_of(host[0, :n].astype(np.int64), host[1, :n].astype(np.int64), host[2, :n], max_nodes)
-        resampled = None if leftover is None else DraftTree.best_of(
-            host[0, n:].astype(np.int64), host[1, n:].astype(np.int64), host[2, n:], max_nodes, np.ones(host.shape[1] - n))
-        return p.raw.clone(), fresh, resampled
+        resampled = None if leftover is None else _best_candidates(host[:, n:], max_nodes, origin=1)
+        return p.raw.clone(), _best_candidates(host[:, :n], max_nodes), resampled
 
     @torch.inference_mode()
     def tree(self, raw: torch.Tensor, root: int, ti, topk: int, width: int, max_nodes: int, origin: int = 0) -> DraftTree:
@@ -431,6 +443,4 @@ class DeviceChainHead(DeviceDraftHead):
         p.raw.copy_(raw)
         p.root.fill_(int(root))
         p.run_fixed()
-        host = p.candidates.cpu().numpy()
-        return DraftTree.best_of(host[0].astype(np.int64), host[1].astype(np.int64), host[2], max_nodes,
-                                 np.full(host.shape[1], origin))
+        return _best_candidates(p.candidates.cpu().numpy(), max_nodes, origin)

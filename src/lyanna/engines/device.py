@@ -14,8 +14,8 @@ captured once as a CUDA graph and replayed with one launch: the rows are padded 
 ``ROW_BUCKETS`` (padding rows write to scratch slots past the capacity and are dropped), attention
 reads a key range of a power of two from ``KEY_BUCKET_MIN`` slots with a mask built on the host,
 and caches come from a pool (``SlabPool``), so the graphs captured for one generation's cache
-serve the next ones. Prefills and blocks
-longer than the last bucket run eagerly at their own shape.
+serve the next ones. Prefills and blocks longer than the last bucket run eagerly at their own
+shape.
 """
 from __future__ import annotations
 

@@ -2,9 +2,10 @@
 # Continuous batching under load (BENCHMARKS.md, batching): `lyanna serve --max-batch B` on this
 # machine, then `lyanna loadtest` against it, one configuration at a time and nothing else running.
 # On one server per batch size, RUNS rounds over the concurrencies; at each concurrency the methods
-# take turns, each round starting at the next method, so that neither a server's warm-up nor a
-# row's place in the sequence favours one method (on a shared host both moved rows more than the
-# methods did). Before the runs, each method serves a few untimed requests (first-use compiles and
+# take turns, each round starting at the next method (so over as many rounds as methods, each
+# method leads at every concurrency once), so that neither a server's warm-up nor a row's place in
+# the sequence favours one method (on a shared host both moved rows more than the methods did; the
+# first method after a change of concurrency ran up to a third slower). Before the runs, each method serves a few untimed requests (first-use compiles and
 # allocations). The server's prefix cache is off (PREFIX_CACHE_TOKENS=0): with it on, a row's
 # prefill (most of this load's work) depended on which prompts the rows before it had left in the
 # cache, which moved a row by up to 3x. Writes $OUT/run<R>/<method>-b<B>-c<concurrency>.json (OUT
@@ -24,7 +25,6 @@ PREFIX_CACHE_TOKENS=${PREFIX_CACHE_TOKENS:-0}
 L=".venv/bin/lyanna"
 OUT=${OUT:-docs/bench/loadtest}
 mkdir -p "$OUT"
-turn=0
 for b in $BATCHES; do
   $L serve --port "$PORT" --max-batch "$b" --queue-size 64 --prefix-cache-tokens "$PREFIX_CACHE_TOKENS" \
     ${SERVE_ARGS:-} > "$OUT/.serve-b$b.log" 2>&1 &
@@ -37,15 +37,16 @@ for b in $BATCHES; do
   for r in $(seq "$RUNS"); do
     dir=$OUT; [ "$RUNS" -gt 1 ] && dir=$OUT/run$r
     mkdir -p "$dir"
+    ci=0
     for c in $CONCURRENCIES; do
       n=${#METHODS[@]}
       for i in $(seq 0 $((n - 1))); do
-        m=${METHODS[$(((turn + i) % n))]}
+        m=${METHODS[$(((r - 1 + ci + i) % n))]}
         echo "== run $r, max-batch $b, $m, concurrency $c"
         $L loadtest --url "http://127.0.0.1:$PORT" --method "$m" --requests "$REQUESTS" --concurrency "$c" \
           --max-tokens "$MAX_TOKENS" --json "$dir/$m-b$b-c$c.json" | grep -E '"(tokens_per_s|latency_p50_s|ttft_p50_s|failed)"'
       done
-      turn=$((turn + 1))
+      ci=$((ci + 1))
     done
   done
   kill $pid; wait $pid 2>/dev/null || true

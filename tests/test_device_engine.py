@@ -154,12 +154,12 @@ def _with_heads(decoder, target):
         ly.ti.b.normal_(0, 1.0)
     w = {**ly.numpy_weights(), "ti.hot": np.arange(0, vocab, 2)}
     ti = TokenInfo(w["ti.a"], w["ti.b"], w["ti.hot"])
-    decoder.add_drafter("lyanna", LyannaDrafter(ChainHead(decoder.engine, w), ti, tap=2, depth=3, topk=2, width=2))
+    decoder.add_drafter("lyanna", LyannaDrafter(ChainHead(decoder.engine, w), ti, taps=(2,), depth=3, topk=2, width=2))
     if isinstance(decoder.engine, DeviceEngine):  # the same heads on the device (lyanna's chain and trees too)
         decoder.add_drafter("eagle-device", EagleDrafter(DeviceDraftHead(decoder.engine, eagle.numpy_weights()), tap=2,
                                                          depth=3, topk=2, width=2))
         for name, suffix in (("lyanna-device", False), ("lyanna-device+suffix", True)):
-            decoder.add_drafter(name, LyannaDrafter(DeviceChainHead(decoder.engine, w), ti, tap=2, depth=3, topk=2, width=2,
+            decoder.add_drafter(name, LyannaDrafter(DeviceChainHead(decoder.engine, w), ti, taps=(2,), depth=3, topk=2, width=2,
                                                     suffix=suffix))
     decoder.add_drafter("peek", PeekingDrafter(decoder.engine))
     return decoder
@@ -243,6 +243,24 @@ def test_device_trees_equal_the_host_trees_on_the_same_raw_rows(tiny, fallback):
         np.testing.assert_allclose(got.scores, want.scores, rtol=1e-5)
 
 
+def test_a_head_reading_several_taps_decodes_losslessly_on_the_device_engine(tiny, tmp_path):
+    """A Lyanna head on two taps (layer 1's input and the final norm's output, projected): the
+    device engine returns both in its pass, the host projects them, and the method gives ``ar``'s tokens."""
+    e = DeviceEngine(tiny.config, tiny.weights, DEVICE)
+    vocab, h = tiny.config.vocab_size, tiny.config.hidden_size
+    ly = init_lyanna_head(e, tiny.weights, np.arange(vocab)[::-1].copy(), rank=4, taps=2)
+    w = ly.numpy_weights()
+    w["taps_fc.weight"] = w["taps_fc.weight"] + np.random.default_rng(0).normal(0, 0.05, (h, 2 * h)).astype(np.float32)
+    save_head(tmp_path / "lyanna", "lyanna", {**w, "ti.hot": np.arange(0, vocab, 2)}, tiny, (1, 2))
+    d = Decoder(tiny, engine=e, default_drafts=False)
+    d.load_draft(str(tmp_path / "lyanna"))
+    assert d.drafter_for("lyanna").taps == (1, 2)
+    req = GenerationRequest(max_new_tokens=16, eos_token_ids=())
+    ar = d.generate([1, 40, 41, 42, 40, 41, 42], req)
+    for method in ("lyanna", "lyanna+suffix"):
+        assert d.generate([1, 40, 41, 42, 40, 41, 42], req, method=method, budget=None).tokens == ar.tokens
+
+
 def test_checkpoints_load_their_device_heads_on_the_device_engine(tiny, tmp_path):
     """``--backend torch``: a head loaded from a checkpoint runs on the engine's device, and its
     method gives ``ar``'s tokens."""
@@ -271,7 +289,7 @@ def test_fixed_shape_draft_equals_the_host_heads_draft(tiny):
     ctx = np.arange(30, 71)
     states = []
     for head in (ChainHead(e, w), DeviceChainHead(e, w)):
-        pc, raws = PairContext(head, 2), []
+        pc, raws = PairContext(head, (2,)), []
         pc.start({2: hidden[:20]})
         raws.append(head.draft(pc, ctx[:21], 4))  # 20 pairs pending: more than a fixed catch-up takes
         pc.commit({2: hidden[20:23]})
@@ -295,7 +313,7 @@ def test_a_rounds_drafting_in_one_call_equals_the_host_heads(tiny, fallback):
     ctx = np.arange(30, 71)
     rounds = []
     for head, rows in ((ChainHead(e, w), np.asarray), (DeviceChainHead(e, w), lambda r: torch.from_numpy(r).to(DEVICE))):
-        pc = PairContext(head, 2)
+        pc = PairContext(head, (2,))
         pc.start({2: hidden[:20]})
         raw, fresh, none = head.draft_trees(pc, ctx[:21], 4, None, ti, 3, 2, 12)
         pc.commit({2: hidden[20:22]})

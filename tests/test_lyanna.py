@@ -41,7 +41,7 @@ def drafter_for(decoder, head, policy="fuse", hot=range(0, 259, 2), **knobs):
     w = export(head, list(hot))
     chain_head = ChainHead(decoder.engine, w)
     ti = TokenInfo(w["ti.a"], w["ti.b"], w["ti.hot"])
-    return LyannaDrafter(chain_head, ti, decoder.engine.config.num_layers, policy=policy, **knobs)
+    return LyannaDrafter(chain_head, ti, (decoder.engine.config.num_layers,), policy=policy, **knobs)
 
 
 def started(decoder, drafter, prompt="abc"):
@@ -61,7 +61,7 @@ def test_numpy_chain_matches_torch_unroll(tiny_decoder, fitted):
     head, _, examples = fitted
     ex = examples[0]
     drafter = drafter_for(tiny_decoder, head)
-    drafter.start(list(ex.tokens[:-1]), {drafter.tap: ex.features[:-1]})
+    drafter.start(list(ex.tokens[:-1]), {drafter.taps[0]: ex.features[:-1]})
     raw = drafter.chain(list(ex.tokens), 4)
     with torch.no_grad():
         chain = head.unroll(torch.from_numpy(ex.features), torch.from_numpy(ex.tokens), 4)
@@ -76,7 +76,7 @@ def test_catch_up_writes_the_cache_rows_a_full_step_writes(tiny_decoder, fitted)
     ex = examples[0]
     drafter = drafter_for(tiny_decoder, head)
     tokens, features = np.asarray(ex.tokens), ex.features
-    drafter.start(list(tokens[:-1]), {drafter.tap: features[:-1]})
+    drafter.start(list(tokens[:-1]), {drafter.taps[0]: features[:-1]})
     pc = drafter.context
     pred = pc.catch_up(tokens, extra=0)
     n = len(tokens) - 1
@@ -163,7 +163,7 @@ def test_resampled_tree_needs_zero_draft_passes(tiny_decoder, fitted):
     chain = drafter._chain.copy()
     passes = drafter.passes
     # verification accepted one draft token (5) and the target then chose 9
-    hidden = {drafter.tap: np.zeros((2, tiny_decoder.engine.config.hidden_size), np.float32)}
+    hidden = {drafter.taps[0]: np.zeros((2, tiny_decoder.engine.config.hidden_size), np.float32)}
     drafter.commit([ctx[-1], 5], hidden)
     tree = drafter.propose(ctx + [5, 9], 5)
     assert drafter.passes == passes  # no draft forward pass
@@ -178,7 +178,7 @@ def after_one_round(decoder, drafter):
     ctx = started(decoder, drafter)
     first_chain = drafter.chain(ctx, 5)  # the rows the first proposal is built from (a pure function of ctx)
     drafter.propose(ctx, 5)
-    hidden = {drafter.tap: np.zeros((2, decoder.engine.config.hidden_size), np.float32)}
+    hidden = {drafter.taps[0]: np.zeros((2, decoder.engine.config.hidden_size), np.float32)}
     drafter.commit([ctx[-1], 5], hidden)
     before = drafter.passes
     tree = drafter.propose(ctx + [5, 9], 5)

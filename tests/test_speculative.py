@@ -168,7 +168,7 @@ def small_decoder():
                 "lyanna-nofusion": {"policy": "reuse", "reuse_min_expected": 0.0},
                 "lyanna+suffix": {"policy": "fuse", "suffix": True}}
     for name, knobs in variants.items():
-        d.add_drafter(name, LyannaDrafter(ChainHead(d.engine, w), TokenInfo(w["ti.a"], w["ti.b"], w["ti.hot"]), tap=2,
+        d.add_drafter(name, LyannaDrafter(ChainHead(d.engine, w), TokenInfo(w["ti.a"], w["ti.b"], w["ti.hot"]), taps=(2,),
                                           depth=3, topk=2, width=2, **knobs))
     return d
 

@@ -216,7 +216,7 @@ def torch_small_decoder():
     with torch.no_grad():
         ly.ti.b.normal_(0, 1.0)
     w = {**ly.numpy_weights(), "ti.hot": np.array([0, 1, 2, 3])}
-    d.add_drafter("lyanna", LyannaDrafter(ChainHead(d.engine, w), TokenInfo(w["ti.a"], w["ti.b"], w["ti.hot"]), tap=2,
+    d.add_drafter("lyanna", LyannaDrafter(ChainHead(d.engine, w), TokenInfo(w["ti.a"], w["ti.b"], w["ti.hot"]), taps=(2,),
                                           depth=3, topk=2, width=2))
     d.add_drafter("peek", PeekingDrafter(d.engine))
     return d

@@ -38,6 +38,17 @@ def run_dir(tmp_path_factory, tiny_model_dir):
     return run
 
 
+def assert_lossless(decoder: Decoder, draft) -> None:
+    """Every method of the checkpoint at ``draft`` gives ``ar``'s tokens on two prompts."""
+    methods = decoder.load_draft(str(draft))
+    for prompt in ["tell me about item 3 and cats", "hello"]:
+        ids = decoder.encode(prompt)
+        req = GenerationRequest(max_new_tokens=30)
+        ar = decoder.generate(ids, req).tokens
+        for m in methods:
+            assert decoder.generate(ids, req, method=m).tokens == ar
+
+
 def test_data_is_resumable_and_deterministic(run_dir, tiny_model_dir, tmp_path):
     rows = list(iter_data(run_dir))
     assert len(rows) == 22 and {r["id"] for r in rows} == {f"p{i}" for i in range(22)}
@@ -100,14 +111,7 @@ def test_fit_lowers_loss_resumes_and_exports_a_lossless_draft(run_dir, tiny_mode
     for machine_path in (run_dir, run_dir.parent / "prompts.jsonl", out, tiny_model_dir):
         assert str(machine_path) not in shipped
     assert "`prompts.jsonl`" in card and f"`{tiny_model_dir.name}`" in card
-    decoder = Decoder(load_target(tiny_model_dir))
-    methods = decoder.load_draft(str(out))
-    for prompt in ["tell me about item 3 and cats", "hello"]:
-        ids = decoder.encode(prompt)
-        req = GenerationRequest(max_new_tokens=30)
-        ar = decoder.generate(ids, req).tokens
-        for m in methods:
-            assert decoder.generate(ids, req, method=m).tokens == ar
+    assert_lossless(Decoder(load_target(tiny_model_dir)), out)
 
 
 def test_distributed_fit_equals_single_process(run_dir):
@@ -216,3 +220,120 @@ def test_fit_can_start_from_a_checkpoint(run_dir, tmp_path):
     assert "1 steps" in lineage[0] and "4 steps" in lineage[1]
     with pytest.raises(LyannaError, match="not 'eagle'"):
         fit_stage.stage_fit(run_dir, "eagle", steps=1, batch=2, name="wrong", row_len=64, init=base)
+
+
+@pytest.fixture(scope="module")
+def taps_run(run_dir, tmp_path_factory):
+    """The run's data with the features of two taps: the input of layer 1 and the final norm's output."""
+    import shutil
+
+    run = tmp_path_factory.mktemp("taps") / "run"
+    run.mkdir()
+    shutil.copy(run_dir / "run.json", run / "run.json")
+    shutil.copytree(run_dir / "data", run / "data")
+    assert train_main(["features", "--run-dir", str(run), "--taps", "1,2"]) == 0
+    return run
+
+
+def test_features_of_several_taps_sit_side_by_side(taps_run, run_dir, tiny_model_dir):
+    """`train features --taps 1,2`: each example's rows hold layer 1's input, then the final norm's
+    output (the single-tap features); the Hugging Face model gives the same; other taps redo the shards."""
+    from lyanna.training.run import feature_taps
+
+    assert feature_taps(taps_run) == (1, 2) and feature_taps(run_dir) == (2,)
+    engine = Decoder(load_target(tiny_model_dir)).engine
+    h = engine.config.hidden_size
+    single = dict(load_examples(run_dir))
+    for eid, ex in load_examples(taps_run)[:3]:
+        assert ex.features.shape == (len(ex.tokens), 2 * h)
+        ref = engine.forward(ex.tokens, np.arange(len(ex.tokens)), engine.new_cache(len(ex.tokens)), taps=(1,)).hidden[1]
+        np.testing.assert_allclose(ex.features[:, :h], ref, rtol=2e-3, atol=2e-3)
+        assert np.array_equal(ex.features[:, h:], single[eid].features)
+    hf_run = taps_run.parent / "hf"
+    import shutil
+
+    shutil.copytree(taps_run, hf_run)
+    for shard in (hf_run / "features").glob("*.safetensors"):
+        shard.unlink()
+    features.stage_features(hf_run, device="cpu", taps=(1, 2))
+    theirs = dict(load_examples(taps_run))
+    for eid, ex in load_examples(hf_run):
+        np.testing.assert_allclose(ex.features.astype(np.float32), theirs[eid].features.astype(np.float32), rtol=2e-3, atol=2e-3)
+    with pytest.raises(LyannaError, match="ascending"):
+        features.stage_features(hf_run, taps=(2, 1))
+    with pytest.raises(LyannaError, match="final-norm"):
+        features.stage_features(hf_run, taps=(0, 1))
+    features.stage_features(hf_run, taps=(0, 2))  # other taps: every shard is redone
+    assert feature_taps(hf_run) == (0, 2)
+
+
+def test_a_head_on_several_taps_fits_exports_and_decodes_losslessly(taps_run, run_dir, tiny_model_dir, tmp_path):
+    """A Lyanna head on two taps starts as the one-tap head (the projection picks the final
+    norm's rows), learns, exports a checkpoint naming its taps and decodes exactly as `ar`; an
+    eagle head, whose drafted rows feed its own features back, refuses several taps."""
+    one = fit_stage.stage_fit(run_dir, "lyanna", steps=1, batch=2, lr=0.0, depth=2, rank=4, draft_vocab=150,
+                              eval_every=1, name="one-tap", row_len=64)
+    two = fit_stage.stage_fit(taps_run, "lyanna", steps=1, batch=2, lr=0.0, depth=2, rank=4, draft_vocab=150,
+                              eval_every=1, name="start", row_len=64)
+    assert two["history"][0]["agreement"] == one["history"][0]["agreement"]  # the same head at the start
+    final = fit_stage.stage_fit(taps_run, "lyanna", steps=1, batch=2, lr=0.0, depth=2, rank=4, draft_vocab=150,
+                                eval_every=1, name="final-only", row_len=64, taps=(2,))  # a subset of the stored taps
+    assert final["settings"]["taps"] == [2] and final["history"][0]["agreement"] == one["history"][0]["agreement"]
+    with pytest.raises(LyannaError, match="features hold"):
+        fit_stage.stage_fit(taps_run, "lyanna", steps=1, batch=2, name="absent", row_len=64, taps=(0, 2))
+    state = fit_stage.stage_fit(taps_run, "lyanna", steps=12, batch=2, lr=2e-3, depth=2, rank=4, draft_vocab=150,
+                                eval_every=6, name="taps", row_len=64)
+    assert state["settings"]["taps"] == [1, 2] and state["history"][-1]["loss"] < state["history"][0]["loss"]
+    trained = load_file(str(taps_run / "fit" / "taps" / "state.safetensors"))["head/taps_fc.weight"]
+    h = trained.shape[0]
+    assert trained.shape == (h, 2 * h) and np.abs(trained[:, :h]).max() > 0  # layer 1's rows came into use
+    out = tmp_path / "ly"
+    export.stage_export(taps_run, "lyanna", out, name="taps", hot=32)
+    config = json.loads((out / "config.json").read_text())
+    assert config["target"]["taps"] == [1, 2] and "tap" not in config["target"]
+    assert "inputs of layers 1 and the final-norm output" in (out / "README.md").read_text()
+    decoder = Decoder(load_target(tiny_model_dir))
+    assert_lossless(decoder, out)
+    assert decoder.drafter_for("lyanna").taps == (1, 2)
+    with pytest.raises(LyannaError, match="one tap"):
+        fit_stage.stage_fit(taps_run, "eagle", steps=1, batch=2, name="eagle-taps", row_len=64)
+
+
+def test_checkpoints_name_their_taps(run_dir, tiny_model_dir, tmp_path):
+    """A checkpoint whose taps are not readable, or that reads several without their projection, is refused in one line."""
+    from lyanna.drafters.lyanna import LyannaDrafter
+    from lyanna.drafters.checkpoint import load_head
+
+    fit_stage.stage_fit(run_dir, "lyanna", steps=1, batch=2, lr=0.0, depth=2, rank=4, draft_vocab=150,
+                        eval_every=1, name="one-tap", row_len=64)
+    good = tmp_path / "good"
+    export.stage_export(run_dir, "lyanna", good, name="one-tap", hot=32)
+    target = load_target(tiny_model_dir)
+    assert json.loads((good / "config.json").read_text())["target"]["tap"] == 2  # one tap: as before multi-layer taps
+    config = json.loads((good / "config.json").read_text())
+    for taps, match in (([2, 1], "ascending"), ([1], "final-norm"), ([1, 2], "missing taps_fc.weight"), ("2", "list")):
+        bad = tmp_path / f"bad{len(list(taps))}{taps[0]}"
+        import shutil
+
+        shutil.copytree(good, bad)
+        cfg = {**config, "target": {**{k: v for k, v in config["target"].items() if k != "tap"}, "taps": taps}}
+        (bad / "config.json").write_text(json.dumps(cfg))
+        with pytest.raises(LyannaError, match=match):
+            load_head(bad, target, LyannaDrafter)
+
+
+def test_self_distillation_writes_the_features_of_its_taps(taps_run, run_dir, tiny_model_dir, tmp_path, capsys):
+    """`train data --device cpu --taps 1,2`: the features that come with the replies hold both taps,
+    as the features stage makes them; without --device the option is refused (no features are made there)."""
+    from lyanna.training.run import feature_taps
+
+    pfile = run_dir.parent / "prompts.jsonl"
+    run = tmp_path / "hf-taps"
+    args = ["data", "--run-dir", str(run), "--model", str(tiny_model_dir), "--prompts", str(pfile), "--limit", "6",
+            "--max-new-tokens", "24", "--batch", "3", "--taps", "1,2"]
+    assert train_main(args) == 1 and "--taps" in capsys.readouterr().err and not run.exists()
+    assert train_main(args + ["--device", "cpu"]) == 0
+    assert feature_taps(run) == (1, 2)
+    theirs = dict(load_examples(taps_run))
+    for eid, ex in load_examples(run):
+        np.testing.assert_allclose(ex.features.astype(np.float32), theirs[eid].features.astype(np.float32), rtol=2e-3, atol=2e-3)

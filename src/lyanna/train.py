@@ -17,6 +17,18 @@ from .engines.loading import DEFAULT_MODEL
 from .errors import LyannaError
 
 
+TAPS_HELP = ("target hidden states the head reads, comma-separated in ascending order: L is the input of layer L, "
+             "the number of layers the final-norm output, which comes last (e.g. 10,20,30 for a 30-layer model); "
+             "several are projected together into the head's feature. Default: the final-norm output alone")
+
+
+def _taps(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(t) for t in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"taps must be comma-separated layer indices, got {text!r}") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="lyanna train", description="Train draft heads (resumable stages).")
     sub = p.add_subparsers(dest="stage", required=True)
@@ -39,9 +51,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--device", default=None,
                    help="self-distillation through the Hugging Face model on this device (cpu, cuda) in padded batches: "
                         "much faster with a large --batch; default: this engine, each reply token-identical to decoding it alone")
+    d.add_argument("--taps", type=_taps, default=None, help="with --device: the features written as replies are made; " + TAPS_HELP)
 
     f = sub.add_parser("features", help="target hidden states of every example (fp16 shards), teacher-forced")
     f.add_argument("--run-dir", required=True, type=Path)
+    f.add_argument("--taps", type=_taps, default=None, help=TAPS_HELP)
     f.add_argument("--device", default=None, help="cpu or cuda: batched through the Hugging Face model on that device "
                                                   "(default: this engine, one example at a time)")
 
@@ -78,6 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--until", type=int, default=None,
                    help="stop after this step; the learning-rate schedule still spans --steps (rerun to go on)")
+    t.add_argument("--taps", type=_taps, default=None,
+                   help="the hidden states the head reads, some of those the run's features hold (default: all of them)")
     t.add_argument("--init", type=Path, default=None,
                    help="start from this draft checkpoint (same arch) instead of the target's last layer: continued "
                         "training on new data; a Lyanna head keeps its draft vocabulary and rank")
@@ -106,16 +122,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise LyannaError("train data needs --source (a conversation corpus) or --prompts (self-distillation)")
             else:
                 data.stage_data(args.run_dir, args.model, args.prompts, args.limit, args.max_new_tokens,
-                                    args.max_prompt_tokens, args.seed, args.batch, args.device)
+                                    args.max_prompt_tokens, args.seed, args.batch, args.device, args.taps)
         elif args.stage == "features":
-            features.stage_features(args.run_dir, args.device)
+            features.stage_features(args.run_dir, args.device, args.taps)
         elif args.stage == "select":
             features.stage_select(args.run_dir, args.mode, args.keep, args.seed, args.device)
         elif args.stage == "fit":
             fit_stage.stage_fit(args.run_dir, args.arch, args.steps, args.batch, args.lr, args.depth, args.rank,
                                args.draft_vocab, args.selection, args.seed, args.eval_every, args.save_every, args.name,
                                args.row_len, args.warmup, args.labels, args.device, args.eval_run, args.max_train_tokens,
-                               args.eval_examples, args.init, args.until)
+                               args.eval_examples, args.init, args.until, args.taps)
         else:
             decode = None
             if args.decode:

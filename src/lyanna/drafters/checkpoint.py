@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -32,22 +32,48 @@ def _required_tensors(head_tensors: tuple[str, ...], target: Target) -> tuple[st
     return head_tensors + _LAYER + (_ATTENTION_BIASES if target.config.attention_bias else ())
 
 
-def target_fingerprint(target: Target, tap: int) -> dict[str, Any]:
-    """What a head depends on: shapes, the tapped layer, and a hash of (a sample of) the LM head."""
+def target_fingerprint(target: Target, taps: int | Sequence[int]) -> dict[str, Any]:
+    """What a head depends on: shapes, the tapped layers, and a hash of (a sample of) the LM head.
+    One tap is written as ``tap`` (what every single-tap checkpoint holds), several as ``taps``."""
     c = target.config
     head = target.weights.get("lm_head.weight", target.weights["model.embed_tokens.weight"])
     sample = np.ascontiguousarray(head[:: max(1, head.shape[0] // 512)], dtype=np.float32)
+    taps = [int(taps)] if isinstance(taps, (int, np.integer)) else [int(t) for t in taps]
     return {
         "architecture": c.architecture,
         "hidden_size": c.hidden_size,
         "vocab_size": c.vocab_size,
         "num_layers": c.num_layers,
-        "tap": tap,
+        **({"tap": taps[0]} if len(taps) == 1 else {"taps": taps}),
         "lm_head_sha256": hashlib.sha256(sample.tobytes()).hexdigest()[:16],
     }
 
 
-def save_head(out_dir: str | Path, arch: str, weights: dict[str, np.ndarray], target: Target, tap: int,
+def check_taps(taps: Sequence[int], num_layers: int) -> tuple[int, ...]:
+    """``taps`` as a tuple, if they are what a head can read: distinct hidden-state indices in
+    ascending order, the last the final-norm output (``num_layers``: the features the head's
+    labels and chain come from). Index ``l < num_layers`` is the input of layer ``l``."""
+    taps = tuple(int(t) for t in taps)
+    if not taps or list(taps) != sorted(set(taps)) or taps[0] < 0 or taps[-1] != num_layers:
+        raise LyannaError(f"taps {list(taps)}: need distinct layer indices in ascending order from 0, "
+                          f"ending with the final-norm output {num_layers}")
+    return taps
+
+
+def head_taps(config: dict[str, Any], num_layers: int, path: str | Path) -> tuple[int, ...]:
+    """The target hidden states a checkpoint's head reads (``taps``, or the single ``tap`` every
+    checkpoint before multi-layer taps names)."""
+    fingerprint = config["target"]
+    taps = fingerprint.get("taps", [fingerprint.get("tap", -1)])
+    if not isinstance(taps, list) or not all(isinstance(t, int) for t in taps):
+        raise LyannaError(f"{path}: target taps must be a list of layer indices, got {taps!r}")
+    try:
+        return check_taps(taps, num_layers)
+    except LyannaError as e:
+        raise LyannaError(f"{path}: {e}") from None
+
+
+def save_head(out_dir: str | Path, arch: str, weights: dict[str, np.ndarray], target: Target, taps: int | Sequence[int],
               settings: dict[str, Any] | None = None) -> Path:
     from safetensors.numpy import save_file
 
@@ -55,7 +81,7 @@ def save_head(out_dir: str | Path, arch: str, weights: dict[str, np.ndarray], ta
     out.mkdir(parents=True, exist_ok=True)
     save_file({k: np.ascontiguousarray(v, dtype=np.float32 if v.dtype.kind == "f" else v.dtype) for k, v in weights.items()},
               str(out / "model.safetensors"))
-    config = {"format": FORMAT, "version": VERSION, "arch": arch, "target": target_fingerprint(target, tap),
+    config = {"format": FORMAT, "version": VERSION, "arch": arch, "target": target_fingerprint(target, taps),
               "settings": settings or {}}
     (out / "config.json").write_text(json.dumps(config, indent=2))
     return out
@@ -82,7 +108,8 @@ def load_head(path: str | Path, target: Target, head: type[Drafter]) -> tuple[di
         raise LyannaError(f"{path} holds a {config.get('arch')!r} head, not {arch!r}")
     if not isinstance(config.get("target"), dict):
         raise LyannaError(f"{cfg_file} has no target fingerprint: re-export the head with `lyanna train export`")
-    expected = target_fingerprint(target, int(config["target"].get("tap", -1)))
+    taps = head_taps(config, target.config.num_layers, path)
+    expected = target_fingerprint(target, taps)
     for key, want in expected.items():
         got = config["target"].get(key)
         if got != want:
@@ -94,10 +121,15 @@ def load_head(path: str | Path, target: Target, head: type[Drafter]) -> tuple[di
         weights = load_file(str(weights_file))
     except (SafetensorError, OSError, ValueError) as e:
         raise LyannaError(f"cannot read {weights_file}: {str(e).splitlines()[0]}; the file is truncated or corrupt") from None
-    missing = [name for name in _required_tensors(head.TENSORS, target) if name not in weights]
+    required = _required_tensors(head.TENSORS, target) + (("taps_fc.weight",) if len(taps) > 1 else ())
+    missing = [name for name in required if name not in weights]
     if missing:
         raise LyannaError(f"{weights_file} is an incomplete {arch} head: missing {', '.join(missing)}; "
                           "restore the file or re-export it with `lyanna train export`")
+    h = target.config.hidden_size
+    if len(taps) > 1 and weights["taps_fc.weight"].shape != (h, len(taps) * h):
+        raise LyannaError(f"{weights_file}: taps_fc.weight has shape {weights['taps_fc.weight'].shape}, "
+                          f"expected {(h, len(taps) * h)} for taps {list(taps)}")
     return config, weights
 
 

@@ -242,6 +242,8 @@ class DeviceDraftHead:
             m.to(self.device, self.dtype).eval().requires_grad_(False)
         with torch.no_grad():
             self.layer = PackedLayer(layer, c)
+        # Several taps' rows are projected on the host, where ``PairContext`` keeps the features.
+        self.taps_fc = np.ascontiguousarray(weights["taps_fc.weight"], np.float32) if "taps_fc.weight" in weights else None
         self._embed = engine._embed
         self._lm_head = engine._lm_head
         self._inv_freq = engine._inv_freq

@@ -20,7 +20,7 @@ from ..engines.base import TargetEngine
 from ..engines.loading import Target
 from ..errors import LyannaError
 from .base import Drafter
-from .checkpoint import decode_settings, load_head
+from .checkpoint import decode_settings, head_taps, load_head
 from .head import DraftHead, PairContext
 from .registry import register
 from .tree import DraftTree
@@ -45,7 +45,7 @@ class EagleDrafter(Drafter):
         self.head, self.tap = head, tap
         self.taps = (tap,)
         self.depth, self.topk, self.width, self.max_nodes = depth, topk, width, max_nodes
-        self.context = PairContext(head, tap)
+        self.context = PairContext(head, self.taps)
 
     @classmethod
     def build(cls, target: Target, engine: TargetEngine, checkpoint: Path | None = None) -> dict[str, Drafter]:
@@ -60,8 +60,10 @@ class EagleDrafter(Drafter):
             head = DeviceDraftHead(engine, weights)
         else:
             head = DraftHead(engine, weights)
-        tap = int(config["target"]["tap"])
-        return {name: cls(head, tap, **{**knobs, **variant}) for name, variant in cls.VARIANTS.items()}
+        taps = head_taps(config, target.config.num_layers, checkpoint)
+        if len(taps) > 1:  # its drafted rows feed the head's own predicted features back, one tap's worth
+            raise LyannaError(f"{checkpoint}: an {cls.ARCH} head reads one tap, this one names {list(taps)}")
+        return {name: cls(head, taps[0], **{**knobs, **variant}) for name, variant in cls.VARIANTS.items()}
 
     @property
     def passes(self) -> int:

@@ -51,6 +51,8 @@ class DraftHead:
         self.embed = target.embed
         self.lm_head = target.lm_head
         self.inv_freq = target.inv_freq
+        # A head reading several taps projects their rows, side by side, to one feature (``PairContext``).
+        self.taps_fc = get("taps_fc.weight") if "taps_fc.weight" in weights else None
 
     def new_cache(self, capacity: int) -> KVCache:
         c = self.config
@@ -119,8 +121,14 @@ class PairContext:
     append speculative rows after ``base`` and drop them with ``rewind``.
     """
 
-    def __init__(self, head: DraftHead, tap: int):
-        self.head, self.tap = head, tap
+    def __init__(self, head: DraftHead, taps: Sequence[int]):
+        """``taps``: the target hidden states the head reads (``check_taps``); with several,
+        the committed tokens' feature is their rows side by side through ``head.taps_fc``,
+        computed once when a token is committed, so that everything after it sees one feature
+        per token whatever the taps."""
+        self.head, self.taps = head, tuple(taps)
+        if (len(self.taps) > 1) != (head.taps_fc is not None):
+            raise LyannaError(f"a head reading taps {list(self.taps)} needs taps_fc.weight exactly when it reads several")
         self.cache = head.new_cache(1024)
         # Committed features in a buffer that doubles when full: appending a round's rows costs
         # their size, not a copy of the whole context (which every round paid, drafting or not).
@@ -140,7 +148,10 @@ class PairContext:
         self.cache.length = self.base = 0
 
     def commit(self, hidden: dict[int, np.ndarray]) -> None:
-        rows = hidden[self.tap]
+        if len(self.taps) == 1:
+            rows = hidden[self.taps[0]]
+        else:
+            rows = linear(np.concatenate([hidden[t] for t in self.taps], axis=-1), self.head.taps_fc)
         need = self._count + len(rows)
         if need > len(self._rows):
             grown = np.empty((max(need, 2 * len(self._rows)), self._rows.shape[1]), np.float32)

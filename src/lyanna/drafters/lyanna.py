@@ -32,7 +32,7 @@ from ..engines.kernels import exp_nonpositive, linear, rms_norm
 from ..engines.loading import Target
 from ..errors import LyannaError
 from .base import Drafter
-from .checkpoint import decode_settings, load_head
+from .checkpoint import decode_settings, head_taps, load_head
 from .head import DraftHead, PairContext
 from .registry import register
 from .suffix import SuffixDrafter
@@ -234,7 +234,8 @@ class LyannaDrafter(Drafter):
     TENSORS = ("fc.weight", "fc.bias", "norm.weight", "d2t", "ti.a", "ti.b", "ti.hot")
     TRAINING = "lyanna.training.recipes:LyannaRecipe"
 
-    def __init__(self, head: "ChainHead | DeviceChainHead", ti: TokenInfo, tap: int, depth: int = DECODE_DEFAULTS["depth"],
+    def __init__(self, head: "ChainHead | DeviceChainHead", ti: TokenInfo, taps: Sequence[int],
+                 depth: int = DECODE_DEFAULTS["depth"],
                  topk: int = DECODE_DEFAULTS["topk"], width: int = DECODE_DEFAULTS["width"],
                  max_nodes: int = DECODE_DEFAULTS["max_nodes"], policy: str = "fuse", reuse_min_expected: float = 1.5,
                  suffix: bool = False):
@@ -243,11 +244,10 @@ class LyannaDrafter(Drafter):
         suffix-match continuations into every tree."""
         if policy not in POLICIES:
             raise LyannaError(f"resample policy must be one of {', '.join(POLICIES)}, got {policy!r}")
-        self.head, self.ti, self.tap = head, ti, tap
-        self.taps = (tap,)
+        self.head, self.ti, self.taps = head, ti, tuple(taps)
         self.depth, self.topk, self.width, self.max_nodes = depth, topk, width, max_nodes
         self.policy, self.reuse_min_expected = policy, reuse_min_expected
-        self.context = PairContext(head, tap)
+        self.context = PairContext(head, self.taps)
         self.suffix = SuffixDrafter() if suffix else None
         self._chain: np.ndarray | None = None  # raw-logit rows the last tree was built from
         self._leftover: np.ndarray | None = None  # rows still valid after the next root
@@ -267,8 +267,8 @@ class LyannaDrafter(Drafter):
         else:
             head = ChainHead(engine, weights)
         ti = TokenInfo(weights["ti.a"], weights["ti.b"], weights["ti.hot"], knobs.pop("ti_fallback"))
-        tap = int(config["target"]["tap"])
-        return {name: cls(head, ti, tap, **{**knobs, **variant}) for name, variant in cls.VARIANTS.items()}
+        taps = head_taps(config, target.config.num_layers, checkpoint)
+        return {name: cls(head, ti, taps, **{**knobs, **variant}) for name, variant in cls.VARIANTS.items()}
 
     @property
     def passes(self) -> int:
@@ -276,7 +276,7 @@ class LyannaDrafter(Drafter):
 
     def fork(self) -> "LyannaDrafter":
         """The same head, table and settings with a context and chain of its own (one per generation)."""
-        return LyannaDrafter(self.head, self.ti, self.tap, self.depth, self.topk, self.width, self.max_nodes,
+        return LyannaDrafter(self.head, self.ti, self.taps, self.depth, self.topk, self.width, self.max_nodes,
                              self.policy, self.reuse_min_expected, suffix=self.suffix is not None)
 
     def start(self, prompt_ids: Sequence[int], hidden: dict[int, np.ndarray]) -> None:

@@ -8,11 +8,13 @@ from typing import Sequence
 
 import numpy as np
 
+from ..drafters.checkpoint import check_taps
 from ..errors import LyannaError
 from .run import (
     SHARD_EXAMPLES,
     TRAINING_WEIGHTS,
     hf_model,
+    hf_taps,
     iter_data,
     progress,
     start_run,
@@ -55,11 +57,11 @@ def read_prompts(path: Path, limit: int | None, seed: int, exclude: set[str]) ->
 
 
 def _hf_replies(model, prompts: list[list[int]], max_new_tokens: int, eos: Sequence[int],
-                batch: int) -> list[tuple[list[int], np.ndarray]]:
+                batch: int, taps: Sequence[int]) -> list[tuple[list[int], np.ndarray]]:
     """Greedy replies of the Hugging Face ``model`` (on its device) to ``prompts``, ``batch``
     left-padded prompts of similar length at a time in a static cache, each reply ending at its
-    first end-of-sequence token (kept, as the engine keeps it), together with the final-norm
-    features of prompt + reply (fp16 [T, H]): the features stage's work comes free with the
+    first end-of-sequence token (kept, as the engine keeps it), together with the ``taps``'
+    features of prompt + reply (fp16 [T, taps * H]): the features stage's work comes free with the
     generation, which computes them anyway. Padded batches may break a near-tie differently
     from a reply generated alone: fine for training data, which is why the engine path stays
     the default."""
@@ -83,9 +85,10 @@ def _hf_replies(model, prompts: list[list[int]], max_new_tokens: int, eos: Seque
             # a growing cache would copy itself every step; one column per step for every row
             cache = StaticCache(config=model.config, max_cache_len=width + max_new_tokens)
             pos = (att.cumsum(-1) - 1).clamp(min=0)
-            hidden = model.model(input_ids=ids, attention_mask=att, position_ids=pos, past_key_values=cache,
-                                 use_cache=True).last_hidden_state
-            feats, tokens = [hidden.to(torch.float16).cpu()], []
+            step = model.model(input_ids=ids, attention_mask=att, position_ids=pos, past_key_values=cache,
+                               use_cache=True, output_hidden_states=len(taps) > 1)
+            hidden = step.last_hidden_state
+            feats, tokens = [hf_taps(step, taps).to(torch.float16).cpu()], []
             done = torch.zeros(len(chunk), dtype=torch.bool, device=device)
             stop_ids = torch.tensor(sorted(stop), device=device)
             for _ in range(max_new_tokens):
@@ -95,9 +98,10 @@ def _hf_replies(model, prompts: list[list[int]], max_new_tokens: int, eos: Seque
                 # one more pass for the feature after the newest token (the last one included)
                 att = torch.cat([att, torch.ones_like(att[:, :1])], 1)
                 pos = pos[:, -1:] + 1
-                hidden = model.model(input_ids=nxt[:, None], attention_mask=att, position_ids=pos,
-                                     past_key_values=cache, use_cache=True).last_hidden_state
-                feats.append(hidden.to(torch.float16).cpu())
+                step = model.model(input_ids=nxt[:, None], attention_mask=att, position_ids=pos,
+                                   past_key_values=cache, use_cache=True, output_hidden_states=len(taps) > 1)
+                hidden = step.last_hidden_state
+                feats.append(hf_taps(step, taps).to(torch.float16).cpu())
                 if bool(done.all()):
                     break
             gen = torch.stack(tokens, 1).tolist()
@@ -114,16 +118,21 @@ def _hf_replies(model, prompts: list[list[int]], max_new_tokens: int, eos: Seque
 
 
 def stage_data(run: Path, model: str, prompts_file: Path, limit: int | None, max_new_tokens: int,
-               max_prompt_tokens: int, seed: int, batch: int = 8, device: str | None = None) -> int:
+               max_prompt_tokens: int, seed: int, batch: int = 8, device: str | None = None,
+               taps: Sequence[int] | None = None) -> int:
     """Self-distillation: the target answers training prompts greedily with its chat template,
     ``batch`` replies sharing each forward pass (on this engine each is token-identical to
     generating it alone; with ``device`` the Hugging Face model generates padded batches, much
-    faster for large batches)."""
+    faster for large batches, and writes the features of ``taps`` as it goes: see
+    ``stage_features``, which makes them otherwise)."""
     from ..decoding.decoder import Decoder, GenerationRequest
     from ..engines.loading import load_target, resolve_model
 
     if batch < 1:
         raise LyannaError(f"--batch must be >= 1, got {batch}")
+    if taps is not None and not device:
+        raise LyannaError("--taps names the features this stage writes with --device; without it, "
+                          "give them to `lyanna train features --taps`")
     prompts = read_prompts(prompts_file, limit, seed, benchmark_prompts())
     if not prompts:  # checked before the run exists: an empty run would only fail later, less clearly
         raise LyannaError(f"{prompts_file} has no training prompts (empty, or every prompt is a benchmark question)")
@@ -133,6 +142,8 @@ def stage_data(run: Path, model: str, prompts_file: Path, limit: int | None, max
     done = {row["id"] for row in iter_data(run)}
     todo = [p for p in prompts if p["id"] not in done]
     decoder = Decoder(load_target(model, weight_format=TRAINING_WEIGHTS))
+    num_layers = decoder.engine.config.num_layers
+    taps = check_taps(taps if taps is not None else (num_layers,), num_layers)
     hf = hf_model(resolve_model(model), device) if device else None
     shard_idx = len(list((run / "data").glob("shard-*.jsonl")))
     bar = progress(len(prompts), "data (self-distillation)", len(prompts) - len(todo))
@@ -147,7 +158,7 @@ def stage_data(run: Path, model: str, prompts_file: Path, limit: int | None, max
             part = chunk[k : k + 4 * batch]
             ids = [decoder.encode(p["prompt"])[:max_prompt_tokens] for p in part]
             if device:
-                got = _hf_replies(hf, ids, max_new_tokens, decoder.eos_token_ids, batch)
+                got = _hf_replies(hf, ids, max_new_tokens, decoder.eos_token_ids, batch, taps)
                 replies = [reply for reply, _ in got]
                 feats += [f for _, f in got]
             else:
@@ -158,7 +169,7 @@ def stage_data(run: Path, model: str, prompts_file: Path, limit: int | None, max
             bar.update(len(part))
             bar.set_postfix(replies_per_s=f"{made / max(time.perf_counter() - started, 1e-9):.2f}", refresh=False)
         if device:  # features before data: the data shard is what marks these prompts done
-            write_features(run / "features", shard_idx, [json.loads(r) for r in rows], feats, decoder.engine.config.num_layers)
+            write_features(run / "features", shard_idx, [json.loads(r) for r in rows], feats, taps)
         write_shards(run, rows, shard_idx)
         shard_idx += 1
         _add_data_seconds(run, time.perf_counter() - shard_started, device)

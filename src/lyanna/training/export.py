@@ -5,7 +5,7 @@ import json
 import shlex
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -69,7 +69,16 @@ def _data_line(info: dict[str, Any], state: dict[str, Any]) -> str:
             f"selection: {state.get('selection') or 'all'}")
 
 
-def _card(run: Path, arch: str, model: str, tap: int, info: dict[str, Any], state: dict[str, Any], shown,
+def _tap_line(taps: Sequence[int]) -> str:
+    """How the card names the hidden states a head reads."""
+    if len(taps) == 1:
+        return f"tapped hidden state: final-norm output (index {taps[0]})"
+    inputs = ", ".join(str(t) for t in taps[:-1])
+    return (f"tapped hidden states: the inputs of layers {inputs} and the final-norm output (indices "
+            f"{list(taps)}), side by side through a learned projection")
+
+
+def _card(run: Path, arch: str, model: str, taps: Sequence[int], info: dict[str, Any], state: dict[str, Any], shown,
           head_lines: list[str], decode: dict[str, Any] | None, command: str) -> str:
     """The model card (README.md) of an exported head."""
     st = state["settings"]
@@ -79,7 +88,7 @@ def _card(run: Path, arch: str, model: str, tap: int, info: dict[str, Any], stat
         "",
         f"Trained with Lyanna's own pipeline (`lyanna train`), {time.strftime('%Y-%m-%d')}.",
         "",
-        f"- target: `{model}`, tapped hidden state: final-norm output (index {tap})",
+        f"- target: `{model}`, {_tap_line(taps)}",
         _data_line(info, state),
         *_init_lines(state.get("init"), shown),
         f"- steps: {state['step']} (batch {st['batch']} rows of {st.get('row_len', '-')} tokens, lr {st['lr']}, "
@@ -123,7 +132,7 @@ def stage_export(run: Path, arch: str, out_dir: Path, name: str | None = None, h
     weights = {k[len("head/"):]: v for k, v in saved.items() if k.startswith("head/")}
     target = load_target(info["model"], weight_format=TRAINING_WEIGHTS)
     exported = recipe.export(weights, lambda: _reply_counts(run, target.config.vocab_size), hot)
-    tap = target.config.num_layers
+    taps = tuple(state["settings"].get("taps", [target.config.num_layers]))  # fits before multi-layer taps read one
     last = state["history"][-1] if state["history"] else {}
     settings = {**state["settings"], "steps": state["step"], "train_seconds": round(state["seconds"], 1),
                 "train_examples": state["train_examples"], "train_tokens": state["train_tokens"],
@@ -133,8 +142,8 @@ def stage_export(run: Path, arch: str, out_dir: Path, name: str | None = None, h
                 "hot_tokens": exported.get("hot_tokens"), "hot_coverage": exported.get("hot_coverage"),
                 "command": command, "device": state.get("device"),
                 **({"decode": decode} if decode else {})}
-    save_head(out_dir, arch, weights, target, tap, settings)
+    save_head(out_dir, arch, weights, target, taps, settings)
     head_lines = recipe.card_lines(weights, state["settings"], exported)
-    (Path(out_dir) / "README.md").write_text(_card(run, arch, model, tap, info, state, shown, head_lines, decode, command))
+    (Path(out_dir) / "README.md").write_text(_card(run, arch, model, taps, info, state, shown, head_lines, decode, command))
     print(f"export: wrote {out_dir}")
     return Path(out_dir)

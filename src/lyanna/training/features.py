@@ -6,25 +6,29 @@ import json
 import math
 import time
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 
+from ..drafters.checkpoint import check_taps
 from ..errors import LyannaError
 from .run import (
     SHARD_EXAMPLES,
     TRAINING_WEIGHTS,
     hf_model,
+    hf_taps,
     iter_data,
     load_examples,
     progress,
     run_info,
+    shard_taps,
     training_engine,
     write_features,
 )
 
 
-def _hf_features(model_dir: Path, seqs: list[np.ndarray], device: str):
-    """Final-norm features of each sequence from the Hugging Face model itself on ``device``
+def _hf_features(model_dir: Path, seqs: list[np.ndarray], device: str, taps: Sequence[int]):
+    """The taps' features of each sequence from the Hugging Face model itself on ``device``
     (fp32, no TF32: the same function as the engine), batched by length."""
     import torch
 
@@ -43,7 +47,8 @@ def _hf_features(model_dir: Path, seqs: list[np.ndarray], device: str):
             for r, i in enumerate(chunk):
                 ids[r, :len(seqs[i])] = torch.from_numpy(seqs[i])
                 att[r, :len(seqs[i])] = 1
-            hidden = model.model(input_ids=ids.to(device), attention_mask=att.to(device)).last_hidden_state
+            hidden = hf_taps(model.model(input_ids=ids.to(device), attention_mask=att.to(device),
+                                         output_hidden_states=len(taps) > 1), taps)
             hidden = hidden.to(torch.float16).cpu().numpy()
             for r, i in enumerate(chunk):
                 out[i] = hidden[r, :len(seqs[i])]
@@ -51,11 +56,12 @@ def _hf_features(model_dir: Path, seqs: list[np.ndarray], device: str):
             yield [(int(i), out[i]) for i in chunk]
 
 
-def stage_features(run: Path, device: str | None = None) -> int:
-    """Target features (final-norm tap) of every example, fp16 safetensors shards: one
-    teacher-forced pass per example, on this engine, or with ``device`` (``cpu``, ``cuda``)
-    through the Hugging Face model in batches. A shard whose example ids no longer match the
-    data (the data stage was rerun with more examples) is redone."""
+def stage_features(run: Path, device: str | None = None, taps: Sequence[int] | None = None) -> int:
+    """Target features of every example, fp16 safetensors shards: one teacher-forced pass per
+    example, on this engine, or with ``device`` (``cpu``, ``cuda``) through the Hugging Face
+    model in batches. ``taps``: the hidden states kept, side by side (``check_taps``; default the
+    final norm's output alone). A shard whose example ids or taps no longer match (the data stage
+    was rerun with more examples, other taps were asked for) is redone."""
     from safetensors import safe_open
 
     from ..engines.loading import load_target, resolve_model
@@ -67,9 +73,10 @@ def stage_features(run: Path, device: str | None = None) -> int:
     if not rows:
         raise LyannaError(f"{run} has no data yet: run `lyanna train data` first")
     target = load_target(info["model"], weight_format=TRAINING_WEIGHTS)
-    tap = target.config.num_layers
+    taps = check_taps(taps if taps is not None else (target.config.num_layers,), target.config.num_layers)
     n_tokens = sum(len(reply_mask(r)[0]) for r in rows)
-    print(f"features: {len(rows)} examples, {n_tokens} tokens, about {n_tokens * target.config.hidden_size * 2 / 1e6:.0f} MB fp16")
+    size = n_tokens * len(taps) * target.config.hidden_size * 2 / 1e6
+    print(f"features: {len(rows)} examples, {n_tokens} tokens, taps {list(taps)}, about {size:.0f} MB fp16")
     out = run / "features"
     out.mkdir(exist_ok=True)
     shards = [rows[i:i + SHARD_EXAMPLES] for i in range(0, len(rows), SHARD_EXAMPLES)]
@@ -79,7 +86,8 @@ def stage_features(run: Path, device: str | None = None) -> int:
         if not path.is_file():
             return False
         with safe_open(str(path), "np") as f:
-            return (f.metadata() or {}).get("ids") == json.dumps([r["id"] for r in shard])
+            meta = f.metadata() or {}
+        return meta.get("ids") == json.dumps([r["id"] for r in shard]) and shard_taps(meta) == taps
 
     todo = [k for k, shard in enumerate(shards) if not current(k, shard)]
     for stale in sorted(out.glob("shard-*.safetensors"))[len(shards):]:
@@ -93,15 +101,15 @@ def stage_features(run: Path, device: str | None = None) -> int:
         seqs = [reply_mask(r) for r in shard]
         feats: dict[int, np.ndarray] = {}
         if device:
-            for got in _hf_features(resolve_model(info["model"]), [ids for ids, _ in seqs], device):
+            for got in _hf_features(resolve_model(info["model"]), [ids for ids, _ in seqs], device, taps):
                 for i, f in got:
                     feats[i] = f
                     bar.update(len(f))
         else:
             for i, (ids, _) in enumerate(seqs):
-                feats[i] = target_features(engine, [ids], tap)[0].features.astype(np.float16)
+                feats[i] = target_features(engine, [ids], taps)[0].features.astype(np.float16)
                 bar.update(len(ids))
-        write_features(out, k, shard, [feats[i] for i in range(len(shard))], tap)
+        write_features(out, k, shard, [feats[i] for i in range(len(shard))], taps)
         done_tokens += sum(len(ids) for ids, _ in seqs)
     bar.close()
     if done_tokens:
@@ -150,7 +158,7 @@ def stage_select(run: Path, mode: str, keep: float, seed: int, device: str | Non
             import torch
 
             head = torch.from_numpy(np.asarray(head, np.float32)).to(device)  # copied to the device once
-        scores = [flatness(ex.features, head, ex.scored()) for _, ex in examples]
+        scores = [flatness(ex.features[:, -head.shape[1]:], head, ex.scored()) for _, ex in examples]  # the final norm's
         order = np.argsort(scores)[::-1]
     elif mode == "random":
         order = np.random.default_rng(seed).permutation(len(ids))

@@ -24,7 +24,7 @@ from .modules import EagleHead, LyannaHead, pair_segments
 @dataclass
 class Example:
     tokens: np.ndarray  # [T]
-    features: np.ndarray  # [T, H] target feature after each token (the tapped layer)
+    features: np.ndarray  # [T, taps * H] target features after each token (the taps side by side, final norm last)
     mask: np.ndarray | None = None  # [T] bool: tokens the assistant wrote (scored); None = all
 
     def scored(self) -> np.ndarray:
@@ -44,13 +44,16 @@ class Batch:
         return int((self.segments >= 0).sum())
 
 
-def target_features(engine: TargetEngine, sequences: Sequence[Sequence[int]], tap: int) -> list[Example]:
-    """One prefill per sequence with the tap; the features the head learns from and predicts."""
+def target_features(engine: TargetEngine, sequences: Sequence[Sequence[int]], taps: int | Sequence[int]) -> list[Example]:
+    """One prefill per sequence with the taps; the features the head learns from and predicts
+    (several taps' rows side by side, in the order given)."""
+    taps = (int(taps),) if isinstance(taps, (int, np.integer)) else tuple(taps)
     out = []
     for seq in sequences:
         ids = np.asarray(seq, np.int64)
-        block = Block(ids, np.arange(len(ids)), engine.new_cache(len(ids)), logit_rows=[-1], taps=(tap,), prefill=True)
-        out.append(Example(ids, engine.forward_batch([block])[0].hidden[tap]))
+        block = Block(ids, np.arange(len(ids)), engine.new_cache(len(ids)), logit_rows=[-1], taps=taps, prefill=True)
+        hidden = engine.forward_batch([block])[0].hidden
+        out.append(Example(ids, np.concatenate([hidden[t] for t in taps], axis=-1)))
     return out
 
 
@@ -140,7 +143,7 @@ def batch_loss(head: EagleHead, batch: Batch, depth: int, decay: float = 0.8, ra
             break
         b_idx, j_idx = valid.nonzero(as_tuple=True)
         fk = f[b_idx, j_idx]
-        label_feats = feats[b_idx, j_idx + k]  # feature after token j + k: distribution of token j + 1 + k
+        label_feats = feats[b_idx, j_idx + k, -head.c.hidden_size:]  # final norm after token j + k: token j + 1 + k's distribution
         with torch.no_grad():
             target_logits = _label_logits(head, label_feats)
             probs = torch.softmax(target_logits, -1)
@@ -171,7 +174,7 @@ def batch_agreement(head: EagleHead, batch: Batch, depth: int) -> tuple[np.ndarr
         if len(b_idx) == 0:
             break
         fk = f[b_idx, j_idx]
-        target_top = head.logits(feats[b_idx, j_idx + k]).argmax(-1)
+        target_top = head.logits(feats[b_idx, j_idx + k, -head.c.hidden_size:]).argmax(-1)
         if isinstance(head, LyannaHead):
             guess = head.d2t[(head.raw_logits(fk) + head.token_info(batch.tokens[b_idx, j_idx + k])).argmax(-1)]
         else:
@@ -208,12 +211,18 @@ def init_eagle_head(engine: TargetEngine, target_weights: dict[str, np.ndarray],
 
 
 def init_lyanna_head(engine: TargetEngine, target_weights: dict[str, np.ndarray], d2t: np.ndarray, rank: int = 32,
-                     seed: int = 0) -> LyannaHead:
-    """Like ``init_eagle_head``, plus the raw-logit norm from the target's final norm and a zero TI."""
+                     seed: int = 0, taps: int = 1) -> LyannaHead:
+    """Like ``init_eagle_head``, plus the raw-logit norm from the target's final norm and a zero TI.
+    With several ``taps`` their projection starts as the final-norm tap alone (the last one), so
+    the head starts as the one-tap head and the other layers come in as the fit finds them useful."""
     eagle = init_eagle_head(engine, target_weights, seed)
-    head = LyannaHead(engine.config, engine.embed, engine.lm_head, d2t, rank)
-    head.load_state_dict({**eagle.state_dict(), "norm.weight": torch.from_numpy(engine.final_norm.copy()),
-                          "d2t": head.d2t, "ti.a": head.ti.a.detach(), "ti.b": head.ti.b.detach()})
+    head = LyannaHead(engine.config, engine.embed, engine.lm_head, d2t, rank, taps)
+    state = {**eagle.state_dict(), "norm.weight": torch.from_numpy(engine.final_norm.copy()),
+             "d2t": head.d2t, "ti.a": head.ti.a.detach(), "ti.b": head.ti.b.detach()}
+    if taps > 1:
+        h = engine.config.hidden_size
+        state["taps_fc.weight"] = torch.cat([torch.zeros(h, (taps - 1) * h), torch.eye(h)], dim=1)
+    head.load_state_dict(state)
     return head
 
 

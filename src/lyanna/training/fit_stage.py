@@ -1,17 +1,19 @@
 """``lyanna train fit``: a draft head fitted on a run's features, resumable, data-parallel under torchrun."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
 from ..errors import LyannaError
-from .run import TRAINING_WEIGHTS, load_examples, run_info, split_held_out, token_frequencies, training_engine
+from .run import (TRAINING_WEIGHTS, feature_taps, load_examples, run_info, split_held_out, token_frequencies,
+                  training_engine)
 
 
 def _distributed() -> tuple[int, int]:
@@ -43,6 +45,14 @@ def _batches(train: list, row_len: int, rows_per_batch: int, seed: int, epoch: i
     rows = [[int(order[i]) for i in row] for row in pack([train[i] for i in order], row_len)]
     rows = [rows[i] for i in np.random.default_rng([seed, epoch, 1]).permutation(len(rows))]
     return [rows[i:i + rows_per_batch] for i in range(0, len(rows), rows_per_batch)]
+
+
+def _tap_columns(examples: list, stored: Sequence[int], taps: Sequence[int], hidden: int) -> list:
+    """(id, Example) pairs whose features hold ``taps`` only, in that order, from features of ``stored``."""
+    if tuple(taps) == tuple(stored):
+        return examples
+    cols = np.concatenate([np.arange(hidden) + stored.index(t) * hidden for t in taps])
+    return [(eid, dataclasses.replace(ex, features=ex.features[:, cols])) for eid, ex in examples]
 
 
 def _fit_examples(run: Path, selection: str | None, eval_run: Path | None, max_train_tokens: int | None,
@@ -165,7 +175,8 @@ def stage_fit(run: Path, arch: str, steps: int, batch: int = 8, lr: float = 3e-4
               draft_vocab: int = 8192, selection: str | None = None, seed: int = 0, eval_every: int = 50,
               save_every: int = 50, name: str | None = None, row_len: int = 2048, warmup: int = 0,
               labels: str = "soft", device: str = "cpu", eval_run: Path | None = None, max_train_tokens: int | None = None,
-              eval_examples: int = 64, init: Path | None = None, until: int | None = None) -> dict[str, Any]:
+              eval_examples: int = 64, init: Path | None = None, until: int | None = None,
+              taps: Sequence[int] | None = None) -> dict[str, Any]:
     """Train a draft head on packed batches of ``batch`` rows of ``row_len`` tokens;
     data-parallel under torchrun (every rank takes a slice of each batch's rows). Held-out
     agreement is measured on this run's held-out split, or on all of ``eval_run`` (for example
@@ -173,10 +184,12 @@ def stage_fit(run: Path, arch: str, steps: int, batch: int = 8, lr: float = 3e-4
     same arch, is the starting point instead of the target's last layer (continued training on
     new data, e.g. the target's own replies after a corpus); a Lyanna head keeps its draft
     vocabulary and rank. ``until`` stops after that step while the learning-rate schedule still
-    spans ``steps`` (a long fit over several sittings: rerun with a later ``until``, or none, to go on)."""
+    spans ``steps`` (a long fit over several sittings: rerun with a later ``until``, or none, to go on).
+    ``taps``: the hidden states the head reads, some of those the run's features hold (default:
+    all of them), so that one features stage serves fits on several choices of taps."""
     import torch
 
-    from ..drafters.checkpoint import load_head
+    from ..drafters.checkpoint import check_taps, head_taps, load_head
     from ..drafters.registry import head_class
     from ..engines.loading import load_target
     from .recipes import recipe_for
@@ -190,28 +203,45 @@ def stage_fit(run: Path, arch: str, steps: int, batch: int = 8, lr: float = 3e-4
     if batch % world:
         raise LyannaError(f"--batch {batch} must be a multiple of the {world} processes")
     info = run_info(run)
-    train, held = _fit_examples(run, selection, eval_run, max_train_tokens, eval_examples)
     target = load_target(info["model"], weight_format=TRAINING_WEIGHTS)
+    stored = feature_taps(run)
+    taps = stored if taps is None else check_taps(taps, target.config.num_layers)
+    held_taps = feature_taps(Path(eval_run)) if eval_run is not None else stored
+    for where, have in (("the run's features", stored), (f"--eval-run {eval_run}'s features", held_taps)):
+        if not set(taps) <= set(have):
+            raise LyannaError(f"the head reads taps {list(taps)}; {where} hold {list(have)}: "
+                              "make features with those taps (`lyanna train features --taps`)")
+    train, held = _fit_examples(run, selection, eval_run, max_train_tokens, eval_examples)
+    h = target.config.hidden_size
+    train, held = _tap_columns(train, stored, taps, h), _tap_columns(held, held_taps, taps, h)
     engine = training_engine(target)
     out = run / "fit" / (name or arch)
     out.mkdir(parents=True, exist_ok=True)
     settings = {"batch": batch, "row_len": row_len, "lr": lr, "warmup": warmup, "labels": labels, "depth": depth,
-                "rank": rank, "draft_vocab": draft_vocab, "seed": seed}
+                "rank": rank, "draft_vocab": draft_vocab, "seed": seed, "taps": list(taps)}
     state_json = out / "state.json"
     state = (json.loads(state_json.read_text()) if state_json.is_file()
              else _new_state(arch, selection, settings, train, held, eval_run))
     if state["arch"] != arch:
         raise LyannaError(f"{out} holds a {state['arch']} run; pass another --name")
+    fitted = tuple(state["settings"].get("taps", [target.config.num_layers]))  # fits before multi-layer taps read one
+    if fitted != taps:
+        raise LyannaError(f"{out} fits a head on taps {list(fitted)}, the run's features now hold {list(taps)}; "
+                          "pass another --name")
     state["device"] = str(device)
     start = None
     if init is not None:
         init_config, start = load_head(init, target, head_class(arch))
+        start_taps = head_taps(init_config, target.config.num_layers, init)
+        if len(start_taps) > 1 and start_taps != taps:
+            raise LyannaError(f"--init {init} reads taps {list(start_taps)}, this run's features hold {list(taps)}")
         state.setdefault("init", {"path": str(init), "settings": init_config.get("settings", {})})
     counts = token_frequencies(train, target.config.vocab_size)
     d2t = np.argsort(-counts, kind="stable")[: min(draft_vocab, target.config.vocab_size)]
     head = recipe.init_head(engine, target.weights, d2t, state["settings"], start, seed)
-    if start is not None:
-        head.load_state_dict({k: torch.from_numpy(np.asarray(v)) for k, v in start.items() if k not in recipe.EXPORT_ONLY})
+    if start is not None:  # a one-tap head continued on several taps keeps the projection's start (the final tap)
+        head.load_state_dict({**head.state_dict(),
+                              **{k: torch.from_numpy(np.asarray(v)) for k, v in start.items() if k not in recipe.EXPORT_ONLY}})
     fit = _Fit(out, head, state, lr, device)
     _train(fit, [ex for _, ex in train], [ex for _, ex in held], steps, until, lr, warmup, depth, labels, batch,
            row_len, seed, eval_every, save_every, device, (rank_id, world), f"from {init}" if start is not None else None)

@@ -35,9 +35,11 @@ class EagleHead(nn.Module):
     Embedding and LM head are the target's, frozen (buffers, not parameters).
     """
 
-    def __init__(self, c: ModelConfig, embed: np.ndarray, lm_head: np.ndarray):
+    def __init__(self, c: ModelConfig, embed: np.ndarray, lm_head: np.ndarray, taps: int = 1):
         super().__init__()
         self.c = c
+        # Several taps' rows, side by side, are projected to one feature before the pair input.
+        self.taps_fc = nn.Linear(taps * c.hidden_size, c.hidden_size, bias=False) if taps > 1 else None
         self.fc = nn.Linear(2 * c.hidden_size, c.hidden_size, bias=True)
         self.layer = DecoderLayer(c)
         self.register_buffer("embed", torch.from_numpy(np.asarray(embed, np.float32)), persistent=False)
@@ -106,7 +108,7 @@ class EagleHead(nn.Module):
 
     def unroll_batch(self, features: torch.Tensor, tokens: torch.Tensor, segments: torch.Tensor,
                      depth: int) -> list[torch.Tensor]:
-        """Chain features ``f_1..f_depth`` [B, L-1, H] of packed rows: ``features`` [B, L, H],
+        """Chain features ``f_1..f_depth`` [B, L-1, H] of packed rows: ``features`` [B, L, taps * H],
         ``tokens`` [B, L], ``segments`` [B, L] (which sequence each position belongs to; -1 for
         padding). Pair row j = (feature after token j, token j + 1); row j of step k predicts the
         token at position j + 1 + k. Each step attends to the pairs of its own sequence up to its
@@ -117,7 +119,8 @@ class EagleHead(nn.Module):
         ctx_mask = (idx[None, :, None] >= idx[None, None, :]) & (pseg[:, :, None] == pseg[:, None, :]) & (pseg[:, None, :] >= 0)
         ctx_mask = ctx_mask | torch.eye(n, dtype=torch.bool, device=features.device)  # a padding row sees itself: no NaN
         positions = segment_positions(segments)[:, 1:]
-        x = self.fc(torch.cat([features[:, :-1], self.embed[tokens[:, 1:]]], dim=-1))
+        taps = features[:, :-1]
+        x = self.fc(torch.cat([taps if self.taps_fc is None else self.taps_fc(taps), self.embed[tokens[:, 1:]]], dim=-1))
         q, ctx_k, ctx_v = self._qkv(x, positions)
         f = self._step(x, q, ctx_k, ctx_v, [], [], ctx_mask)
         out = [f]
@@ -147,8 +150,9 @@ class LyannaHead(EagleHead):
     layer(f_{k-1})`` with no token; raw logits over the draft vocabulary; low-rank token info
     ``A[y] @ B``."""
 
-    def __init__(self, c: ModelConfig, embed: np.ndarray, lm_head: np.ndarray, d2t: np.ndarray, rank: int):
-        super().__init__(c, embed, lm_head)
+    def __init__(self, c: ModelConfig, embed: np.ndarray, lm_head: np.ndarray, d2t: np.ndarray, rank: int,
+                 taps: int = 1):
+        super().__init__(c, embed, lm_head, taps)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.register_buffer("d2t", torch.as_tensor(np.asarray(d2t), dtype=torch.long))
         self.register_buffer("draft_lm", self.lm_head[self.d2t].clone(), persistent=False)

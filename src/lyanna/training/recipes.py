@@ -30,6 +30,8 @@ class HeadRecipe:
         recipe may take shapes from it and record them in ``settings``)."""
         from .fit import init_eagle_head
 
+        if len(settings.get("taps", ())) > 1:  # its drafted rows feed its own predicted features back, one tap's worth
+            raise LyannaError(f"an eagle head reads one tap; these features hold {settings['taps']}")
         head = init_eagle_head(engine, target_weights, seed=seed)
         head.restrict_loss_vocab(d2t)  # the same frequent tokens as Lyanna's draft vocabulary
         return head
@@ -61,7 +63,8 @@ class LyannaRecipe(HeadRecipe):
         if start is not None:  # the checkpoint's draft vocabulary and rank: its tables index them
             d2t = start["d2t"]
             settings.update(rank=int(start["ti.a"].shape[1]), draft_vocab=len(d2t))
-        return init_lyanna_head(engine, target_weights, d2t, rank=settings["rank"], seed=seed)
+        return init_lyanna_head(engine, target_weights, d2t, rank=settings["rank"], seed=seed,
+                                taps=len(settings.get("taps", [engine.config.num_layers])))
 
     def export(self, weights: dict[str, np.ndarray], reply_counts: Callable[[], np.ndarray], hot: int) -> dict[str, Any]:
         counts = reply_counts()

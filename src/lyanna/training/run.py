@@ -4,8 +4,9 @@ A run directory holds everything:
   run.json                      model and settings of the run
   data/shard-*.jsonl            self-distilled replies {"id", "prompt_ids", "output_ids"} or corpus
                                 conversations {"id", "ids", "reply": [[start, end], ...]}
-  features/shard-*.safetensors  fp16 target features (final-norm tap), tokens and reply mask per
-                                example; the shard's example ids in its metadata
+  features/shard-*.safetensors  fp16 target features (the taps' rows side by side, the final-norm
+                                output last), tokens and reply mask per example; the shard's
+                                example ids and taps in its metadata
   select/<name>.json            the example ids a selection keeps
   fit/<name>/state.safetensors  head and optimizer state (+ state.json: step, history)
 Stages skip work already on disk, so a stopped run continues where it stopped.
@@ -15,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
@@ -80,10 +81,42 @@ def hf_model(model_dir: Path, device: str):
     return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).to(device).eval()
 
 
+def hf_taps(out, taps: Sequence[int]):
+    """The taps' rows side by side from a Hugging Face model's output (run with
+    ``output_hidden_states`` unless the one tap is the final norm's): its ``hidden_states[l]``
+    is the input of layer ``l`` and the last one the final norm's output, as the engine's taps."""
+    import torch
+
+    if out.hidden_states is None:
+        return out.last_hidden_state
+    return torch.cat([out.hidden_states[t] for t in taps], dim=-1)
+
+
 def training_engine(target):
     from ..engines.transformer import Transformer
 
     return Transformer(target.config, target.weights)
+
+
+def shard_taps(metadata: dict[str, str]) -> tuple[int, ...]:
+    """The taps a features shard holds (``tap``: a shard written before multi-layer taps)."""
+    return tuple(json.loads(metadata["taps"])) if "taps" in metadata else (int(metadata.get("tap", -1)),)
+
+
+def feature_taps(run: Path) -> tuple[int, ...]:
+    """The target hidden states the run's features hold side by side, in that order."""
+    from safetensors import safe_open
+
+    found = set()
+    for shard in sorted((run / "features").glob("shard-*.safetensors")):
+        with safe_open(str(shard), "np") as f:
+            found.add(shard_taps(f.metadata() or {}))
+    if not found:
+        raise LyannaError(f"{run} has no features yet: run `lyanna train features` first")
+    if len(found) > 1:
+        raise LyannaError(f"{run}'s feature shards hold different taps ({sorted(found)}): "
+                          "rerun `lyanna train features` with the --taps you want")
+    return found.pop()
 
 
 def load_examples(run: Path, ids: set[str] | None = None, max_reply_tokens: int | None = None):
@@ -124,9 +157,9 @@ def token_frequencies(examples, vocab: int) -> np.ndarray:
     return counts
 
 
-def write_features(out: Path, k: int, shard: list[dict[str, Any]], feats: list[np.ndarray], tap: int) -> None:
+def write_features(out: Path, k: int, shard: list[dict[str, Any]], feats: list[np.ndarray], taps: Sequence[int]) -> None:
     """Features shard ``k``: tokens, fp16 features and assistant mask of each example, the
-    shard's example ids in its metadata (how a stale shard is recognized)."""
+    shard's example ids and taps in its metadata (how a stale shard is recognized)."""
     from safetensors.numpy import save_file
 
     from .corpus import reply_mask
@@ -141,5 +174,6 @@ def write_features(out: Path, k: int, shard: list[dict[str, Any]], feats: list[n
         tensors[f"{r['id']}/mask"] = mask.astype(np.uint8)
     path = out / f"shard-{k:05d}.safetensors"
     out.mkdir(exist_ok=True)
-    save_file(tensors, str(out / f".{path.name}.tmp"), metadata={"tap": str(tap), "ids": json.dumps([r["id"] for r in shard])})
+    save_file(tensors, str(out / f".{path.name}.tmp"),
+              metadata={"taps": json.dumps([int(t) for t in taps]), "ids": json.dumps([r["id"] for r in shard])})
     os.replace(out / f".{path.name}.tmp", path)

@@ -49,11 +49,12 @@ def target_fingerprint(target: Target, taps: int | Sequence[int]) -> dict[str, A
     }
 
 
-def check_taps(taps: Sequence[int], num_layers: int) -> tuple[int, ...]:
+def check_taps(taps: Sequence[int] | None, num_layers: int) -> tuple[int, ...]:
     """``taps`` as a tuple, if they are what a head can read: distinct hidden-state indices in
     ascending order, the last the final-norm output (``num_layers``: the features the head's
-    labels and chain come from). Index ``l < num_layers`` is the input of layer ``l``."""
-    taps = tuple(int(t) for t in taps)
+    labels and chain come from). Index ``l < num_layers`` is the input of layer ``l``. None: the
+    final-norm output alone (what every head read before multi-layer taps)."""
+    taps = (num_layers,) if taps is None else tuple(int(t) for t in taps)
     if not taps or list(taps) != sorted(set(taps)) or taps[0] < 0 or taps[-1] != num_layers:
         raise LyannaError(f"taps {list(taps)}: need distinct layer indices in ascending order from 0, "
                           f"ending with the final-norm output {num_layers}")

@@ -142,8 +142,7 @@ def stage_data(run: Path, model: str, prompts_file: Path, limit: int | None, max
     done = {row["id"] for row in iter_data(run)}
     todo = [p for p in prompts if p["id"] not in done]
     decoder = Decoder(load_target(model, weight_format=TRAINING_WEIGHTS))
-    num_layers = decoder.engine.config.num_layers
-    taps = check_taps(taps if taps is not None else (num_layers,), num_layers)
+    taps = check_taps(taps, decoder.engine.config.num_layers)
     hf = hf_model(resolve_model(model), device) if device else None
     shard_idx = len(list((run / "data").glob("shard-*.jsonl")))
     bar = progress(len(prompts), "data (self-distillation)", len(prompts) - len(todo))

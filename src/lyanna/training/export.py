@@ -10,7 +10,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..errors import LyannaError
-from .run import TRAINING_WEIGHTS, iter_data, run_info
+from .run import TRAINING_WEIGHTS, fitted_taps, iter_data, run_info
 
 
 def _reply_counts(run: Path, vocab: int) -> np.ndarray:
@@ -132,7 +132,7 @@ def stage_export(run: Path, arch: str, out_dir: Path, name: str | None = None, h
     weights = {k[len("head/"):]: v for k, v in saved.items() if k.startswith("head/")}
     target = load_target(info["model"], weight_format=TRAINING_WEIGHTS)
     exported = recipe.export(weights, lambda: _reply_counts(run, target.config.vocab_size), hot)
-    taps = tuple(state["settings"].get("taps", [target.config.num_layers]))  # fits before multi-layer taps read one
+    taps = fitted_taps(state["settings"], target.config.num_layers)
     last = state["history"][-1] if state["history"] else {}
     settings = {**state["settings"], "steps": state["step"], "train_seconds": round(state["seconds"], 1),
                 "train_examples": state["train_examples"], "train_tokens": state["train_tokens"],

@@ -73,7 +73,7 @@ def stage_features(run: Path, device: str | None = None, taps: Sequence[int] | N
     if not rows:
         raise LyannaError(f"{run} has no data yet: run `lyanna train data` first")
     target = load_target(info["model"], weight_format=TRAINING_WEIGHTS)
-    taps = check_taps(taps if taps is not None else (target.config.num_layers,), target.config.num_layers)
+    taps = check_taps(taps, target.config.num_layers)
     n_tokens = sum(len(reply_mask(r)[0]) for r in rows)
     size = n_tokens * len(taps) * target.config.hidden_size * 2 / 1e6
     print(f"features: {len(rows)} examples, {n_tokens} tokens, taps {list(taps)}, about {size:.0f} MB fp16")

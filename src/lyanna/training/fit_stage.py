@@ -12,8 +12,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..errors import LyannaError
-from .run import (TRAINING_WEIGHTS, feature_taps, load_examples, run_info, split_held_out, token_frequencies,
-                  training_engine)
+from .run import (TRAINING_WEIGHTS, feature_taps, fitted_taps, load_examples, run_info, split_held_out,
+                  token_frequencies, training_engine)
 
 
 def _distributed() -> tuple[int, int]:
@@ -224,10 +224,9 @@ def stage_fit(run: Path, arch: str, steps: int, batch: int = 8, lr: float = 3e-4
              else _new_state(arch, selection, settings, train, held, eval_run))
     if state["arch"] != arch:
         raise LyannaError(f"{out} holds a {state['arch']} run; pass another --name")
-    fitted = tuple(state["settings"].get("taps", [target.config.num_layers]))  # fits before multi-layer taps read one
+    fitted = fitted_taps(state["settings"], target.config.num_layers)
     if fitted != taps:
-        raise LyannaError(f"{out} fits a head on taps {list(fitted)}, the run's features now hold {list(taps)}; "
-                          "pass another --name")
+        raise LyannaError(f"{out} fits a head on taps {list(fitted)}, not {list(taps)}; pass another --name")
     state["device"] = str(device)
     start = None
     if init is not None:

@@ -14,6 +14,7 @@ import numpy as np
 from ..drafters.registry import head_class, trainable_archs
 from ..engines.base import TargetEngine
 from ..errors import LyannaError
+from .run import fitted_taps
 
 
 class HeadRecipe:
@@ -30,7 +31,7 @@ class HeadRecipe:
         recipe may take shapes from it and record them in ``settings``)."""
         from .fit import init_eagle_head
 
-        if len(settings.get("taps", ())) > 1:  # its drafted rows feed its own predicted features back, one tap's worth
+        if len(fitted_taps(settings, engine.config.num_layers)) > 1:  # its drafted rows feed its own predicted features back
             raise LyannaError(f"an eagle head reads one tap; these features hold {settings['taps']}")
         head = init_eagle_head(engine, target_weights, seed=seed)
         head.restrict_loss_vocab(d2t)  # the same frequent tokens as Lyanna's draft vocabulary
@@ -64,7 +65,7 @@ class LyannaRecipe(HeadRecipe):
             d2t = start["d2t"]
             settings.update(rank=int(start["ti.a"].shape[1]), draft_vocab=len(d2t))
         return init_lyanna_head(engine, target_weights, d2t, rank=settings["rank"], seed=seed,
-                                taps=len(settings.get("taps", [engine.config.num_layers])))
+                                taps=len(fitted_taps(settings, engine.config.num_layers)))
 
     def export(self, weights: dict[str, np.ndarray], reply_counts: Callable[[], np.ndarray], hot: int) -> dict[str, Any]:
         counts = reply_counts()

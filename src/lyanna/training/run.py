@@ -98,6 +98,11 @@ def training_engine(target):
     return Transformer(target.config, target.weights)
 
 
+def fitted_taps(settings: dict[str, Any], num_layers: int) -> tuple[int, ...]:
+    """The taps a fit's head reads, from its settings (a fit before multi-layer taps: the final norm's)."""
+    return tuple(settings.get("taps", [num_layers]))
+
+
 def shard_taps(metadata: dict[str, str]) -> tuple[int, ...]:
     """The taps a features shard holds (``tap``: a shard written before multi-layer taps)."""
     return tuple(json.loads(metadata["taps"])) if "taps" in metadata else (int(metadata.get("tap", -1)),)

@@ -222,6 +222,27 @@ def test_fit_can_start_from_a_checkpoint(run_dir, tmp_path):
         fit_stage.stage_fit(run_dir, "eagle", steps=1, batch=2, name="wrong", row_len=64, init=base)
 
 
+def test_depth_decay_weights_the_unrolled_steps(run_dir, tmp_path):
+    """`fit --depth-decay d`: step k's loss weighs d ** (k - 1), so at depth 2 the first step's
+    loss is d-independent and the total is linear in d; the fit records it, a resumed fit keeps
+    it, and the card states it."""
+    def first_loss(decay, name):
+        state = fit_stage.stage_fit(run_dir, "lyanna", steps=1, batch=2, lr=0.0, depth=2, rank=4, draft_vocab=150,
+                                    eval_every=1, name=name, row_len=64, depth_decay=decay)
+        assert state["settings"]["depth_decay"] == decay
+        return state["history"][-1]["loss"]
+
+    uniform, half, little = first_loss(1.0, "d10"), first_loss(0.5, "d05"), first_loss(0.01, "d001")
+    assert uniform > half > little  # the second step's loss is positive and weighted
+    assert uniform - half == pytest.approx((half - little) * 0.5 / 0.49, abs=3e-4)
+    with pytest.raises(LyannaError, match="depth-decay 0.5, not 0.9"):
+        fit_stage.stage_fit(run_dir, "lyanna", steps=2, batch=2, depth=2, name="d05", row_len=64, depth_decay=0.9)
+    with pytest.raises(LyannaError, match="must be > 0"):
+        fit_stage.stage_fit(run_dir, "lyanna", steps=1, batch=2, name="bad", row_len=64, depth_decay=0.0)
+    export.stage_export(run_dir, "lyanna", tmp_path / "d05", name="d05", hot=32)
+    assert "weighted 0.5 ** (k - 1)" in (tmp_path / "d05" / "README.md").read_text()
+
+
 @pytest.fixture(scope="module")
 def taps_run(run_dir, tmp_path_factory):
     """The run's data with the features of two taps: the input of layer 1 and the final norm's output."""

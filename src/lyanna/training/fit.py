@@ -127,7 +127,12 @@ def scored_counts(batch: Batch, depth: int) -> list[int]:
     return [int(_scored_rows(batch, k).sum()) for k in range(1, depth + 1)]
 
 
-def batch_loss(head: EagleHead, batch: Batch, depth: int, decay: float = 0.8, raw_weight: float = 0.5,
+# Weight of unrolled step k's loss: DEPTH_DECAY ** (k - 1). A deeper step's token is accepted only
+# after the ones above it, so it is worth less; 0.8 is what every shipped head was fitted with.
+DEPTH_DECAY = 0.8
+
+
+def batch_loss(head: EagleHead, batch: Batch, depth: int, decay: float = DEPTH_DECAY, raw_weight: float = 0.5,
                cls_weight: float = 0.1, labels: str = "soft", counts: Sequence[float] | None = None) -> torch.Tensor:
     """Mean over scored rows of each unrolled step, weighted ``decay ** (k - 1)``. ``counts``
     replaces this batch's own scored rows per step as the divisor (data-parallel ranks divide by

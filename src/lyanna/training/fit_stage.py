@@ -152,7 +152,9 @@ def _loss_module(fit: _Fit, depth: int, labels: str, world: int):
     """The head's unrolled loss as a module (wrapped for data parallelism when ``world`` > 1)."""
     import torch
 
-    from .fit import batch_loss
+    from .fit import DEPTH_DECAY, batch_loss
+
+    decay = fit.state["settings"].get("depth_decay", DEPTH_DECAY)  # fits from before the setting: the default
 
     class Loss(torch.nn.Module):
         def __init__(self) -> None:
@@ -162,7 +164,7 @@ def _loss_module(fit: _Fit, depth: int, labels: str, world: int):
         def forward(self, b, counts: list[float] | None) -> torch.Tensor:
             if b is None:  # more ranks than rows: take part in the gradient average with zero
                 return sum(p.sum() * 0 for p in fit.params)
-            return batch_loss(self.head, b, depth, labels=labels, counts=counts)
+            return batch_loss(self.head, b, depth, decay=decay, labels=labels, counts=counts)
 
     if world == 1:
         return Loss()
@@ -176,7 +178,7 @@ def stage_fit(run: Path, arch: str, steps: int, batch: int = 8, lr: float = 3e-4
               save_every: int = 50, name: str | None = None, row_len: int = 2048, warmup: int = 0,
               labels: str = "soft", device: str = "cpu", eval_run: Path | None = None, max_train_tokens: int | None = None,
               eval_examples: int = 64, init: Path | None = None, until: int | None = None,
-              taps: Sequence[int] | None = None) -> dict[str, Any]:
+              taps: Sequence[int] | None = None, depth_decay: float | None = None) -> dict[str, Any]:
     """Train a draft head on packed batches of ``batch`` rows of ``row_len`` tokens;
     data-parallel under torchrun (every rank takes a slice of each batch's rows). Held-out
     agreement is measured on this run's held-out split, or on all of ``eval_run`` (for example
@@ -186,12 +188,14 @@ def stage_fit(run: Path, arch: str, steps: int, batch: int = 8, lr: float = 3e-4
     vocabulary and rank. ``until`` stops after that step while the learning-rate schedule still
     spans ``steps`` (a long fit over several sittings: rerun with a later ``until``, or none, to go on).
     ``taps``: the hidden states the head reads, some of those the run's features hold (default:
-    all of them), so that one features stage serves fits on several choices of taps."""
+    all of them), so that one features stage serves fits on several choices of taps. ``depth_decay``:
+    the loss of unrolled step k weighs ``depth_decay ** (k - 1)`` (None: ``fit.DEPTH_DECAY``)."""
     import torch
 
     from ..drafters.checkpoint import check_taps, head_taps, load_head
     from ..drafters.registry import head_class
     from ..engines.loading import load_target
+    from .fit import DEPTH_DECAY
     from .recipes import recipe_for
 
     recipe = recipe_for(arch)
@@ -199,6 +203,8 @@ def stage_fit(run: Path, arch: str, steps: int, batch: int = 8, lr: float = 3e-4
         raise LyannaError("steps, batch and depth must be >= 1 and --row-len >= 2")
     if labels not in ("soft", "hard"):
         raise LyannaError(f"--labels must be soft or hard, got {labels!r}")
+    if depth_decay is not None and not depth_decay > 0.0:
+        raise LyannaError(f"--depth-decay must be > 0, got {depth_decay}")
     rank_id, world = _distributed()
     if batch % world:
         raise LyannaError(f"--batch {batch} must be a multiple of the {world} processes")
@@ -218,7 +224,8 @@ def stage_fit(run: Path, arch: str, steps: int, batch: int = 8, lr: float = 3e-4
     out = run / "fit" / (name or arch)
     out.mkdir(parents=True, exist_ok=True)
     settings = {"batch": batch, "row_len": row_len, "lr": lr, "warmup": warmup, "labels": labels, "depth": depth,
-                "rank": rank, "draft_vocab": draft_vocab, "seed": seed, "taps": list(taps)}
+                "rank": rank, "draft_vocab": draft_vocab, "seed": seed, "taps": list(taps),
+                "depth_decay": DEPTH_DECAY if depth_decay is None else depth_decay}
     state_json = out / "state.json"
     state = (json.loads(state_json.read_text()) if state_json.is_file()
              else _new_state(arch, selection, settings, train, held, eval_run))
@@ -227,6 +234,9 @@ def stage_fit(run: Path, arch: str, steps: int, batch: int = 8, lr: float = 3e-4
     fitted = fitted_taps(state["settings"], target.config.num_layers)
     if fitted != taps:
         raise LyannaError(f"{out} fits a head on taps {list(fitted)}, not {list(taps)}; pass another --name")
+    fitted_decay = state["settings"].get("depth_decay", DEPTH_DECAY)
+    if depth_decay is not None and depth_decay != fitted_decay:
+        raise LyannaError(f"{out} fits with --depth-decay {fitted_decay}, not {depth_decay}; pass another --name")
     state["device"] = str(device)
     start = None
     if init is not None:

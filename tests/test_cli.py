@@ -36,7 +36,8 @@ def test_demo_compares_the_default_method_with_ar_on_every_category(capsys, tiny
     code, out, err = run_cli(capsys, "--model", str(tiny_model_dir), "demo")
     assert code == 0
     method = DEFAULT_METHODS[0]
-    assert re.search(rf"ar, {method} on \d+ Spec-Bench questions \(one per category\)", out) and f"| {method} |" in out
+    heading = rf"ar, {method} on \d+ Spec-Bench questions \(one per category\), 64 new tokens each, the fastest of 2 runs"
+    assert re.search(heading, out) and f"| {method} |" in out
     line = next(x for x in out.splitlines() if x.startswith(f"{method} (the default method): "))
     assert "x ar over these questions" in line and "every output token-identical to ar" in line
     assert "no Lyanna draft head" in out  # the tiny model has none

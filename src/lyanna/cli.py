@@ -313,7 +313,8 @@ def _report(args: argparse.Namespace) -> None:
 DEMO_NEW_TOKENS = 64  # per question: 13 questions x 64 tokens for each method, a minute or two on two cores
 # Each method runs each question this many times and keeps its fastest run (``bench --repeats``):
 # with one run, a burst of load elsewhere on a shared host moved the printed ratios by a tenth
-# between fresh clones (`suffix` 0.93x and 1.00x ar in two CI runs of the same commit).
+# between fresh clones (`suffix` 1.00x then 0.93x ar in two CI runs an hour apart, no decoding
+# code changed between them).
 DEMO_REPEATS = 2
 
 

@@ -5,7 +5,11 @@ attention over the cache with the block's causal mask). What the pass does besid
 SiLU, the calls between) is about the pass less the parts, within this host's noise (the parts,
 measured apart, need not add up to the pass). Also the integer kernel's
 multiply-adds per second on one matrix that stays in cache (its arithmetic bound, no memory
-stream): what each extra row of a block costs at the least.
+stream): what each extra row of a block costs at the least; and this CPU's own peaks, both cores
+busy with independent operations on registers: 8-bit multiply-adds (``vpdpbusd`` on the
+``vnni`` path, ``vpmaddubsw`` + ``vpmaddwd`` on ``avx2``) and fp32 fused multiply-adds, from
+which the fastest a block could be on this machine follows (each extra row's matrix products at
+the integer peak and its attention at the fp32 peak, next to the measured one-token pass).
 
 Why: a draft tree pays only if verifying it costs little more than one token, and the block's
 cost in one-token steps (``scripts/measure-blocks.py``) says how far it is from that, not why.
@@ -20,6 +24,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 from lyanna.engines import intdot
 from lyanna.engines.attention import _attention_kernel, span_layout
@@ -32,6 +40,94 @@ SIZES = (1, 2, 8, 16, 64)
 CONTEXT = 256
 REPEATS = 7
 ROUNDS = 3
+CHAINS = 12  # independent accumulators in the peak loops: more than latency x issue rate on any x86 core
+PEAK_ITERATIONS = 20_000_000
+
+
+def _peak_loop(kind: str):
+    """A compiled loop of ``CHAINS`` independent 256-bit operations per iteration on registers:
+    ``vnni`` one ``vpdpbusd`` (32 8-bit multiply-adds), ``avx2`` one ``vpmaddubsw`` + ``vpmaddwd``
+    pair (32), ``fma`` one fp32 fused multiply-add on 8 lanes (8); returns a value that depends
+    on every chain, so that nothing is optimized away."""
+    @intrinsic
+    def loop(typingctx, n, seed):
+        def codegen(context, b, signature, args):
+            n, seed = args
+            i8, i16, i32, f32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
+            v32i8, v16i16, v8i32, v8f = (ir.VectorType(i8, 32), ir.VectorType(i16, 16), ir.VectorType(i32, 8),
+                                         ir.VectorType(f32, 8))
+            fn = lambda name, ret, *a: cgutils.get_or_insert_function(b.module, ir.FunctionType(ret, list(a)), name)  # noqa: E731
+            s = b.trunc(seed, i32)
+            if kind == "fma":
+                kind_t, op = v8f, fn("llvm.fma.v8f32", v8f, v8f, v8f, v8f)
+                x = b.insert_element(ir.Constant(v8f, [0.999] * 8), b.sitofp(s, f32), i32(0))
+                inits = [ir.Constant(v8f, [float(k)] * 8) for k in range(CHAINS)]
+                step = lambda acc: b.call(op, [acc, x, x])  # noqa: E731
+            else:
+                kind_t = v8i32
+                x = b.insert_element(ir.Constant(v8i32, [0x01020304] * 8), s, i32(0))
+                inits = [ir.Constant(v8i32, [k] * 8) for k in range(CHAINS)]
+                if kind == "vnni":
+                    op = fn("llvm.x86.avx512.vpdpbusd.256", v8i32, v8i32, v8i32, v8i32)
+                    step = lambda acc: b.call(op, [acc, x, x])  # noqa: E731
+                else:
+                    maddubs = fn("llvm.x86.avx2.pmadd.ub.sw", v16i16, v32i8, v32i8)
+                    madd = fn("llvm.x86.avx2.pmadd.wd", v8i32, v16i16, v16i16)
+                    ones = ir.Constant(v16i16, [1] * 16)
+
+                    def step(acc):
+                        # the input varies with the chain, or LLVM would compute one product for all
+                        pairs = b.call(maddubs, [b.bitcast(b.xor(acc, x), v32i8), b.bitcast(x, v32i8)])
+                        return b.add(acc, b.call(madd, [pairs, ones]))
+            entry = b.block
+            body, done = b.append_basic_block("body"), b.append_basic_block("done")
+            b.branch(body)
+            b.position_at_end(body)
+            i = b.phi(n.type)
+            i.add_incoming(n.type(0), entry)
+            accs = []
+            for init in inits:
+                acc = b.phi(kind_t)
+                acc.add_incoming(init, entry)
+                accs.append(acc)
+            new = [step(acc) for acc in accs]
+            nxt = b.add(i, n.type(1))
+            i.add_incoming(nxt, body)
+            for acc, value in zip(accs, new):
+                acc.add_incoming(value, body)
+            b.cbranch(b.icmp_signed("<", nxt, n), body, done)
+            b.position_at_end(done)
+            total = new[0]
+            for value in new[1:]:
+                total = b.fadd(total, value) if kind == "fma" else b.add(total, value)
+            first = b.extract_element(total, i32(0))
+            return b.fptosi(first, ir.IntType(64)) if kind == "fma" else b.sext(first, ir.IntType(64))
+
+        return types.int64(n, seed), codegen
+
+    @njit(parallel=True)
+    def on_every_core(n, cores):  # pragma: no cover - compiled
+        out = np.zeros(cores, np.int64)
+        for c in prange(cores):
+            out[c] = loop(n, c + 1)
+        return out
+
+    return on_every_core
+
+
+def peak_per_s(kind: str) -> float:
+    """Multiply-adds a second of ``_peak_loop(kind)`` with every core busy (the best of ROUNDS)."""
+    import os
+
+    run, cores = _peak_loop(kind), os.cpu_count() or 1
+    run(10, cores)  # compile
+    best = float("inf")
+    for _ in range(ROUNDS):
+        start = time.perf_counter()
+        run(PEAK_ITERATIONS, cores)
+        best = min(best, time.perf_counter() - start)
+    per_op = 8 if kind == "fma" else 32
+    return PEAK_ITERATIONS * CHAINS * per_op * cores / best
 
 
 def median_ms(run, repeats: int = REPEATS) -> float:
@@ -96,6 +192,16 @@ def main() -> None:
     macs_per_row = sum(getattr(layer, name).shape[0] * getattr(layer, name).shape[1]
                        for layer in engine.layers for name in widths) + engine.lm_head.shape[0] * engine.lm_head.shape[1]
     peak = 16 * w.shape[0] * w.shape[1] / seconds
+    int_kind = {"vnni": "vnni", "avx2": "avx2"}.get(intdot.PATH)  # the portable path has no one instruction to time
+    int_peak = peak_per_s(int_kind) if int_kind else None
+    fma_peak = peak_per_s("fma") if "fma" in machine_info()["cpu_features"] else None
+    # attention's multiply-adds for one more row: a score and a weighted value row per cached key and head
+    attention_macs = c.num_layers * c.num_heads * (CONTEXT + 1) * c.head_dim * 2
+    at_peaks = None
+    if int_peak and fma_peak:
+        per_row = macs_per_row / int_peak + attention_macs / fma_peak
+        one = ms["pass"][0] / 1e3
+        at_peaks = {str(n): round((one + (n - 1) * per_row) * 1e3, 2) for n in SIZES}
     report = {
         "command": "python scripts/measure-block-parts.py",
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -110,10 +216,19 @@ def main() -> None:
         "macs_per_row": macs_per_row,
         # Each row beyond the first costs at least its multiply-adds at the kernel's bound.
         "least_ms_per_extra_row": round(macs_per_row / peak * 1e3, 3),
+        "cpu_int8_peak_gmac_per_s": None if int_peak is None else round(int_peak / 1e9, 1),
+        "cpu_int8_peak_instruction": int_kind,
+        "cpu_fp32_fma_peak_g_per_s": None if fma_peak is None else round(fma_peak / 1e9, 1),
+        "attention_macs_per_row": attention_macs,
+        # The measured one-token pass plus each extra row's products at the CPU's peaks: the
+        # fastest each block could be here, whatever the kernels (None: a peak not measured).
+        "block_ms_at_cpu_peaks": at_peaks,
     }
     path = Path(__file__).resolve().parent.parent / "docs" / "bench" / "block-parts.json"
     path.write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps({k: report[k] for k in ("ms", "hot_kernel_gmac_per_s", "least_ms_per_extra_row")}, indent=1))
+    print(json.dumps({k: report[k] for k in ("ms", "hot_kernel_gmac_per_s", "least_ms_per_extra_row",
+                                             "cpu_int8_peak_gmac_per_s", "cpu_fp32_fma_peak_g_per_s",
+                                             "block_ms_at_cpu_peaks")}, indent=1))
 
 
 if __name__ == "__main__":

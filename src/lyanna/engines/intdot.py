@@ -48,6 +48,14 @@ from .kernels import _FEATURES, ir_splat
 QK = 32  # inputs per block
 OUT = 8  # outputs per vector: 8 int32 lanes of a 256-bit register
 GROUP = 8  # input rows sharing one load (and unpacking) of a weight vector
+# The row group on ``vnni`` with AVX-512's registers for matrices cut into at least ``MANY_TILES``
+# tiles (a layer's gate and up projections, the LM head): 4 rows, each chunk 4 output vectors
+# wide (``_COLS_32``). On the 2-core Zen 4 (2026-11-26, each kind of matrix over all 30 layers,
+# weights streamed as in a pass) groups of 4 ran gate_up 0.93x / 0.79x / 0.75x the time of groups
+# of 8 for 8 / 16 / 64 rows and the LM head 0.73x at 64 rows, while the two-tile matrices ran
+# 1.00-1.09x; whole passes after 256 cached tokens took 67.5-68.7 ms instead of 71.9 for 64 rows,
+# the same within noise for 1 to 16. Only the speed changes: every row's sums are the same.
+MANY_TILES, MANY_TILES_GROUP = 4, 4
 MAX_TILE = 512  # output rows per parallel task (see ``quant.MAX_TILE``)
 NIBBLE_BYTES = OUT * QK // 2  # bytes of one output vector's block, packed: 4 vectors of 32
 BYTE_BYTES = OUT * QK  # the same, one byte per weight: 8 vectors of 32
@@ -385,6 +393,7 @@ def int_linear_kernel(x, d, m, q, out, path):  # pragma: no cover - compiled
     nvec = tw // OUT
     nibbles = 1 if q.shape[3] == NIBBLE_BYTES else 0
     offsets = 1 if m.size else 0  # ``pack`` leaves out an all-zero m
+    most = MANY_TILES_GROUP if tiles >= MANY_TILES and path == 0 and HAS_512 else GROUP  # measured there only
     xq, dx, xs = quantize_rows(x)
     flat, xflat, dflat, sflat = q.reshape(-1), xq.reshape(-1), dx.reshape(-1), xs.reshape(-1)
     width = out.shape[1]
@@ -394,7 +403,7 @@ def int_linear_kernel(x, d, m, q, out, path):  # pragma: no cover - compiled
             qoff = (c * nb + b) * nvec * q.shape[3]
             i = 0
             while i < rows:
-                group = min(GROUP, rows - i)
+                group = min(most, rows - i)
                 args = (flat, qoff, nvec, nibbles, xflat, i * k + b * QK, k, dflat, sflat, i * nb + b, nb, d, m,
                         (c * nb + b) * tw, out, i * width + c * tw, width, group, 1 if i == 0 else 0, offsets)
                 if path == 0:

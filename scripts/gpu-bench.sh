@@ -25,6 +25,15 @@
 # fixed-budget step, took 8 minutes); BF16_S, FIXED_S, FP32_S and TESTS_S set the steps'
 # seconds, BENCH_LIMIT and BENCH_TOKENS the bench.
 # `local` runs the same steps here on the CPU (device cpu, a short bench) to check the script.
+#
+# Growing a self-distillation run on lent GPUs (the heads' data at scale), a session at a time:
+#   here:  scripts/gpu-bench.sh prepare-data RUN PROMPTS   # .gpu/data/: PROMPTS and the ids RUN holds
+#   there: (the two receive calls as above), then
+#          scripts/gpu-bench.sh data                       # carry [".gpu/MANIFEST", ".gpu/wheels", ".gpu/data"]
+#   here:  lyanna train merge --run-dir RUN --from FILES_AT/sd
+# `data` answers, for DATA_S seconds (default 420), the prompts RUN lacks (`train data --done`, the
+# same --seed and --max-new-tokens as RUN: DATA_SEED, DATA_TOKENS) and brings the replies back,
+# not their features (three taps of 30M tokens are ~100 GB; make features where the fit runs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STAGE=${LYANNA_GPU_STAGE:-/tmp/lyanna-gpu}   # where parts, the model and the cache live on the machine
@@ -114,8 +123,31 @@ measure() {  # measure DEVICE OUT LIMIT TOKENS; the headline comes first, each s
 # headline, fp32 shows equality with ar.
 BF16_S=${BF16_S:-150} FIXED_S=${FIXED_S:-45} FP32_S=${FP32_S:-75} TESTS_S=${TESTS_S:-90}
 
+prepare_data() {  # prepare_data RUN PROMPTS
+  local run=${1:?usage: scripts/gpu-bench.sh prepare-data RUN PROMPTS} prompts=${2:?the prompts file of RUN}
+  rm -rf .gpu/data && mkdir -p .gpu/data
+  cp "$prompts" .gpu/data/
+  .venv/bin/python -c 'import sys; from pathlib import Path; from lyanna.training.run import iter_data
+print("\n".join(row["id"] for row in iter_data(Path(sys.argv[1]))))' "$run" > .gpu/data/done.txt
+  echo "prepared .gpu/data: $(basename "$prompts") and $(grep -c . .gpu/data/done.txt) ids already answered"
+}
+
+data() {  # there: DATA_S seconds of replies to the prompts the run at home lacks, to $OUT/sd
+  local run="$STAGE/sd" prompts
+  prompts=$(ls .gpu/data/*.jsonl | head -1)
+  step "${DATA_S:-420}" "self-distillation on cuda" "${PY:-python3}" -m lyanna.train data --run-dir "$run" \
+    --prompts "$prompts" --done .gpu/data/done.txt --seed "${DATA_SEED:-3}" --max-new-tokens "${DATA_TOKENS:-128}" \
+    --batch 256 --device cuda
+  mkdir -p "$OUT/sd/data"
+  cp "$run/run.json" "$OUT/sd/"
+  cp "$run"/data/shard-*.jsonl "$run/data/report.json" "$OUT/sd/data/" 2>/dev/null || echo "!! no shard finished"
+  echo "== replies: $(cat "$OUT"/sd/data/shard-*.jsonl 2>/dev/null | wc -l), $(du -sh "$OUT/sd" | cut -f1)"
+}
+
 case "${1:-}" in
   prepare) prepare ;;
+  prepare-data) prepare_data "${2:-}" "${3:-}" ;;
+  data) setup; data 2>&1 | tee "${OUT:?run this on the device machine, where OUT is set}/log.txt" ;;
   receive) receive ;;
   run)
     setup
@@ -126,5 +158,5 @@ case "${1:-}" in
     PY=.venv/bin/python LATENCY_DTYPE=float32
     setup
     METHODS=${METHODS_LOCAL:-ar,suffix,lyanna} measure cpu "${OUT:-/tmp/lyanna-gpu-local/out}" "${BENCH_LIMIT:-2}" "${BENCH_TOKENS:-16}" ;;
-  *) echo "usage: scripts/gpu-bench.sh prepare | receive | run | local"; exit 2 ;;
+  *) echo "usage: scripts/gpu-bench.sh prepare | receive | run | local | prepare-data RUN PROMPTS | data"; exit 2 ;;
 esac

@@ -222,6 +222,30 @@ def test_fit_can_start_from_a_checkpoint(run_dir, tmp_path):
         fit_stage.stage_fit(run_dir, "eagle", steps=1, batch=2, name="wrong", row_len=64, init=base)
 
 
+def test_a_run_grown_in_copies_merges_into_the_same_data(run_dir, tiny_model_dir, tmp_path):
+    """`train data --done` on another machine answers only the prompts the run lacks, and `train
+    merge` brings them home: the same replies as one run made in one place; a copy that answers a
+    prompt twice, or with other settings, is refused."""
+    prompts = run_dir.parent / "prompts.jsonl"
+    home, away = tmp_path / "home", tmp_path / "away"
+    data.stage_data(home, str(tiny_model_dir), prompts, 10, 24, 64, seed=0)
+    done = tmp_path / "done.txt"
+    done.write_text("\n".join(row["id"] for row in iter_data(home)) + "\n")
+    data.stage_data(away, str(tiny_model_dir), prompts, None, 24, 64, seed=0, done_file=done)
+    assert len(list(iter_data(away))) == 12  # 22 prompts, 10 answered at home
+    assert train_main(["merge", "--run-dir", str(home), "--from", str(away)]) == 0
+    merged = {row["id"]: row for row in iter_data(home)}
+    assert merged == {row["id"]: row for row in iter_data(run_dir)}
+    with pytest.raises(LyannaError, match="already holds"):
+        data.stage_merge(home, [away])
+    other = tmp_path / "other"
+    data.stage_data(other, str(tiny_model_dir), prompts, 2, 16, 64, seed=0)
+    with pytest.raises(LyannaError, match="max_new_tokens"):
+        data.stage_merge(home, [other])
+    with pytest.raises(LyannaError, match="not found"):
+        data.stage_data(away, str(tiny_model_dir), prompts, None, 24, 64, seed=0, done_file=tmp_path / "missing.txt")
+
+
 def test_depth_decay_weights_the_unrolled_steps(run_dir, tmp_path):
     """`fit --depth-decay d`: step k's loss weighs d ** (k - 1), so at depth 2 the first step's
     loss is d-independent and the total is linear in d; the fit records it, a resumed fit keeps

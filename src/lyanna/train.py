@@ -1,6 +1,6 @@
 """``python -m lyanna.train STAGE`` (also ``lyanna train STAGE``): the draft training pipeline.
 
-Stages: data, features, select, fit, export. ``fit`` runs data-parallel under
+Stages: data, merge, features, select, fit, export. ``fit`` runs data-parallel under
 ``torchrun --nproc_per_node=N -m lyanna.train fit ...``.
 """
 from __future__ import annotations
@@ -52,6 +52,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="self-distillation through the Hugging Face model on this device (cpu, cuda) in padded batches: "
                         "much faster with a large --batch; default: this engine, each reply token-identical to decoding it alone")
     d.add_argument("--taps", type=_taps, default=None, help="with --device: the features written as replies are made; " + TAPS_HELP)
+    d.add_argument("--done", type=Path, default=None,
+                   help="self-distillation: ids of prompts answered in another copy of this run, one a line, skipped "
+                        "(a lent machine grows its own copy; `lyanna train merge` brings it home)")
+
+    g = sub.add_parser("merge", help="add the replies of other copies of a self-distillation run (made with --done)")
+    g.add_argument("--run-dir", required=True, type=Path)
+    g.add_argument("--from", dest="others", required=True, type=Path, nargs="+", help="the other copies' run directories")
 
     f = sub.add_parser("features", help="target hidden states of every example (fp16 shards), teacher-forced")
     f.add_argument("--run-dir", required=True, type=Path)
@@ -118,6 +125,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.stage == "data":
+            if args.source and args.done:
+                raise LyannaError("--done skips prompts of a self-distillation run; a corpus (--source) is written whole")
             if args.source:
                 data.stage_corpus(args.run_dir, args.model, args.source, args.limit, args.reply_tokens,
                                       args.max_tokens, args.seed)
@@ -125,7 +134,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise LyannaError("train data needs --source (a conversation corpus) or --prompts (self-distillation)")
             else:
                 data.stage_data(args.run_dir, args.model, args.prompts, args.limit, args.max_new_tokens,
-                                    args.max_prompt_tokens, args.seed, args.batch, args.device, args.taps)
+                                    args.max_prompt_tokens, args.seed, args.batch, args.device, args.taps, args.done)
+        elif args.stage == "merge":
+            print(f"added {data.stage_merge(args.run_dir, args.others)} replies to {args.run_dir}")
         elif args.stage == "features":
             features.stage_features(args.run_dir, args.device, args.taps)
         elif args.stage == "select":

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Sequence
@@ -17,6 +18,7 @@ from .run import (
     hf_taps,
     iter_data,
     progress,
+    run_info,
     start_run,
     write_features,
     write_shards,
@@ -119,12 +121,14 @@ def _hf_replies(model, prompts: list[list[int]], max_new_tokens: int, eos: Seque
 
 def stage_data(run: Path, model: str, prompts_file: Path, limit: int | None, max_new_tokens: int,
                max_prompt_tokens: int, seed: int, batch: int = 8, device: str | None = None,
-               taps: Sequence[int] | None = None) -> int:
+               taps: Sequence[int] | None = None, done_file: Path | None = None) -> int:
     """Self-distillation: the target answers training prompts greedily with its chat template,
     ``batch`` replies sharing each forward pass (on this engine each is token-identical to
     generating it alone; with ``device`` the Hugging Face model generates padded batches, much
     faster for large batches, and writes the features of ``taps`` as it goes: see
-    ``stage_features``, which makes them otherwise)."""
+    ``stage_features``, which makes them otherwise). ``done_file``: ids of prompts answered in
+    another copy of the run (one a line), skipped: a lent machine grows its own copy without
+    receiving the replies made so far, and ``stage_merge`` brings its shards home."""
     from ..decoding.decoder import Decoder, GenerationRequest
     from ..engines.loading import load_target, resolve_model
 
@@ -140,6 +144,10 @@ def stage_data(run: Path, model: str, prompts_file: Path, limit: int | None, max
                      "max_new_tokens": max_new_tokens, "max_prompt_tokens": max_prompt_tokens,
                      "generator": f"hf-{device}" if device else "engine"})
     done = {row["id"] for row in iter_data(run)}
+    if done_file is not None:
+        if not Path(done_file).is_file():
+            raise LyannaError(f"--done {done_file} not found")
+        done |= {line.strip() for line in Path(done_file).read_text().split("\n") if line.strip()}
     todo = [p for p in prompts if p["id"] not in done]
     decoder = Decoder(load_target(model, weight_format=TRAINING_WEIGHTS))
     taps = check_taps(taps, decoder.engine.config.num_layers)
@@ -177,12 +185,56 @@ def stage_data(run: Path, model: str, prompts_file: Path, limit: int | None, max
     return len(prompts)
 
 
-def _add_data_seconds(run: Path, seconds: float, device: str | None) -> None:
+# What two copies of a self-distillation run must share for their replies to be one data set.
+MERGE_KEYS = ("model", "source", "seed", "prompts", "max_new_tokens", "max_prompt_tokens")
+
+
+def stage_merge(run: Path, others: Sequence[Path]) -> int:
+    """Add the replies of other copies of a self-distillation run (made elsewhere with ``--done``)
+    to ``run``, as new shards after its own; return the replies added. The copies must agree on
+    the model, prompts and generation settings, and no prompt may be answered twice. Features do
+    not travel (a GPU makes them with the replies, three taps of 30M tokens are ~100 GB): make
+    them where the fit runs (``stage_features``, which skips shards that have them)."""
+    info = run_info(run)
+    if info.get("source") != "self-distillation":
+        raise LyannaError(f"{run} holds a corpus, written whole: only self-distillation runs grow in copies")
+    have = {row["id"] for row in iter_data(run)}
+    added = 0
+    for other in others:
+        theirs = run_info(Path(other))
+        differ = [k for k in MERGE_KEYS if theirs.get(k) != info.get(k)]
+        if differ:
+            raise LyannaError(f"{other} differs from {run} in {', '.join(differ)}: not one data set")
+        ids = [row["id"] for row in iter_data(Path(other))]
+        if len(set(ids)) != len(ids):
+            raise LyannaError(f"{other} answers a prompt twice: not a run `lyanna train data` made")
+        twice = set(ids) & have
+        if twice:
+            raise LyannaError(f"{other} answers {len(twice)} prompt(s) {run} already holds (e.g. {sorted(twice)[0]!r}): "
+                              "make its replies with --done")
+        shards = sorted((Path(other) / "data").glob("shard-*.jsonl"))
+        first = len(list((run / "data").glob("shard-*.jsonl")))
+        for k, shard in enumerate(shards):
+            tmp = run / "data" / f".shard-{first + k:05d}.tmp"
+            tmp.write_text(shard.read_text())
+            os.replace(tmp, run / "data" / f"shard-{first + k:05d}.jsonl")
+        report = Path(other) / "data" / "report.json"
+        if report.is_file():
+            r = json.loads(report.read_text())
+            _add_data_seconds(run, float(r.get("seconds", 0.0)), None, r.get("device"))
+        have |= set(ids)
+        added += len(ids)
+    return added
+
+
+def _add_data_seconds(run: Path, seconds: float, device: str | None, described: str | None = None) -> None:
     """Self-distillation's wall time, summed over resumed sessions (the model card's cost line)."""
     f = run / "data" / "report.json"
     report = json.loads(f.read_text()) if f.is_file() else {"seconds": 0.0}
     report["seconds"] = round(report["seconds"] + seconds, 1)
-    report["device"] = f"hf-{device}, features included" if device else "engine"
+    here = described or (f"hf-{device}, features included" if device else "engine")
+    before = report.get("device")
+    report["device"] = here if before in (None, here) else f"{before}; {here}"  # merged copies made elsewhere
     f.write_text(json.dumps(report))
 
 

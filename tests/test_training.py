@@ -233,9 +233,12 @@ def test_a_run_grown_in_copies_merges_into_the_same_data(run_dir, tiny_model_dir
     done.write_text("\n".join(row["id"] for row in iter_data(home)) + "\n")
     data.stage_data(away, str(tiny_model_dir), prompts, None, 24, 64, seed=0, done_file=done)
     assert len(list(iter_data(away))) == 12  # 22 prompts, 10 answered at home
+    seconds = [json.loads((r / "data" / "report.json").read_text())["seconds"] for r in (home, away)]
     assert train_main(["merge", "--run-dir", str(home), "--from", str(away)]) == 0
     merged = {row["id"]: row for row in iter_data(home)}
     assert merged == {row["id"]: row for row in iter_data(run_dir)}
+    report = json.loads((home / "data" / "report.json").read_text())
+    assert report["seconds"] == pytest.approx(sum(seconds), abs=0.11) and report["device"] == "engine; engine, a merged copy"
     with pytest.raises(LyannaError, match="already holds"):
         data.stage_merge(home, [away])
     other = tmp_path / "other"

@@ -221,7 +221,8 @@ def stage_merge(run: Path, others: Sequence[Path]) -> int:
         report = Path(other) / "data" / "report.json"
         if report.is_file():
             r = json.loads(report.read_text())
-            _add_data_seconds(run, float(r.get("seconds", 0.0)), None, r.get("device"))
+            made = r.get("device", "elsewhere").replace(", features included", "")  # its features stayed there
+            _add_data_seconds(run, float(r.get("seconds", 0.0)), None, f"{made}, a merged copy")
         have |= set(ids)
         added += len(ids)
     return added
@@ -233,8 +234,8 @@ def _add_data_seconds(run: Path, seconds: float, device: str | None, described: 
     report = json.loads(f.read_text()) if f.is_file() else {"seconds": 0.0}
     report["seconds"] = round(report["seconds"] + seconds, 1)
     here = described or (f"hf-{device}, features included" if device else "engine")
-    before = report.get("device")
-    report["device"] = here if before in (None, here) else f"{before}; {here}"  # merged copies made elsewhere
+    made = [part for part in report.get("device", "").split("; ") if part]  # each way a merged copy was made, once
+    report["device"] = "; ".join(made if here in made else [*made, here])
     f.write_text(json.dumps(report))
 
 

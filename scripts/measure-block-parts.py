@@ -19,6 +19,7 @@ Usage: .venv/bin/python scripts/measure-block-parts.py
 from __future__ import annotations
 
 import json
+import os
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -117,8 +118,6 @@ def _peak_loop(kind: str):
 
 def peak_per_s(kind: str) -> float:
     """Multiply-adds a second of ``_peak_loop(kind)`` with every core busy (the best of ROUNDS)."""
-    import os
-
     run, cores = _peak_loop(kind), os.cpu_count() or 1
     run(10, cores)  # compile
     best = float("inf")
@@ -192,9 +191,10 @@ def main() -> None:
     macs_per_row = sum(getattr(layer, name).shape[0] * getattr(layer, name).shape[1]
                        for layer in engine.layers for name in widths) + engine.lm_head.shape[0] * engine.lm_head.shape[1]
     peak = 16 * w.shape[0] * w.shape[1] / seconds
-    int_kind = {"vnni": "vnni", "avx2": "avx2"}.get(intdot.PATH)  # the portable path has no one instruction to time
+    machine = machine_info()
+    int_kind = None if intdot.PATH == "portable" else intdot.PATH  # the portable path has no one instruction to time
     int_peak = peak_per_s(int_kind) if int_kind else None
-    fma_peak = peak_per_s("fma") if "fma" in machine_info()["cpu_features"] else None
+    fma_peak = peak_per_s("fma") if "fma" in machine["cpu_features"] else None
     # attention's multiply-adds for one more row: a score and a weighted value row per cached key and head
     attention_macs = c.num_layers * c.num_heads * (CONTEXT + 1) * c.head_dim * 2
     at_peaks = None
@@ -205,7 +205,7 @@ def main() -> None:
     report = {
         "command": "python scripts/measure-block-parts.py",
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine_info(),
+        "machine": machine,
         "model": DEFAULT_MODEL,
         "kernel": engine.kernel,
         "intdot_path": intdot.PATH,

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 from typing import Sequence
@@ -205,19 +204,15 @@ def stage_merge(run: Path, others: Sequence[Path]) -> int:
         differ = [k for k in MERGE_KEYS if theirs.get(k) != info.get(k)]
         if differ:
             raise LyannaError(f"{other} differs from {run} in {', '.join(differ)}: not one data set")
-        ids = [row["id"] for row in iter_data(Path(other))]
+        rows = list(iter_data(Path(other)))
+        ids = [row["id"] for row in rows]
         if len(set(ids)) != len(ids):
             raise LyannaError(f"{other} answers a prompt twice: not a run `lyanna train data` made")
         twice = set(ids) & have
         if twice:
             raise LyannaError(f"{other} answers {len(twice)} prompt(s) {run} already holds (e.g. {sorted(twice)[0]!r}): "
                               "make its replies with --done")
-        shards = sorted((Path(other) / "data").glob("shard-*.jsonl"))
-        first = len(list((run / "data").glob("shard-*.jsonl")))
-        for k, shard in enumerate(shards):
-            tmp = run / "data" / f".shard-{first + k:05d}.tmp"
-            tmp.write_text(shard.read_text())
-            os.replace(tmp, run / "data" / f"shard-{first + k:05d}.jsonl")
+        write_shards(run, [json.dumps(row) for row in rows], len(list((run / "data").glob("shard-*.jsonl"))))
         report = Path(other) / "data" / "report.json"
         if report.is_file():
             r = json.loads(report.read_text())

@@ -30,10 +30,13 @@
 #   here:  scripts/gpu-bench.sh prepare-data RUN PROMPTS   # .gpu/data/: PROMPTS and the ids RUN holds
 #   there: (the two receive calls as above), then
 #          scripts/gpu-bench.sh data                       # carry [".gpu/MANIFEST", ".gpu/wheels", ".gpu/data"]
-#   here:  lyanna train merge --run-dir RUN --from FILES_AT/sd
-# `data` answers, for DATA_S seconds (default 420), the prompts RUN lacks (`train data --done`, the
-# same --seed and --max-new-tokens as RUN: DATA_SEED, DATA_TOKENS) and brings the replies back,
-# not their features (three taps of 30M tokens are ~100 GB; make features where the fit runs).
+#   here:  mkdir COPY && cat FILES_AT/sd.tar.gz.part-* | tar xzf - -C COPY
+#          lyanna train merge --run-dir RUN --from COPY/sd
+# `data` answers, for DATA_S seconds (default 420), the prompts RUN lacks (`train data --done`,
+# with RUN's own seed, reply and prompt lengths, read from the run.json that prepare-data copies)
+# and brings the replies back packed (the machine returns at most 8 files of 16 MiB: a gzipped tar
+# in 15 MiB parts), not their features (three taps of 30M tokens are ~100 GB; make features where
+# the fit runs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STAGE=${LYANNA_GPU_STAGE:-/tmp/lyanna-gpu}   # where parts, the model and the cache live on the machine
@@ -125,23 +128,28 @@ BF16_S=${BF16_S:-150} FIXED_S=${FIXED_S:-45} FP32_S=${FP32_S:-75} TESTS_S=${TEST
 
 prepare_data() {  # prepare_data RUN PROMPTS
   local run=${1:?usage: scripts/gpu-bench.sh prepare-data RUN PROMPTS} prompts=${2:?the prompts file of RUN}
+  [ -f "$run/run.json" ] || { echo "$run is not a training run (no run.json)"; exit 2; }
   rm -rf .gpu/data && mkdir -p .gpu/data
   cp "$prompts" .gpu/data/
+  cp "$run/run.json" .gpu/data/home-run.json
   .venv/bin/python -c 'import sys; from pathlib import Path; from lyanna.training.run import iter_data
 print("\n".join(row["id"] for row in iter_data(Path(sys.argv[1]))))' "$run" > .gpu/data/done.txt
   echo "prepared .gpu/data: $(basename "$prompts") and $(grep -c . .gpu/data/done.txt) ids already answered"
 }
 
-data() {  # there: DATA_S seconds of replies to the prompts the run at home lacks, to $OUT/sd
-  local run="$STAGE/sd" prompts
+data() {  # there: DATA_S seconds of replies to the prompts the run at home lacks, to $OUT/sd.tar.gz.part-*
+  local run="$STAGE/sd" prompts settings
   prompts=$(ls .gpu/data/*.jsonl | head -1)
+  # The home run's settings, so that `train merge` accepts the copy (it checks them).
+  settings=$("${PY:-python3}" -c 'import json, sys; r = json.load(open(sys.argv[1]))
+print(r["seed"], r["max_new_tokens"], r["max_prompt_tokens"])' .gpu/data/home-run.json)
+  set -- $settings
   step "${DATA_S:-420}" "self-distillation on cuda" "${PY:-python3}" -m lyanna.train data --run-dir "$run" \
-    --prompts "$prompts" --done .gpu/data/done.txt --seed "${DATA_SEED:-3}" --max-new-tokens "${DATA_TOKENS:-128}" \
+    --prompts "$prompts" --done .gpu/data/done.txt --seed "$1" --max-new-tokens "$2" --max-prompt-tokens "$3" \
     --batch 256 --device cuda
-  mkdir -p "$OUT/sd/data"
-  cp "$run/run.json" "$OUT/sd/"
-  cp "$run"/data/shard-*.jsonl "$run/data/report.json" "$OUT/sd/data/" 2>/dev/null || echo "!! no shard finished"
-  echo "== replies: $(cat "$OUT"/sd/data/shard-*.jsonl 2>/dev/null | wc -l), $(du -sh "$OUT/sd" | cut -f1)"
+  ls "$run"/data/shard-*.jsonl > /dev/null 2>&1 || { echo "!! no shard finished"; return; }
+  (cd "$STAGE" && tar czf - sd/run.json $(ls sd/data/report.json 2>/dev/null) sd/data/shard-*.jsonl) | split -b 15M -d -a 1 - "$OUT/sd.tar.gz.part-"
+  echo "== replies: $(cat "$run"/data/shard-*.jsonl | wc -l), packed in $(ls "$OUT"/sd.tar.gz.part-* | wc -l) parts"
 }
 
 case "${1:-}" in

@@ -237,6 +237,10 @@ def test_a_run_grown_in_copies_merges_into_the_same_data(run_dir, tiny_model_dir
     assert train_main(["merge", "--run-dir", str(home), "--from", str(away)]) == 0
     merged = {row["id"]: row for row in iter_data(home)}
     assert merged == {row["id"]: row for row in iter_data(run_dir)}
+    only_copies = tmp_path / "only-copies"  # a run all of whose replies were made elsewhere: its run.json alone
+    only_copies.mkdir()
+    (only_copies / "run.json").write_text((home / "run.json").read_text())
+    assert data.stage_merge(only_copies, [away]) == 12 and len(list(iter_data(only_copies))) == 12
     report = json.loads((home / "data" / "report.json").read_text())
     assert report["seconds"] == pytest.approx(sum(seconds), abs=0.11) and report["device"] == "engine; engine, a merged copy"
     with pytest.raises(LyannaError, match="already holds"):

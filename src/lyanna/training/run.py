@@ -65,6 +65,7 @@ def start_run(run: Path, info: dict[str, Any]) -> None:
 
 
 def write_shards(run: Path, rows: list[str], first: int) -> None:
+    (run / "data").mkdir(exist_ok=True)  # a run grown only from merged copies has made none itself
     for k in range(0, len(rows), SHARD_EXAMPLES):
         idx = first + k // SHARD_EXAMPLES
         tmp = run / "data" / f".shard-{idx:05d}.tmp"

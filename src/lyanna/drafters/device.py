@@ -68,10 +68,12 @@ class _CatchUpCall(FixedShapeCall):
                           (self.mask, mask), (self.root, np.array([n - 1]))):
             buf.copy_(torch.from_numpy(host))
 
-    def _root(self) -> torch.Tensor:
-        h = self.head
+    def _root(self, rot: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """``rot``: RoPE's (cos, sin) whose first rows are the pending pairs' (None: made here)."""
+        h, n = self.head, self.positions.shape[0]
+        cos, sin = h.rotation(self.positions) if rot is None else (rot[0][:n], rot[1][:n])
         x = h.fc(torch.cat([self.features, h._embed[self.tokens]], dim=-1))
-        return h.layer_at(x, self.positions, self.slots, self.mask, self.slab, self.keys).index_select(0, self.root)
+        return h.layer_at(x, cos, sin, self.slots, self.mask, self.slab, self.keys).index_select(0, self.root)
 
 
 class _DraftPass(_CatchUpCall):
@@ -88,36 +90,35 @@ class _DraftPass(_CatchUpCall):
         self.raw: torch.Tensor | None = None
 
     def _forward(self) -> None:
-        h, f = self.head, self._root()
+        h, n = self.head, self.positions.shape[0]
+        cos, sin = h.rotation(torch.cat([self.positions, self.chain_positions]))  # one RoPE for every row
+        f = self._root((cos, sin))
         features = [f]
         for j in range(self.depth - 1):
-            f = h.layer_at(f, self.chain_positions[j : j + 1], self.chain_slots[j : j + 1], self.chain_mask[j : j + 1],
-                           self.slab, self.keys)
+            f = h.layer_at(f, cos[n + j : n + j + 1], sin[n + j : n + j + 1], self.chain_slots[j : j + 1],
+                           self.chain_mask[j : j + 1], self.slab, self.keys)
             features.append(f)
         self.raw = (rms_norm(torch.cat(features), h._norm, h.config.rms_norm_eps) @ h._draft_lm_head.T).float()
 
 
 class _DraftTreesPass(_DraftPass):
     """A round of lyanna's drafting in one call: ``_DraftPass``, then the tree of its raw logits
-    and, with ``leftover`` rows (the last chain's rows still valid), the tree re-sampled from
-    them, both under the same root (``fresh``, ``resampled``: ``_grow``'s candidates)."""
+    and, with ``resample`` (the last chain's rows still valid, in ``leftover``'s first rows), the
+    tree re-sampled from them, both under the same root and grown together (``_grow``)."""
 
-    def __init__(self, head: "DeviceChainHead", slab: Slab, rows: int, depth: int, keys: int, leftover: int, topk: int,
-                 width: int, lowrank: bool, pool: Any):
+    def __init__(self, head: "DeviceChainHead", slab: Slab, rows: int, depth: int, keys: int, resample: bool,
+                 topk: int, width: int, pool: Any):
         super().__init__(head, slab, rows, depth, keys, pool)
-        dev = head.device
         self.topk, self.width = topk, width
-        self.leftover = torch.zeros((leftover, head.d2t.size), dtype=torch.float32, device=dev) if leftover else None
-        self.root_token = torch.zeros(1, dtype=torch.int64, device=dev)
-        self.hot = None if lowrank else torch.zeros(head.config.vocab_size, dtype=torch.bool, device=dev)
-        self.fresh: torch.Tensor | None = None
-        self.resampled: torch.Tensor | None = None
+        trees = 2 if resample else 1
+        self.leftover = torch.zeros((depth, head.d2t.size), dtype=torch.float32, device=head.device) if resample else None
+        self.root_info = torch.zeros((trees, 1, head._ti_b.shape[0]), dtype=torch.float32, device=head.device)
+        self.candidates: torch.Tensor | None = None
 
     def _forward(self) -> None:
         super()._forward()
-        self.fresh = _grow(self.head, self.raw, self.root_token, self.topk, self.width, self.hot)
-        if self.leftover is not None:
-            self.resampled = _grow(self.head, self.leftover, self.root_token, self.topk, self.width, self.hot)
+        raw = self.raw[None] if self.leftover is None else torch.stack([self.raw, self.leftover])
+        self.candidates = _grow(self.head, raw, self.root_info, self.topk, self.width)
 
 
 class _EagleTreePass(_CatchUpCall):
@@ -142,7 +143,9 @@ class _EagleTreePass(_CatchUpCall):
     def _forward(self) -> None:
         h, k, w, dev = self.head, self.topk, self.width, self.device
         spec = self.spec_slots.shape[0]
-        pred = self._root()  # [1, H]: the feature predicted after the root
+        rows = self.positions.shape[0]
+        cos, sin = h.rotation(torch.cat([self.positions, self.spec_positions]))  # one RoPE for every row
+        pred = self._root((cos, sin))  # [1, H]: the feature predicted after the root
         top_v, top_i = torch.topk(torch.log_softmax((pred @ h._lm_head.T).float(), dim=-1), k, dim=-1)
         c_tok, c_score = top_i.reshape(-1), top_v.double().reshape(-1)
         c_src = torch.zeros(k, dtype=torch.int64, device=dev)  # row of ``pred`` / ``anc`` of each candidate's parent
@@ -160,7 +163,9 @@ class _EagleTreePass(_CatchUpCall):
             mask = self.prefix[None, :].expand(fw, -1).clone()
             mask[:, self.spec_slots] = rows_anc
             x = h.fc(torch.cat([pred[c_src[order]], h._embed[c_tok[order]]], dim=-1))
-            pred = h.layer_at(x, self.spec_positions[d - 2].expand(fw), self.spec_slots[own], mask, self.slab, self.keys)
+            at = rows + d - 2  # this level's position
+            pred = h.layer_at(x, cos[at : at + 1].expand(fw, -1), sin[at : at + 1].expand(fw, -1), self.spec_slots[own],
+                              mask, self.slab, self.keys)
             top_v, top_i = torch.topk(torch.log_softmax((pred @ h._lm_head.T).float(), dim=-1), k, dim=-1)
             c_tok, c_score = top_i.reshape(-1), (c_score[order][:, None] + top_v.double()).reshape(-1)
             tokens.append(c_tok)
@@ -178,49 +183,65 @@ def _best_candidates(c: np.ndarray, max_nodes: int, origin: int = 0) -> DraftTre
     return DraftTree.best_of(c[0].astype(np.int64), c[1].astype(np.int64), c[2], max_nodes, np.full(c.shape[1], origin))
 
 
-def _grow(head: "DeviceChainHead", raw: torch.Tensor, root: torch.Tensor, topk: int, width: int,
-          hot: torch.Tensor | None) -> torch.Tensor:
-    """A token-info tree's candidates from ``raw`` ([depth, draft vocab]) under ``root`` ([1]
-    token): per depth, each frontier branch's top-k children under ``log_softmax(raw[d] +
-    TI(parent))``, the ``width`` best by joint log-probability (a stable sort: ties to the earlier
-    child) form the next frontier. ``[3, n]`` float64: tokens, parents, joint log-probabilities,
-    in the host builder's order. ``hot``: the vocabulary's hot tokens, where cold parents get no
-    token information (fallback "none"; None: every parent gets it)."""
-    dev = raw.device
-    f_tok, f_node = root, torch.full((1,), -1, dtype=torch.int64, device=dev)
-    f_score = torch.zeros(1, dtype=torch.float64, device=dev)
-    tokens, parents, scores, n = [], [], [], 0
-    for d in range(raw.shape[0]):
-        info = head._ti_a[f_tok] @ head._ti_b
-        if hot is not None:
-            info = info * hot[f_tok, None]
-        x = raw[d][None, :] + info
+def _grow(head: "DeviceChainHead", raw: torch.Tensor, root_info: torch.Tensor, topk: int, width: int) -> torch.Tensor:
+    """Token-info trees' candidates, several trees at once (one kernel per step for all of them):
+    ``raw`` [trees, depth, draft vocab], ``root_info`` [trees, 1, rank] (each root's ``A`` row,
+    zero where it gets no token information). Per depth, each frontier branch's top-k children
+    under ``log_softmax(raw[d] + TI(parent))``; the ``width`` best by joint log-probability (a
+    stable sort: ties to the earlier child) form the next frontier, whose ``TI`` is read from
+    ``head.ti_rows`` (the draft vocabulary's ``A`` rows). ``[trees, n]`` float64, per tree: every
+    level's draft ids, then each level's frontier order (positions in that level; all levels but
+    the last), then every level's joint log-probabilities (``_tree_of`` reads them)."""
+    trees, depth, _ = raw.shape
+    a, f_score = root_info, None
+    ids, orders, scores = [], [], []
+    for d in range(depth):
+        x = raw[:, d, None, :] + a @ head._ti_b  # [trees, frontier, vocab]
         top_v, top_i = torch.topk(x, topk, dim=-1)
-        lse = torch.logsumexp(x, dim=-1, keepdim=True)
-        s = (f_score[:, None] + (top_v - lse).double()).reshape(-1)
-        tokens.append(head._d2t[top_i].reshape(-1))
-        parents.append(f_node[:, None].expand(-1, topk).reshape(-1))
+        step = top_v - torch.logsumexp(x, dim=-1, keepdim=True)
+        s = (step.double() if f_score is None else f_score[:, :, None] + step).reshape(trees, -1)  # float64
+        ids.append(top_i.reshape(trees, -1))
         scores.append(s)
-        order = torch.sort(s, descending=True, stable=True).indices[:width]
-        f_node, f_tok, f_score = n + order, tokens[-1][order], s[order]
-        n += s.shape[0]
-    return torch.stack([torch.cat(tokens).double(), torch.cat(parents).double(), torch.cat(scores)])
+        if d + 1 < depth:
+            order = torch.sort(s, dim=-1, descending=True, stable=True).indices[:, :width]
+            orders.append(order)
+            a, f_score = head.ti_rows[ids[-1].gather(1, order)], s.gather(1, order)
+    return torch.cat([torch.cat(ids + orders, dim=1).double(), torch.cat(scores, dim=1)], dim=1)
+
+
+def _tree_of(c: np.ndarray, levels: int, depth: int, topk: int, width: int, d2t: np.ndarray, max_nodes: int,
+             origin: int = 0) -> DraftTree:
+    """The best ``max_nodes`` nodes of the first ``levels`` levels of one tree ``_grow`` grew to
+    ``depth`` levels (``c``: its row of candidates), parents found from the frontier orders."""
+    sizes, frontier = [], 1
+    for _ in range(depth):
+        sizes.append(frontier * topk)
+        frontier = min(width, sizes[-1])
+    total = sum(sizes)
+    starts = np.cumsum([0] + sizes)
+    order_at = total + np.cumsum([0] + [min(width, m) for m in sizes[:-1]])
+    n = int(starts[levels])
+    parents = np.full(n, -1, np.int64)
+    for d in range(1, levels):
+        order = c[order_at[d - 1] : order_at[d]].astype(np.int64)
+        parents[starts[d] : starts[d + 1]] = starts[d - 1] + np.repeat(order, topk)
+    tokens = d2t[c[:n].astype(np.int64)]
+    return DraftTree.best_of(tokens, parents, c[order_at[-1] : order_at[-1] + n], max_nodes, np.full(n, origin))
 
 
 class _TreePass(FixedShapeCall):
     """A token-info tree's candidates at one fixed shape (``depth`` rows of raw logits, ``topk``
     children a branch, ``width`` branches a depth; ``_grow``)."""
 
-    def __init__(self, head: "DeviceChainHead", depth: int, topk: int, width: int, lowrank: bool, pool: Any):
+    def __init__(self, head: "DeviceChainHead", depth: int, topk: int, width: int, pool: Any):
         super().__init__(head.device, pool)
         self.head, self.topk, self.width = head, topk, width
-        self.raw = torch.zeros((depth, head.d2t.size), dtype=torch.float32, device=head.device)
-        self.root = torch.zeros(1, dtype=torch.int64, device=head.device)
-        self.hot = None if lowrank else torch.zeros(head.config.vocab_size, dtype=torch.bool, device=head.device)
+        self.raw = torch.zeros((1, depth, head.d2t.size), dtype=torch.float32, device=head.device)
+        self.root_info = torch.zeros((1, 1, head._ti_b.shape[0]), dtype=torch.float32, device=head.device)
         self.candidates: torch.Tensor | None = None
 
     def _forward(self) -> None:
-        self.candidates = _grow(self.head, self.raw, self.root, self.topk, self.width, self.hot)
+        self.candidates = _grow(self.head, self.raw, self.root_info, self.topk, self.width)
 
 
 class DeviceDraftHead:
@@ -269,18 +290,20 @@ class DeviceDraftHead:
         t = a if isinstance(a, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(a, np.float32))
         return t.to(self.device, self.dtype)
 
-    def _rotation(self, positions: Sequence[int] | np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        return rotation(torch.as_tensor(np.asarray(positions, np.int64), device=self.device), self._inv_freq, self.dtype)
+    def rotation(self, positions: torch.Tensor | Sequence[int] | np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE's cos and sin for ``positions`` in the head's dtype."""
+        if not isinstance(positions, torch.Tensor):
+            positions = torch.as_tensor(np.asarray(positions, np.int64), device=self.device)
+        return rotation(positions, self._inv_freq, self.dtype)
 
     def _fuse(self, features: np.ndarray | torch.Tensor, tokens: np.ndarray) -> torch.Tensor:
         emb = self._embed[torch.as_tensor(np.asarray(tokens, np.int64), device=self.device)]
         return self.fc(torch.cat([self._rows(features), emb], dim=-1))
 
-    def layer_at(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor | None,
-                 slab: Slab, keys: int) -> torch.Tensor:
+    def layer_at(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
+                 mask: torch.Tensor | None, slab: Slab, keys: int) -> torch.Tensor:
         """The head's layer over rows ``x``: keys and values written at ``slots``, attention over
         the first ``keys`` slots under ``mask`` (None: all of them)."""
-        cos, sin = rotation(positions, self._inv_freq, self.dtype)
         return cached_layer(self.layer, x, cos, sin, slab.k[0], slab.v[0], slots, mask, keys)
 
     @torch.inference_mode()
@@ -290,7 +313,7 @@ class DeviceDraftHead:
         if not n:
             return
         h = rms_norm(self._fuse(features, tokens), self.layer.input_norm, self.layer.eps)
-        _, k, v = self.layer.qkv_rows(h, *self._rotation(positions))
+        _, k, v = self.layer.qkv_rows(h, *self.rotation(positions))
         cache.k[0, :, cache.length : cache.length + n] = k
         cache.v[0, :, cache.length : cache.length + n] = v
         cache.length += n
@@ -361,18 +384,30 @@ class DeviceChainHead(DeviceDraftHead):
         self._d2t = torch.from_numpy(d2t).to(self.device)
         self._draft_lm_head = self._lm_head[self._d2t]
         # Token information in fp32 whatever the head's dtype: it shifts logits of order 1.
-        self._ti_a = self._weight(weights, "ti.a").to(self.device)
+        self._ti_a = self._weight(weights, "ti.a")
         self._ti_b = self._weight(weights, "ti.b").to(self.device)
+        # ``A``'s rows of the draft vocabulary, zero where a parent gets no token information (a
+        # cold parent under fallback "none"): what a tree's frontier reads. One tensor, refilled
+        # in place for another ``TokenInfo``, so that captured trees read the current one.
+        self.ti_rows = torch.zeros((d2t.size, self._ti_a.shape[1]), dtype=torch.float32, device=self.device)
+        self._ti_of: Any = None
+        self._informed: np.ndarray | None = None
         self._drafts: dict[tuple[int, int, int, int], _DraftPass] = {}
         self._draft_trees: dict[tuple, _DraftTreesPass] = {}
-        self._trees: dict[tuple[int, int, int, bool], _TreePass] = {}
-        self._hot_of: tuple[Any, torch.Tensor] | None = None  # (TokenInfo, its hot tokens on the device)
+        self._trees: dict[tuple[int, int, int], _TreePass] = {}
 
-    def _hot(self, ti) -> torch.Tensor:
-        """``ti``'s hot tokens as a device mask over the vocabulary (fallback "none"), made once."""
-        if self._hot_of is None or self._hot_of[0] is not ti:
-            self._hot_of = (ti, torch.from_numpy(ti.row_of >= 0).to(self.device))
-        return self._hot_of[1]
+    def _token_info(self, ti, root: int) -> torch.Tensor:
+        """``ti`` made current (``ti_rows``) and ``root``'s own ``A`` row ([rank], on the host:
+        zero where it gets no token information)."""
+        if self._ti_of is not ti:
+            rows = self._ti_a[torch.from_numpy(self.d2t)]
+            self._informed = None if ti.fallback == "lowrank" else ti.row_of >= 0  # None: every parent gets TI
+            if self._informed is not None:
+                rows = rows * torch.from_numpy(self._informed[self.d2t])[:, None]
+            self.ti_rows.copy_(rows)
+            self._ti_of = ti
+        row = self._ti_a[root]
+        return row if self._informed is None or self._informed[root] else torch.zeros_like(row)
 
     def _drafted(self, pc: PairContext, ctx: np.ndarray, depth: int, make) -> _DraftPass:
         """Run the draft call ``make(slab, rows, keys)`` gives for this context's shape: the
@@ -406,27 +441,25 @@ class DeviceChainHead(DeviceDraftHead):
         one copy to the host (both trees' candidates) a round, instead of three calls and two."""
         if topk < 1 or width < 1:
             return self.draft(pc, ctx, depth), DraftTree.empty(), None if leftover is None else DraftTree.empty()
-        v, lowrank, left = self.d2t.size, ti.fallback == "lowrank", 0 if leftover is None else leftover.shape[0]
-        k = min(topk, v)
+        k, resample = min(topk, self.d2t.size), leftover is not None
 
         def make(slab: Slab, rows: int, keys: int) -> _DraftTreesPass:
-            key = (id(slab), rows, depth, keys, left, k, width, lowrank)
+            key = (id(slab), rows, depth, keys, resample, k, width)
             p = self._draft_trees.get(key)
             if p is None:
-                p = self._draft_trees[key] = _DraftTreesPass(self, slab, rows, depth, keys, left, k, width, lowrank,
+                p = self._draft_trees[key] = _DraftTreesPass(self, slab, rows, depth, keys, resample, k, width,
                                                               self._graph_pool)
-            p.root_token.fill_(int(ctx[-1]))
-            if leftover is not None:
-                p.leftover.copy_(leftover)
-            if not lowrank:
-                p.hot.copy_(self._hot(ti))
+            p.root_info.copy_(self._token_info(ti, int(ctx[-1])).expand_as(p.root_info))
+            if resample:
+                p.leftover[: leftover.shape[0]].copy_(leftover)
             return p
 
         p = self._drafted(pc, ctx, depth, make)
-        host = torch.cat([p.fresh] + ([] if leftover is None else [p.resampled]), dim=1).cpu().numpy()
-        n = p.fresh.shape[1]
-        resampled = None if leftover is None else _best_candidates(host[:, n:], max_nodes, origin=1)
-        return p.raw.clone(), _best_candidates(host[:, :n], max_nodes), resampled
+        host = p.candidates.cpu().numpy()
+        fresh = _tree_of(host[0], depth, depth, k, width, self.d2t, max_nodes)
+        resampled = None if not resample else _tree_of(host[1], leftover.shape[0], depth, k, width, self.d2t, max_nodes,
+                                                        origin=1)
+        return p.raw.clone(), fresh, resampled
 
     @torch.inference_mode()
     def tree(self, raw: torch.Tensor, root: int, ti, topk: int, width: int, max_nodes: int, origin: int = 0) -> DraftTree:
@@ -435,14 +468,11 @@ class DeviceChainHead(DeviceDraftHead):
         depth, v = raw.shape
         if depth == 0 or width < 1 or topk < 1:
             return DraftTree.empty()
-        lowrank = ti.fallback == "lowrank"
-        key = (depth, min(topk, v), width, lowrank)
+        key = (depth, min(topk, v), width)
         p = self._trees.get(key)
         if p is None:
             p = self._trees[key] = _TreePass(self, *key, self._graph_pool)
-        if not lowrank:
-            p.hot.copy_(self._hot(ti))
-        p.raw.copy_(raw)
-        p.root.fill_(int(root))
+        p.root_info.copy_(self._token_info(ti, int(root)).expand_as(p.root_info))
+        p.raw[0].copy_(raw)
         p.run_fixed()
-        return _best_candidates(p.candidates.cpu().numpy(), max_nodes, origin)
+        return _tree_of(p.candidates.cpu().numpy()[0], depth, depth, key[1], width, self.d2t, max_nodes, origin)

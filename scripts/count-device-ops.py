@@ -61,7 +61,7 @@ def main() -> None:
             with record_function(MARK):
                 run_fixed(self)
             return
-        name = type(self).__name__ + (f"[{self.tokens.shape[0]}]" if isinstance(self, device._StaticPass) else "")
+        name = type(self).__name__ + (f"[{self.rows}]" if isinstance(self, device._StaticPass) else "")
         sync()
         start = time.perf_counter()
         run_fixed(self)

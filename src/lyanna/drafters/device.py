@@ -42,37 +42,33 @@ class _CatchUpCall(FixedShapeCall):
 
     def __init__(self, head: "DeviceDraftHead", slab: Slab, rows: int, keys: int, pool: Any):
         super().__init__(head.device, pool)
-        dev = head.device
-        self.head, self.slab, self.keys = head, slab, keys
-        self.features = torch.zeros((rows, head.config.hidden_size), dtype=head.dtype, device=dev)
-        self.tokens = torch.zeros(rows, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(rows, dtype=torch.int64, device=dev)
-        self.slots = torch.zeros(rows, dtype=torch.int64, device=dev)
-        self.mask = torch.zeros((rows, keys), dtype=torch.bool, device=dev)
-        self.root = torch.zeros(1, dtype=torch.int64, device=dev)
+        self.head, self.slab, self.keys, self.rows = head, slab, keys, rows
+        self._input("features", (rows, head.config.hidden_size), torch.float32)  # cast to the head's dtype inside
+        for name in ("tokens", "positions", "slots"):
+            self._input(name, (rows,), torch.int64)
+        self._input("mask", (rows, keys), torch.bool)
+        self._input("root", (1,), torch.int64)
 
     def load(self, pc: PairContext, ctx: np.ndarray, pending: np.ndarray) -> None:
         """The pending pairs' inputs (pair ``p``: the feature after token ``p - 1`` and token
         ``p``, at position ``p``, in slot ``p - 1``, seeing its own slot and those before)."""
-        rows, n = self.tokens.shape[0], len(pending)
-        pad = rows - n
-        mask = np.zeros((rows, self.keys), bool)
+        n = len(pending)
+        mask = self.host("mask")
         mask[:n] = np.arange(self.keys)[None, :] <= (pending - 1)[:, None]
+        mask[n:] = False
         mask[n:, 0] = True  # padding rows read slot 0 and are dropped
-        feats = np.zeros((rows, self.head.config.hidden_size), np.float32)
-        feats[:n] = pc.features[pending - 1]
-        zeros = np.zeros(pad, np.int64)
-        for buf, host in ((self.features, feats), (self.tokens, np.concatenate([ctx[pending], zeros])),
-                          (self.positions, np.concatenate([pending, zeros])),
-                          (self.slots, np.concatenate([pending - 1, self.slab.capacity + np.arange(pad)])),
-                          (self.mask, mask), (self.root, np.array([n - 1]))):
-            buf.copy_(torch.from_numpy(host))
+        feats, tokens, positions, slots = (self.host(name) for name in ("features", "tokens", "positions", "slots"))
+        feats[:n], feats[n:] = pc.features[pending - 1], 0.0
+        tokens[:n], tokens[n:] = ctx[pending], 0
+        positions[:n], positions[n:] = pending, 0
+        slots[:n], slots[n:] = pending - 1, self.slab.capacity + np.arange(self.rows - n)
+        self.host("root")[0] = n - 1
 
     def _root(self, rot: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """``rot``: RoPE's (cos, sin) whose first rows are the pending pairs' (None: made here)."""
         h, n = self.head, self.positions.shape[0]
         cos, sin = h.rotation(self.positions) if rot is None else (rot[0][:n], rot[1][:n])
-        x = h.fc(torch.cat([self.features, h._embed[self.tokens]], dim=-1))
+        x = h.fc(torch.cat([self.features.to(h.dtype), h._embed[self.tokens]], dim=-1))
         return h.layer_at(x, cos, sin, self.slots, self.mask, self.slab, self.keys).index_select(0, self.root)
 
 
@@ -82,11 +78,10 @@ class _DraftPass(_CatchUpCall):
 
     def __init__(self, head: "DeviceChainHead", slab: Slab, rows: int, depth: int, keys: int, pool: Any):
         super().__init__(head, slab, rows, keys, pool)
-        dev, steps = head.device, depth - 1
         self.depth = depth
-        self.chain_positions = torch.zeros(steps, dtype=torch.int64, device=dev)
-        self.chain_slots = torch.zeros(steps, dtype=torch.int64, device=dev)
-        self.chain_mask = torch.zeros((steps, keys), dtype=torch.bool, device=dev)
+        self._input("chain_positions", (depth - 1,), torch.int64)
+        self._input("chain_slots", (depth - 1,), torch.int64)
+        self._input("chain_mask", (depth - 1, keys), torch.bool)
         self.raw: torch.Tensor | None = None
 
     def _forward(self) -> None:
@@ -112,7 +107,7 @@ class _DraftTreesPass(_DraftPass):
         self.topk, self.width = topk, width
         trees = 2 if resample else 1
         self.leftover = torch.zeros((depth, head.d2t.size), dtype=torch.float32, device=head.device) if resample else None
-        self.root_info = torch.zeros((trees, 1, head._ti_b.shape[0]), dtype=torch.float32, device=head.device)
+        self._input("root_info", (trees, 1, head._ti_b.shape[0]), torch.float32)
         self.candidates: torch.Tensor | None = None
 
     def _forward(self) -> None:
@@ -132,12 +127,11 @@ class _EagleTreePass(_CatchUpCall):
     def __init__(self, head: "DeviceDraftHead", slab: Slab, rows: int, depth: int, topk: int, width: int, keys: int,
                  pool: Any):
         super().__init__(head, slab, rows, keys, pool)
-        dev = head.device
         self.depth, self.topk, self.width = depth, topk, width
         spec = max(depth - 1, 0) * width  # slots of speculative pairs: ``width`` a level after the first
-        self.spec_slots = torch.zeros(spec, dtype=torch.int64, device=dev)
-        self.spec_positions = torch.zeros(max(depth - 1, 1), dtype=torch.int64, device=dev)
-        self.prefix = torch.zeros(keys, dtype=torch.bool, device=dev)  # the committed slots
+        self._input("spec_slots", (spec,), torch.int64)
+        self._input("spec_positions", (max(depth - 1, 1),), torch.int64)
+        self._input("prefix", (keys,), torch.bool)  # the committed slots
         self.candidates: torch.Tensor | None = None
 
     def _forward(self) -> None:
@@ -237,7 +231,7 @@ class _TreePass(FixedShapeCall):
         super().__init__(head.device, pool)
         self.head, self.topk, self.width = head, topk, width
         self.raw = torch.zeros((1, depth, head.d2t.size), dtype=torch.float32, device=head.device)
-        self.root_info = torch.zeros((1, 1, head._ti_b.shape[0]), dtype=torch.float32, device=head.device)
+        self._input("root_info", (1, 1, head._ti_b.shape[0]), torch.float32)
         self.candidates: torch.Tensor | None = None
 
     def _forward(self) -> None:
@@ -343,9 +337,10 @@ class DeviceDraftHead:
             p = self._eagles.get(key)
             if p is None:
                 p = self._eagles[key] = _EagleTreePass(self, slab, rows, depth, k, width, keys, self._graph_pool)
-            for buf, host in ((p.spec_slots, base + np.arange(spec)),
-                              (p.spec_positions, len(ctx) - 1 + np.arange(1, depth)), (p.prefix, np.arange(keys) < base)):
-                buf.copy_(torch.from_numpy(host[: buf.shape[0]]) if len(host) else torch.zeros_like(buf))
+            p.host("spec_slots")[:] = base + np.arange(spec)
+            positions = p.host("spec_positions")
+            positions[:], positions[: depth - 1] = 0, len(ctx) - 1 + np.arange(1, depth)
+            p.host("prefix")[:] = np.arange(keys) < base
             return p
 
         p = self._catch_up_call(pc, ctx, width * depth + 1, spec, depth, make)
@@ -384,7 +379,7 @@ class DeviceChainHead(DeviceDraftHead):
         self._d2t = torch.from_numpy(d2t).to(self.device)
         self._draft_lm_head = self._lm_head[self._d2t]
         # Token information in fp32 whatever the head's dtype: it shifts logits of order 1.
-        self._ti_a = self._weight(weights, "ti.a")
+        self._ti_a = self._weight(weights, "ti.a").numpy()  # host rows: the roots' travel with a call's inputs
         self._ti_b = self._weight(weights, "ti.b").to(self.device)
         # ``A``'s rows of the draft vocabulary, zero where a parent gets no token information (a
         # cold parent under fallback "none"): what a tree's frontier reads. One tensor, refilled
@@ -400,14 +395,14 @@ class DeviceChainHead(DeviceDraftHead):
         """``ti`` made current (``ti_rows``) and ``root``'s own ``A`` row ([rank], on the host:
         zero where it gets no token information)."""
         if self._ti_of is not ti:
-            rows = self._ti_a[torch.from_numpy(self.d2t)]
+            rows = self._ti_a[self.d2t]
             self._informed = None if ti.fallback == "lowrank" else ti.row_of >= 0  # None: every parent gets TI
             if self._informed is not None:
-                rows = rows * torch.from_numpy(self._informed[self.d2t])[:, None]
-            self.ti_rows.copy_(rows)
+                rows = rows * self._informed[self.d2t, None]
+            self.ti_rows.copy_(torch.from_numpy(rows))
             self._ti_of = ti
         row = self._ti_a[root]
-        return row if self._informed is None or self._informed[root] else torch.zeros_like(row)
+        return row if self._informed is None or self._informed[root] else np.zeros_like(row)
 
     def _drafted(self, pc: PairContext, ctx: np.ndarray, depth: int, make) -> _DraftPass:
         """Run the draft call ``make(slab, rows, keys)`` gives for this context's shape: the
@@ -415,9 +410,9 @@ class DeviceChainHead(DeviceDraftHead):
         def chained(slab: Slab, rows: int, keys: int, base: int) -> _DraftPass:
             p = make(slab, rows, keys)
             chain_slots = base + np.arange(depth - 1)
-            for buf, host in ((p.chain_positions, chain_slots + 1), (p.chain_slots, chain_slots),
-                              (p.chain_mask, np.arange(keys)[None, :] <= chain_slots[:, None])):
-                buf.copy_(torch.from_numpy(host))
+            p.host("chain_positions")[:] = chain_slots + 1
+            p.host("chain_slots")[:] = chain_slots
+            p.host("chain_mask")[:] = np.arange(keys)[None, :] <= chain_slots[:, None]
             return p
 
         return self._catch_up_call(pc, ctx, depth, depth, depth, chained)
@@ -449,7 +444,7 @@ class DeviceChainHead(DeviceDraftHead):
             if p is None:
                 p = self._draft_trees[key] = _DraftTreesPass(self, slab, rows, depth, keys, resample, k, width,
                                                               self._graph_pool)
-            p.root_info.copy_(self._token_info(ti, int(ctx[-1])).expand_as(p.root_info))
+            p.host("root_info")[:] = self._token_info(ti, int(ctx[-1]))
             if resample:
                 p.leftover[: leftover.shape[0]].copy_(leftover)
             return p
@@ -472,7 +467,7 @@ class DeviceChainHead(DeviceDraftHead):
         p = self._trees.get(key)
         if p is None:
             p = self._trees[key] = _TreePass(self, *key, self._graph_pool)
-        p.root_info.copy_(self._token_info(ti, int(root)).expand_as(p.root_info))
+        p.host("root_info")[:] = self._token_info(ti, int(root))
         p.raw[0].copy_(raw)
         p.run_fixed()
         return _tree_of(p.candidates.cpu().numpy()[0], depth, depth, key[1], width, self.d2t, max_nodes, origin)

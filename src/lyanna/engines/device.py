@@ -19,6 +19,7 @@ shape.
 """
 from __future__ import annotations
 
+import math
 import warnings
 import weakref
 from typing import Any, Callable, Sequence
@@ -45,6 +46,8 @@ KEY_BUCKET_MIN = 256
 # Caches are pooled by capacity rounded up to a power of two from this, so that generations with
 # slightly different prompt lengths share one cache (and its graphs).
 POOL_CAPACITY_MIN = 512
+# Byte alignment of each input in a fixed-shape call's one block (the widest input type, int64).
+STAGING_ALIGN = 8
 
 
 def pow2_at_least(n: int, smallest: int = 1) -> int:
@@ -53,12 +56,13 @@ def pow2_at_least(n: int, smallest: int = 1) -> int:
 
 
 class Slab:
-    """One pooled cache's device tensors, ``[layers, kv heads, capacity + scratch, head dim]``:
+    """One pooled cache's device tensors, keys and values ``[layers, kv heads, capacity + scratch,
+    head dim]`` as the two halves of one tensor (so that compaction moves both in one gather):
     slots past ``capacity`` take the padding rows of a fixed-shape call."""
 
     def __init__(self, shape: tuple[int, ...], capacity: int, dtype: torch.dtype, device: torch.device):
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.kv = torch.zeros((2, *shape), dtype=dtype, device=device)
+        self.k, self.v = self.kv[0], self.kv[1]
         self.capacity = capacity
 
 
@@ -108,27 +112,67 @@ class StaticCache:
         keep = compaction(start, self.length, keep)
         n = keep.size
         if n and not np.array_equal(keep, np.arange(n)):  # otherwise the kept rows are in place
-            rows = torch.from_numpy(start + keep).to(self.k.device)
-            self.k[:, :, start : start + n] = self.k.index_select(2, rows)
-            self.v[:, :, start : start + n] = self.v.index_select(2, rows)
+            kv = self.slab.kv
+            kv[:, :, :, start : start + n] = kv.index_select(3, torch.from_numpy(start + keep).to(kv.device))
         self.length = start + n
 
 
 class FixedShapeCall:
     """A computation over fixed device buffers that the host fills and reads (``_forward``, in a
     subclass): on CUDA with graphs it is captured on its first run and replayed after (one launch);
-    elsewhere, or where capture fails, it runs eagerly. Its buffers must be allocated before the
-    first run, and every run must be harmless to repeat with the same inputs (the capture's
-    warm-up runs it once more)."""
+    elsewhere, or where capture fails, it runs eagerly. Its inputs are declared (``_input``) in
+    the constructor, filled through ``host(name)`` and read by ``_forward`` as attributes; they
+    travel to the device in one copy a run (from pinned memory on CUDA: the host does not wait
+    for it). Other buffers must be allocated before the first run, and every run must be harmless
+    to repeat with the same inputs (the capture's warm-up runs it once more)."""
 
     def __init__(self, device: torch.device, graph_pool: Any):
         self.device, self._pool = device, graph_pool
         self.graph: Any = None
+        self._specs: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+        self._staged: tuple[torch.Tensor, torch.Tensor, dict[str, np.ndarray]] | None = None
+        self._sent: Any = None  # the CUDA event after the last copy of the inputs, until the host waits for it
+
+    def _input(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        """Declare an input the host fills before each run (``self.<name>`` once allocated)."""
+        self._specs[name] = (shape, dtype)
+
+    def _staging(self) -> tuple[torch.Tensor, torch.Tensor, dict[str, np.ndarray]]:
+        """The inputs' device block, its host twin and the host views, made on first use (every
+        input is declared by then), with each input's device view set as an attribute."""
+        if self._staged is None:
+            offsets, size = {}, 0
+            for name, (shape, dtype) in self._specs.items():
+                offsets[name] = size
+                size += -(-math.prod(shape) * dtype.itemsize // STAGING_ALIGN) * STAGING_ALIGN
+            dev = torch.zeros(max(size, STAGING_ALIGN), dtype=torch.uint8, device=self.device)
+            host = torch.zeros(dev.shape, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+            views = {}
+            for name, (shape, dtype) in self._specs.items():
+                at = slice(offsets[name], offsets[name] + math.prod(shape) * dtype.itemsize)
+                setattr(self, name, dev[at].view(dtype).view(shape))
+                views[name] = host[at].view(dtype).view(shape).numpy()
+            self._staged = (dev, host, views)
+        return self._staged
+
+    def host(self, name: str) -> np.ndarray:
+        """The host side of input ``name``, to fill before ``run_fixed`` (once the last run's copy
+        of it has left, which a round's read of any result has waited for already)."""
+        if self._sent is not None:
+            self._sent.synchronize()
+            self._sent = None
+        return self._staging()[2][name]
 
     def _forward(self) -> None:
         raise NotImplementedError
 
     def run_fixed(self) -> None:
+        if self._specs:
+            dev, host, _ = self._staging()
+            dev.copy_(host, non_blocking=True)
+            if self.device.type == "cuda":
+                self._sent = torch.cuda.Event()
+                self._sent.record()
         if self._pool is None:
             self._forward()
             return
@@ -158,12 +202,11 @@ class _StaticPass(FixedShapeCall):
 
     def __init__(self, engine: "DeviceEngine", slab: Slab, rows: int, keys: int, taps: tuple[int, ...]):
         super().__init__(engine.device, engine._graph_pool)
-        dev = engine.device
         self.engine, self.slab, self.keys, self.taps = engine, slab, keys, taps
-        self.tokens = torch.zeros(rows, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(rows, dtype=torch.int64, device=dev)
-        self.slots = torch.zeros(rows, dtype=torch.int64, device=dev)
-        self.mask = torch.zeros((rows, keys), dtype=torch.bool, device=dev)
+        self.rows = rows
+        for name in ("tokens", "positions", "slots"):
+            self._input(name, (rows,), torch.int64)
+        self._input("mask", (rows, keys), torch.bool)
         self.logits: torch.Tensor | None = None
         self.hidden: dict[int, torch.Tensor] = {}
 
@@ -172,9 +215,9 @@ class _StaticPass(FixedShapeCall):
             self.slab, self.tokens, self.positions, self.slots, self.mask, self.keys, self.taps, None)
 
     def run(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray, mask: np.ndarray) -> None:
-        """Copy the inputs in (one transfer each; the mask is built on the host) and run."""
-        for buf, host in ((self.tokens, tokens), (self.positions, positions), (self.slots, slots), (self.mask, mask)):
-            buf.copy_(torch.from_numpy(host))
+        """Fill the inputs (the mask is built on the host) and run."""
+        for name, value in (("tokens", tokens), ("positions", positions), ("slots", slots), ("mask", mask)):
+            self.host(name)[:] = value
         self.run_fixed()
 
 

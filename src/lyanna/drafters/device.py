@@ -15,6 +15,7 @@ gives cold parents no token information, as on the host.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Sequence
 
 import numpy as np
@@ -203,24 +204,28 @@ def _grow(head: "DeviceChainHead", raw: torch.Tensor, root_info: torch.Tensor, t
     return torch.cat([torch.cat(ids + orders, dim=1).double(), torch.cat(scores, dim=1)], dim=1)
 
 
-def _tree_of(c: np.ndarray, levels: int, depth: int, topk: int, width: int, d2t: np.ndarray, max_nodes: int,
-             origin: int = 0) -> DraftTree:
-    """The best ``max_nodes`` nodes of the first ``levels`` levels of one tree ``_grow`` grew to
-    ``depth`` levels (``c``: its row of candidates), parents found from the frontier orders."""
+@functools.lru_cache(maxsize=None)
+def _layout(depth: int, topk: int, width: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """Where ``_grow``'s levels lie in a tree's row of candidates: each level's first candidate
+    (and the end, ``depth + 1`` entries), each frontier's size (``depth - 1``), and where the
+    frontier orders start (after every level's ids)."""
     sizes, frontier = [], 1
     for _ in range(depth):
         sizes.append(frontier * topk)
         frontier = min(width, sizes[-1])
-    total = sum(sizes)
-    starts = np.cumsum([0] + sizes)
-    order_at = total + np.cumsum([0] + [min(width, m) for m in sizes[:-1]])
-    n = int(starts[levels])
-    parents = np.full(n, -1, np.int64)
-    for d in range(1, levels):
-        order = c[order_at[d - 1] : order_at[d]].astype(np.int64)
-        parents[starts[d] : starts[d + 1]] = starts[d - 1] + np.repeat(order, topk)
-    tokens = d2t[c[:n].astype(np.int64)]
-    return DraftTree.best_of(tokens, parents, c[order_at[-1] : order_at[-1] + n], max_nodes, np.full(n, origin))
+    return np.cumsum([0] + sizes), np.array([min(width, m) for m in sizes[:-1]], np.int64), sum(sizes)
+
+
+def _tree_of(c: np.ndarray, levels: int, depth: int, topk: int, width: int, d2t: np.ndarray, max_nodes: int,
+             origin: int = 0) -> DraftTree:
+    """The best ``max_nodes`` nodes of the first ``levels`` levels of one tree ``_grow`` grew to
+    ``depth`` levels (``c``: its row of candidates), parents found from the frontier orders."""
+    starts, fronts, total = _layout(depth, topk, width)
+    n, orders = int(starts[levels]), int(fronts[: levels - 1].sum())
+    frontier = c[total : total + orders].astype(np.int64) + np.repeat(starts[: levels - 1], fronts[: levels - 1])
+    parents = np.concatenate([np.full(topk, -1, np.int64), np.repeat(frontier, topk)])
+    at = total + int(fronts.sum())  # the joint log-probabilities
+    return DraftTree.best_of(d2t[c[:n].astype(np.int64)], parents, c[at : at + n], max_nodes, np.full(n, origin))
 
 
 class _TreePass(FixedShapeCall):

@@ -72,9 +72,14 @@ class DraftTree:
                 origin: list[int] | None = None) -> "DraftTree":
         """The ``max_nodes`` candidates (parents listed before children, all chosen deterministically)
         with the highest acceptance probability; ``scores`` are their logs (<= 0)."""
-        candidates = cls(np.asarray(tokens, np.int64), np.asarray(parents, np.int64),
-                         np.exp(np.asarray(scores, np.float64)), origin=origin)
-        return candidates.best(max_nodes)
+        tokens, parents = np.asarray(tokens, np.int64), np.asarray(parents, np.int64)
+        probs = np.exp(np.asarray(scores, np.float64))
+        if tokens.size <= max_nodes or parents.shape != tokens.shape or probs.shape != tokens.shape \
+                or (origin is not None and np.shape(origin) != tokens.shape) or _flaw(parents, probs):
+            # whole, or not a tree: the constructor keeps it or says why
+            return cls(tokens, parents, probs, origin=origin).best(max_nodes)
+        keep, kept_parents = _best_subset(parents, probs, max(max_nodes, 0))  # one compiled call, every round
+        return cls(tokens[keep], kept_parents, probs[keep], origin=None if origin is None else np.asarray(origin)[keep])
 
     def merged(self, other: "DraftTree", max_nodes: int) -> "DraftTree":
         """Union of two trees under the same root, cut to ``max_nodes``.
@@ -134,7 +139,11 @@ class DraftTree:
         return cls(np.asarray(tokens, np.int64), np.arange(len(tokens)) - 1, scores)
 
     def children(self) -> dict[int, list[int]]:
-        """Children of each parent (-1 for the root), in tree order."""
+        """Children of each parent (-1 for the root), in tree order (made once: do not change it)."""
+        return self._children
+
+    @cached_property
+    def _children(self) -> dict[int, list[int]]:
         kids: dict[int, list[int]] = {}
         for i, p in enumerate(self.parents.tolist()):
             kids.setdefault(p, []).append(i)
@@ -195,12 +204,7 @@ class DraftTree:
 
     def ancestor_mask(self) -> np.ndarray:
         """``mask[i, j]``: node j is node i or one of its ancestors; siblings never see each other."""
-        n = len(self)
-        mask = np.eye(n, dtype=bool)
-        for i, p in enumerate(self.parents):
-            if p >= 0:
-                mask[i] |= mask[p]
-        return mask
+        return _ancestor_mask(self.parents)
 
     def path_to(self, node: int) -> list[int]:
         """Node indices from the top of the tree down to ``node``."""
@@ -254,6 +258,32 @@ def _best_nodes(depths: np.ndarray, closed: np.ndarray, n: int) -> np.ndarray:  
     by_depth = np.argsort(depths, kind="mergesort")
     order = by_depth[np.argsort(-closed[by_depth], kind="mergesort")]
     return np.sort(order[:n])
+
+
+@njit(cache=True)
+def _best_subset(parents: np.ndarray, scores: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:  # pragma: no cover
+    """``best(n)`` of a valid tree in one call: the kept nodes (``_best_nodes`` of the closed
+    scores and depths) and their parents renumbered among them."""
+    keep = _best_nodes(_depths(parents), _closed_scores(parents, scores), n)
+    remap = np.full(parents.shape[0], -1, np.int64)
+    remap[keep] = np.arange(keep.shape[0])
+    kept = np.empty(keep.shape[0], np.int64)
+    for i in range(keep.shape[0]):
+        p = parents[keep[i]]
+        kept[i] = remap[p] if p >= 0 else -1
+    return keep, kept
+
+
+@njit(cache=True)
+def _ancestor_mask(parents: np.ndarray) -> np.ndarray:  # pragma: no cover - compiled
+    n = parents.shape[0]
+    mask = np.zeros((n, n), np.bool_)
+    for i in range(n):
+        p = parents[i]
+        if p >= 0:
+            mask[i, :i] = mask[p, :i]
+        mask[i, i] = True
+    return mask
 
 
 @njit(cache=True)

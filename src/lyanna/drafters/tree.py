@@ -78,7 +78,7 @@ class DraftTree:
                 or (origin is not None and np.shape(origin) != tokens.shape) or _flaw(parents, probs):
             # whole, or not a tree: the constructor keeps it or says why
             return cls(tokens, parents, probs, origin=origin).best(max_nodes)
-        keep, kept_parents = _best_subset(parents, probs, max(max_nodes, 0))  # one compiled call, every round
+        keep, kept_parents = _best_subset(parents, probs, max(max_nodes, 0))  # as ``best``, without the whole tree first
         return cls(tokens[keep], kept_parents, probs[keep], origin=None if origin is None else np.asarray(origin)[keep])
 
     def merged(self, other: "DraftTree", max_nodes: int) -> "DraftTree":
@@ -169,8 +169,10 @@ class DraftTree:
             return self
         if self.sampled_from:
             raise ValueError("choosing among sampled children by score is not lossless; cut the tree with shallowest()")
-        s = self.closed_scores() if closed is None else closed
-        return self._subset(_best_nodes(self.depths, s, max(n, 0)))
+        if closed is None:  # the nodes and their renumbered parents in one compiled call
+            keep, parents = _best_subset(self.parents, self.scores, max(n, 0))
+            return DraftTree(self.tokens[keep], parents, self.scores[keep], origin=self.origin[keep])
+        return self._subset(_best_nodes(self.depths, closed, max(n, 0)))
 
     def shallowest(self, n: int) -> "DraftTree":
         """The first ``n`` nodes by depth, then tree order, scores unseen (for trees of i.i.d.

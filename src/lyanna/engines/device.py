@@ -112,8 +112,10 @@ class StaticCache:
         keep = compaction(start, self.length, keep)
         n = keep.size
         if n and not np.array_equal(keep, np.arange(n)):  # otherwise the kept rows are in place
-            kv = self.slab.kv
-            kv[:, :, :, start : start + n] = kv.index_select(3, torch.from_numpy(start + keep).to(kv.device))
+            kv, rows = self.slab.kv, torch.from_numpy(start + keep)
+            if kv.device.type == "cuda":  # sent without waiting (the caching host allocator keeps it alive)
+                rows = rows.pin_memory().to(kv.device, non_blocking=True)
+            kv[:, :, :, start : start + n] = kv.index_select(3, rows)
         self.length = start + n
 
 
@@ -208,11 +210,13 @@ class _StaticPass(FixedShapeCall):
             self._input(name, (rows,), torch.int64)
         self._input("mask", (rows, keys), torch.bool)
         self.logits: torch.Tensor | None = None
+        self.argmax: torch.Tensor | None = None  # every row's, for greedy verification
         self.hidden: dict[int, torch.Tensor] = {}
 
     def _forward(self) -> None:
         self.logits, self.hidden = self.engine._layers_pass(
             self.slab, self.tokens, self.positions, self.slots, self.mask, self.keys, self.taps, None)
+        self.argmax = self.logits.argmax(-1)
 
     def run(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray, mask: np.ndarray) -> None:
         """Fill the inputs (the mask is built on the host) and run."""
@@ -328,8 +332,10 @@ class DeviceEngine(TargetEngine):
         p.run(np.concatenate([tokens, np.zeros(pad, np.int64)]), np.concatenate([positions, np.zeros(pad, np.int64)]),
               np.concatenate([np.arange(start, end), slab.capacity + np.arange(pad)]), mask)
         # The logits stay on the device (copied out of the pass's buffers, which its next run
-        # overwrites); the tapped rows, which every drafter reads, come over now.
-        return ForwardOutput(logits=_Logits(p.logits[:n].clone()), hidden={tap: _host(p.hidden[tap][:n]) for tap in b.taps})
+        # overwrites); the tapped rows, which every drafter reads, and every row's argmax come
+        # over now, in one wait for the pass.
+        *hidden, argmax = _fetch([p.hidden[tap][:n] for tap in b.taps] + [p.argmax[:n]])
+        return ForwardOutput(logits=_Logits(p.logits[:n].clone(), argmax), hidden=dict(zip(b.taps, hidden)))
 
     def _visible(self, start: int, positions: np.ndarray, within: np.ndarray | None, rows: int, keys: int) -> np.ndarray:
         """``[rows, keys]``: which slots each of the block's ``n`` rows sees (the cached prefix, the
@@ -380,10 +386,11 @@ class DeviceEngine(TargetEngine):
 
 
 class _Logits:
-    """A block's logits on the device (``base.DeviceLogits``)."""
+    """A block's logits on the device (``base.DeviceLogits``), with every row's argmax on the
+    host when the pass computed it."""
 
-    def __init__(self, t: torch.Tensor):
-        self._t, self.shape = t, tuple(t.shape)
+    def __init__(self, t: torch.Tensor, argmax: np.ndarray | None = None):
+        self._t, self.shape, self._argmax = t, tuple(t.shape), argmax
 
     def __getitem__(self, row: int) -> np.ndarray:
         return _host(self._t[row])
@@ -395,12 +402,25 @@ class _Logits:
 
     def argmax(self) -> np.ndarray:
         """Every row's argmax (the first of equal maxima, as numpy's), in one small copy."""
-        return self._t.argmax(-1).cpu().numpy()
+        return self._t.argmax(-1).cpu().numpy() if self._argmax is None else self._argmax
 
 
 def _host(t: torch.Tensor) -> np.ndarray:
     """A device tensor as a host fp32 array."""
     return t.detach().float().cpu().numpy()
+
+
+def _fetch(tensors: Sequence[torch.Tensor]) -> list[np.ndarray]:
+    """Device tensors as host arrays (floats as fp32), copied out of buffers a later run
+    overwrites; from CUDA asynchronously into pinned memory and one wait for them all."""
+    wanted = [torch.float32 if t.is_floating_point() else t.dtype for t in tensors]
+    if tensors and tensors[0].device.type == "cuda":
+        out = [torch.empty(t.shape, dtype=d, pin_memory=True) for t, d in zip(tensors, wanted)]
+        for o, t in zip(out, tensors):
+            o.copy_(t, non_blocking=True)
+        torch.cuda.current_stream(tensors[0].device).synchronize()
+        return [o.numpy() for o in out]
+    return [t.to(d).numpy().copy() for t, d in zip(tensors, wanted)]
 
 
 def device_engine_of(engine: Any, graphs: bool | None = None) -> DeviceEngine | None:

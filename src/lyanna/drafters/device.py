@@ -67,7 +67,7 @@ class _CatchUpCall(FixedShapeCall):
 
     def _root(self, rot: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """``rot``: RoPE's (cos, sin) whose first rows are the pending pairs' (None: made here)."""
-        h, n = self.head, self.positions.shape[0]
+        h, n = self.head, self.rows
         cos, sin = h.rotation(self.positions) if rot is None else (rot[0][:n], rot[1][:n])
         x = h.fc(torch.cat([self.features.to(h.dtype), h._embed[self.tokens]], dim=-1))
         return h.layer_at(x, cos, sin, self.slots, self.mask, self.slab, self.keys).index_select(0, self.root)
@@ -86,7 +86,7 @@ class _DraftPass(_CatchUpCall):
         self.raw: torch.Tensor | None = None
 
     def _forward(self) -> None:
-        h, n = self.head, self.positions.shape[0]
+        h, n = self.head, self.rows
         cos, sin = h.rotation(torch.cat([self.positions, self.chain_positions]))  # one RoPE for every row
         f = self._root((cos, sin))
         features = [f]
@@ -138,7 +138,7 @@ class _EagleTreePass(_CatchUpCall):
     def _forward(self) -> None:
         h, k, w, dev = self.head, self.topk, self.width, self.device
         spec = self.spec_slots.shape[0]
-        rows = self.positions.shape[0]
+        rows = self.rows
         cos, sin = h.rotation(torch.cat([self.positions, self.spec_positions]))  # one RoPE for every row
         pred = self._root((cos, sin))  # [1, H]: the feature predicted after the root
         top_v, top_i = torch.topk(torch.log_softmax((pred @ h._lm_head.T).float(), dim=-1), k, dim=-1)
@@ -396,7 +396,7 @@ class DeviceChainHead(DeviceDraftHead):
         self._draft_trees: dict[tuple, _DraftTreesPass] = {}
         self._trees: dict[tuple[int, int, int], _TreePass] = {}
 
-    def _token_info(self, ti, root: int) -> torch.Tensor:
+    def _token_info(self, ti, root: int) -> np.ndarray:
         """``ti`` made current (``ti_rows``) and ``root``'s own ``A`` row ([rank], on the host:
         zero where it gets no token information)."""
         if self._ti_of is not ti:

@@ -10,7 +10,9 @@ blocks of 1 to 128 tokens after 256 of context.
     python scripts/project-speedup.py --bench docs/bench/budgets.json --device cuda --dtype bfloat16 \
         --out docs/bench/projected-cuda.json
 
-Without ``--bench`` it only measures and writes the latency curve. The drafters run on the host
+With the torch backend it also writes ``pass_ms``: the fixed-shape pass's own time by its padded
+row count (between synchronizations on CUDA: device time), so that a block's latency splits into
+the pass and the host's work around it. Without ``--bench`` it only measures and writes these curves. The drafters run on the host
 here (numpy), so a projection keeps the bench's draft time per round: on a GPU that is the
 part a device-side drafter would cut.
 """
@@ -22,6 +24,8 @@ import re
 import shlex
 import sys
 import time
+
+import numpy as np
 
 SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
 
@@ -45,6 +49,26 @@ def main() -> None:
 
     load = load_device_target if args.backend == "torch" else load_torch_target
     target, engine = load(args.model, args.device, args.dtype)
+    passes: dict[int, list[float]] = {}
+    calls = [0]
+    if args.backend == "torch":  # time each fixed-shape pass alone, by its padded row count
+        from lyanna.engines import device as device_module
+
+        run_fixed = device_module.FixedShapeCall.run_fixed
+        cuda = engine.device.type == "cuda"
+
+        def timed(call) -> None:
+            if cuda:
+                torch.cuda.synchronize(engine.device)
+            t0 = time.perf_counter()
+            run_fixed(call)
+            if cuda:
+                torch.cuda.synchronize(engine.device)
+            calls[0] += 1
+            if calls[0] > len(SIZES):  # past calibrate's warm-up sweep (which captures the graphs)
+                passes.setdefault(call.rows, []).append(time.perf_counter() - t0)
+
+        device_module.FixedShapeCall.run_fixed = timed
     curve = calibrate(engine, target.name, sizes=SIZES, context=256, repeats=7)
     device = torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else curve.machine
     report = {
@@ -52,6 +76,7 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "device": device, "engine": engine.name, "torch": torch.__version__,
         "latency_ms": {n: round(t * 1e3, 3) for n, t in zip(curve.sizes, curve.seconds)},
+        "pass_ms": {n: round(float(np.median(t)) * 1e3, 3) for n, t in sorted(passes.items())},
         "projected": [],
     }
     step = curve(1)

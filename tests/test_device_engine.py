@@ -19,7 +19,7 @@ from lyanna.drafters.tree import DraftTree
 from lyanna.drafters.checkpoint import save_head
 from lyanna.drafters.device import DeviceChainHead, DeviceDraftHead
 from lyanna.drafters.lyanna import ChainHead, LyannaDrafter, TokenInfo, token_info_tree
-from lyanna.engines.device import DeviceEngine
+from lyanna.engines.device import DeviceEngine, FixedShapeCall
 from lyanna.engines.loading import load_target
 from lyanna.engines.quant import quantize_q8_0
 from lyanna.engines.transformer import Transformer
@@ -397,3 +397,31 @@ def test_fixed_shape_calls_issue_no_op_a_cuda_graph_cannot_capture(tiny, monkeyp
     lyanna.head.tree(raw, 5, lyanna.ti, 2, 2, 8)
     assert set(seen) == {"_StaticPass", "_DraftPass", "_DraftTreesPass", "_TreePass", "_EagleTreePass"}
     assert seen == {name: set() for name in seen}
+
+
+def test_a_fixed_shape_calls_inputs_travel_together_and_arrive_whole():
+    """Inputs of several types and shapes (one empty) share one block, each aligned for its type:
+    what the host writes is what the call reads, run after run."""
+    from lyanna.engines.device import FixedShapeCall
+
+    class Echo(FixedShapeCall):
+        def __init__(self):
+            super().__init__(torch.device(DEVICE), None)
+            self._input("flag", (3,), torch.bool)  # 3 bytes: the next input must still be aligned
+            self._input("ids", (2, 5), torch.int64)
+            self._input("none", (0,), torch.int64)
+            self._input("rows", (4, 3), torch.float32)
+            self.seen = None
+
+        def _forward(self):
+            self.seen = (self.flag.clone(), self.ids.clone(), self.none.clone(), self.rows.clone())
+
+    call, rng = Echo(), np.random.default_rng(0)
+    for _ in range(2):
+        want = (rng.random(3) < 0.5, rng.integers(-2**40, 2**40, (2, 5)), np.zeros(0, np.int64),
+                rng.standard_normal((4, 3)).astype(np.float32))
+        for name, value in zip(("flag", "ids", "none", "rows"), want):
+            call.host(name)[:] = value
+        call.run_fixed()
+        for got, value in zip(call.seen, want):
+            np.testing.assert_array_equal(got.cpu().numpy(), value)

@@ -402,8 +402,6 @@ def test_fixed_shape_calls_issue_no_op_a_cuda_graph_cannot_capture(tiny, monkeyp
 def test_a_fixed_shape_calls_inputs_travel_together_and_arrive_whole():
     """Inputs of several types and shapes (one empty) share one block, each aligned for its type:
     what the host writes is what the call reads, run after run."""
-    from lyanna.engines.device import FixedShapeCall
-
     class Echo(FixedShapeCall):
         def __init__(self):
             super().__init__(torch.device(DEVICE), None)

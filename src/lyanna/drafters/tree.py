@@ -72,14 +72,9 @@ class DraftTree:
                 origin: list[int] | None = None) -> "DraftTree":
         """The ``max_nodes`` candidates (parents listed before children, all chosen deterministically)
         with the highest acceptance probability; ``scores`` are their logs (<= 0)."""
-        tokens, parents = np.asarray(tokens, np.int64), np.asarray(parents, np.int64)
-        probs = np.exp(np.asarray(scores, np.float64))
-        if tokens.size <= max_nodes or parents.shape != tokens.shape or probs.shape != tokens.shape \
-                or (origin is not None and np.shape(origin) != tokens.shape) or _flaw(parents, probs):
-            # whole, or not a tree: the constructor keeps it or says why
-            return cls(tokens, parents, probs, origin=origin).best(max_nodes)
-        keep, kept_parents = _best_subset(parents, probs, max(max_nodes, 0))  # as ``best``, without the whole tree first
-        return cls(tokens[keep], kept_parents, probs[keep], origin=None if origin is None else np.asarray(origin)[keep])
+        candidates = cls(np.asarray(tokens, np.int64), np.asarray(parents, np.int64),
+                         np.exp(np.asarray(scores, np.float64)), origin=origin)
+        return candidates.best(max_nodes)
 
     def merged(self, other: "DraftTree", max_nodes: int) -> "DraftTree":
         """Union of two trees under the same root, cut to ``max_nodes``.

@@ -362,7 +362,8 @@ class DeviceEngine(TargetEngine):
         logits, hidden = self._layers_pass(
             b.cache.slab, torch.from_numpy(tokens).to(self.device), pos, torch.arange(start, start + n, device=self.device),
             mask, start + n, tuple(b.taps), rows)
-        return ForwardOutput(logits=_host(logits), hidden={tap: _host(hidden[tap]) for tap in b.taps})
+        host_logits, *host_hidden = _fetch([logits] + [hidden[tap] for tap in b.taps])
+        return ForwardOutput(logits=host_logits, hidden=dict(zip(b.taps, host_hidden)))
 
     def _layers_pass(self, slab: Slab, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                      mask: torch.Tensor | None, keys: int, taps: tuple[int, ...],
@@ -393,21 +394,16 @@ class _Logits:
         self._t, self.shape, self._argmax = t, tuple(t.shape), argmax
 
     def __getitem__(self, row: int) -> np.ndarray:
-        return _host(self._t[row])
+        return _fetch([self._t[row]])[0]
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         """All rows on the host (``np.asarray``): for tests and tools, not the decoding loop."""
-        a = _host(self._t)
+        a = _fetch([self._t])[0]
         return a if dtype is None else a.astype(dtype)
 
     def argmax(self) -> np.ndarray:
         """Every row's argmax (the first of equal maxima, as numpy's), in one small copy."""
         return self._t.argmax(-1).cpu().numpy() if self._argmax is None else self._argmax
-
-
-def _host(t: torch.Tensor) -> np.ndarray:
-    """A device tensor as a host fp32 array."""
-    return t.detach().float().cpu().numpy()
 
 
 def _fetch(tensors: Sequence[torch.Tensor]) -> list[np.ndarray]:

@@ -81,7 +81,7 @@ def _tap_line(taps: Sequence[int]) -> str:
 def _card(run: Path, arch: str, model: str, taps: Sequence[int], info: dict[str, Any], state: dict[str, Any], shown,
           head_lines: list[str], decode: dict[str, Any] | None, command: str) -> str:
     """The model card (README.md) of an exported head."""
-    from .fit import DEPTH_DECAY
+    from .fit import depth_decay_of
 
     st = state["settings"]
     last = state["history"][-1] if state["history"] else {}
@@ -95,7 +95,7 @@ def _card(run: Path, arch: str, model: str, taps: Sequence[int], info: dict[str,
         *_init_lines(state.get("init"), shown),
         f"- steps: {state['step']} (batch {st['batch']} rows of {st.get('row_len', '-')} tokens, lr {st['lr']}, "
         f"warmup {st.get('warmup', 0)}, {st.get('labels', 'soft')} labels, unrolled depth {st['depth']}, "
-        f"step k's loss weighted {st.get('depth_decay', DEPTH_DECAY)} ** (k - 1))",
+        f"step k's loss weighted {depth_decay_of(st)} ** (k - 1))",
         f"- cost: {_stage_costs(run, state)}",
         f"- held-out top-1 agreement with the target by depth (teacher-forced): {last.get('agreement')}",
         *head_lines,

@@ -132,6 +132,11 @@ def scored_counts(batch: Batch, depth: int) -> list[int]:
 DEPTH_DECAY = 0.8
 
 
+def depth_decay_of(settings: dict) -> float:
+    """A fit's depth decay (fits from before the setting used the default)."""
+    return settings.get("depth_decay", DEPTH_DECAY)
+
+
 def batch_loss(head: EagleHead, batch: Batch, depth: int, decay: float = DEPTH_DECAY, raw_weight: float = 0.5,
                cls_weight: float = 0.1, labels: str = "soft", counts: Sequence[float] | None = None) -> torch.Tensor:
     """Mean over scored rows of each unrolled step, weighted ``decay ** (k - 1)``. ``counts``

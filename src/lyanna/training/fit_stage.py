@@ -152,9 +152,9 @@ def _loss_module(fit: _Fit, depth: int, labels: str, world: int):
     """The head's unrolled loss as a module (wrapped for data parallelism when ``world`` > 1)."""
     import torch
 
-    from .fit import DEPTH_DECAY, batch_loss
+    from .fit import batch_loss, depth_decay_of
 
-    decay = fit.state["settings"].get("depth_decay", DEPTH_DECAY)  # fits from before the setting: the default
+    decay = depth_decay_of(fit.state["settings"])
 
     class Loss(torch.nn.Module):
         def __init__(self) -> None:
@@ -195,7 +195,7 @@ def stage_fit(run: Path, arch: str, steps: int, batch: int = 8, lr: float = 3e-4
     from ..drafters.checkpoint import check_taps, head_taps, load_head
     from ..drafters.registry import head_class
     from ..engines.loading import load_target
-    from .fit import DEPTH_DECAY
+    from .fit import DEPTH_DECAY, depth_decay_of
     from .recipes import recipe_for
 
     recipe = recipe_for(arch)
@@ -234,7 +234,7 @@ def stage_fit(run: Path, arch: str, steps: int, batch: int = 8, lr: float = 3e-4
     fitted = fitted_taps(state["settings"], target.config.num_layers)
     if fitted != taps:
         raise LyannaError(f"{out} fits a head on taps {list(fitted)}, not {list(taps)}; pass another --name")
-    fitted_decay = state["settings"].get("depth_decay", DEPTH_DECAY)
+    fitted_decay = depth_decay_of(state["settings"])
     if depth_decay is not None and depth_decay != fitted_decay:
         raise LyannaError(f"{out} fits with --depth-decay {fitted_decay}, not {depth_decay}; pass another --name")
     state["device"] = str(device)

@@ -28,6 +28,18 @@ def draft_loaded(decoder, path):
         decoder.drafters.update(shipped)
 
 
+def stir_upper_layers(head, seed: int = 0, scale: float = 0.05) -> None:
+    """Random output projections for a deeper torch head's further layers, which start by passing
+    their input through: what they compute then changes the head's output."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for layer in head.layers[1:]:
+            for w in (layer.self_attn.o_proj.weight, layer.mlp.down_proj.weight):
+                w.copy_(torch.randn(w.shape, generator=g) * scale)
+
+
 def make_tokenizer(out: Path) -> None:
     """A byte-level BPE tokenizer with no merges (256 byte symbols + 3 specials), built here."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers

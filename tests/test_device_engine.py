@@ -26,7 +26,7 @@ from lyanna.engines.transformer import Transformer
 from lyanna.errors import LyannaError
 from lyanna.training.fit import init_eagle_head, init_lyanna_head
 
-from .conftest import ALPHA, chi2_pvalue, make_tiny_model, no_residual
+from .conftest import ALPHA, chi2_pvalue, make_tiny_model, no_residual, stir_upper_layers
 from .test_speculative import SAMPLING_GRID, PeekingDrafter, exact_joint, sample_outputs, small_vocab_target
 from .test_torch_backend import LAYOUTS
 
@@ -209,12 +209,14 @@ def test_device_path_fails_a_wrong_acceptance_rule(device_small_decoder, monkeyp
     assert chi2_pvalue(s.counts, exact_joint(device_small_decoder.engine, params, horizon)) < ALPHA
 
 
-def _lyanna_head(tiny, seed: int, varied: bool = False):
+def _lyanna_head(tiny, seed: int, varied: bool = False, layers: int = 1):
     """A device engine and an unfitted Lyanna head's weights for it (``varied``: token
-    information random enough to change which children win)."""
+    information random enough to change which children win; ``layers``: decoder layers, the
+    further ones stirred so that they matter)."""
     e = DeviceEngine(tiny.config, tiny.weights, DEVICE)
     torch.manual_seed(seed)
-    ly = init_lyanna_head(e, tiny.weights, np.arange(tiny.config.vocab_size)[::-1].copy(), rank=4)
+    ly = init_lyanna_head(e, tiny.weights, np.arange(tiny.config.vocab_size)[::-1].copy(), rank=4, layers=layers)
+    stir_upper_layers(ly, seed)
     if varied:
         with torch.no_grad():
             ly.ti.b.normal_(0, 1.0)
@@ -261,6 +263,28 @@ def test_a_head_reading_several_taps_decodes_losslessly_on_the_device_engine(tin
         assert d.generate([1, 40, 41, 42, 40, 41, 42], req, method=method, budget=None).tokens == ar.tokens
 
 
+def test_two_layer_heads_decode_losslessly_on_the_device_engine(tiny, tmp_path):
+    """Checkpoints of two-layer eagle and Lyanna heads load as device heads of two layers, and
+    every method gives ``ar``'s tokens."""
+    e = DeviceEngine(tiny.config, tiny.weights, DEVICE)
+    vocab = tiny.config.vocab_size
+    eagle = init_eagle_head(e, tiny.weights, layers=2)
+    stir_upper_layers(eagle, 3)
+    save_head(tmp_path / "eagle", "eagle", eagle.numpy_weights(), tiny, 2)
+    ly = init_lyanna_head(e, tiny.weights, np.arange(vocab)[::-1].copy(), rank=4, layers=2)
+    stir_upper_layers(ly, 4)
+    save_head(tmp_path / "lyanna", "lyanna", {**ly.numpy_weights(), "ti.hot": np.arange(0, vocab, 2)}, tiny, 2)
+    d = Decoder(tiny, engine=e, default_drafts=False)
+    for arch in ("eagle", "lyanna"):
+        d.load_draft(str(tmp_path / arch))
+        assert len(d.drafter_for(arch).head.layers) == 2
+    req = GenerationRequest(max_new_tokens=16, eos_token_ids=())
+    for prompt in ([1, 40, 41, 42, 40, 41, 42], list(range(3, 40))):  # the second's pairs are filled first
+        ar = d.generate(prompt, req)
+        for method in ("eagle", "lyanna", "lyanna+suffix"):
+            assert d.generate(prompt, req, method=method, budget=None).tokens == ar.tokens, method
+
+
 def test_checkpoints_load_their_device_heads_on_the_device_engine(tiny, tmp_path):
     """``--backend torch``: a head loaded from a checkpoint runs on the engine's device, and its
     method gives ``ar``'s tokens."""
@@ -280,11 +304,13 @@ def test_checkpoints_load_their_device_heads_on_the_device_engine(tiny, tmp_path
         assert d.generate([1, 40, 41, 42, 40, 41, 42], req, method=method, budget=None).tokens == ar.tokens
 
 
-def test_fixed_shape_draft_equals_the_host_heads_draft(tiny):
+@pytest.mark.parametrize("layers", [1, 2])
+def test_fixed_shape_draft_equals_the_host_heads_draft(tiny, layers):
     """The device head's draft in one fixed-shape call (catch-up padded to a bucket, the chain, raw
     logits) gives the host head's raw logits and leaves its context where the host's is left:
-    a new prompt's pairs (more than one call takes), then a round with a few pending pairs."""
-    e, w = _lyanna_head(tiny, seed=4)
+    a new prompt's pairs (more than one call takes), then a round with a few pending pairs; for a
+    head of one decoder layer and of two."""
+    e, w = _lyanna_head(tiny, seed=4, layers=layers)
     hidden = np.random.default_rng(6).standard_normal((40, tiny.config.hidden_size)).astype(np.float32)
     ctx = np.arange(30, 71)
     states = []
@@ -332,13 +358,17 @@ def test_a_rounds_drafting_in_one_call_equals_the_host_heads(tiny, fallback):
             np.testing.assert_allclose(np.asarray(b.cpu()), a, rtol=1e-4, atol=1e-4)
 
 
-def test_device_eagle_trees_equal_the_host_eagle_trees(tiny):
+@pytest.mark.parametrize("layers", [1, 2])
+def test_device_eagle_trees_equal_the_host_eagle_trees(tiny, layers):
     """EAGLE-2's tree grown on the device in one fixed-shape call (frontier, ancestor masks,
     top-k all on the device) is the host drafter's tree for the same context: same nodes,
-    parents and order, scores equal to rounding; across rounds with a few pending pairs."""
+    parents and order, scores equal to rounding; across rounds with a few pending pairs; for a
+    head of one decoder layer and of two."""
     e = DeviceEngine(tiny.config, tiny.weights, DEVICE)
     torch.manual_seed(7)
-    w = init_eagle_head(e, tiny.weights).numpy_weights()
+    eagle = init_eagle_head(e, tiny.weights, layers=layers)
+    stir_upper_layers(eagle, 7)
+    w = eagle.numpy_weights()
     hidden = np.random.default_rng(8).standard_normal((40, tiny.config.hidden_size)).astype(np.float32)
     ctx = np.arange(30, 71)
     trees = []

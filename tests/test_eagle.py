@@ -16,7 +16,7 @@ from lyanna.engines.transformer import attention_bias
 from lyanna.errors import LyannaError
 from lyanna.training.fit import fit, init_eagle_head, target_features
 
-from .conftest import draft_loaded, make_tiny_model
+from .conftest import draft_loaded, make_tiny_model, stir_upper_layers
 
 
 def random_sequences(n, length, seed=0, low=3, high=259):
@@ -45,6 +45,28 @@ def test_numpy_head_matches_torch_head(tiny_decoder, fitted):
     cache = np_head.new_cache(32)
     out = np_head.step(ex.features[:-1], ex.tokens[1:], np.arange(1, 20), cache, attention_bias(0, np.tril(np.ones((19, 19), bool))))
     np.testing.assert_allclose(out, ref.numpy(), atol=1e-4)
+
+
+def test_a_two_layer_numpy_head_matches_its_torch_twin(tiny_decoder):
+    """Two decoder layers, the second reading the first's output: the numpy step equals the torch
+    head's forward, and ``fill`` (the first layer whole, the second's keys and values only) leaves
+    the cache that step leaves."""
+    engine = tiny_decoder.engine
+    tap = engine.config.num_layers
+    head = init_eagle_head(engine, tiny_decoder.target.weights, layers=2)
+    stir_upper_layers(head, seed=2)
+    ex = target_features(engine, random_sequences(1, 20), tap)[0]
+    with torch.no_grad():
+        ref = head(torch.from_numpy(ex.features[:-1])[None], torch.from_numpy(ex.tokens[1:])[None], torch.arange(1, 20))[0]
+    np_head = DraftHead(engine, head.numpy_weights())
+    cache, filled = np_head.new_cache(32), np_head.new_cache(32)
+    causal = attention_bias(0, np.tril(np.ones((19, 19), bool)))
+    out = np_head.step(ex.features[:-1], ex.tokens[1:], np.arange(1, 20), cache, causal)
+    np.testing.assert_allclose(out, ref.numpy(), atol=1e-4)
+    np_head.fill(ex.features[:-1], ex.tokens[1:], np.arange(1, 20), filled)
+    assert cache.k.shape[0] == 2 and filled.length == cache.length == 19
+    np.testing.assert_allclose(filled.k[:, :, :19], cache.k[:, :, :19], atol=1e-5)
+    np.testing.assert_allclose(filled.v[:, :, :19], cache.v[:, :, :19], atol=1e-5)
 
 
 def test_fitting_lowers_the_loss(fitted):

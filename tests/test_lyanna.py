@@ -15,7 +15,7 @@ from lyanna.drafters.tree import DraftTree
 from lyanna.engines.transformer import attention_bias
 from lyanna.training.fit import fit, init_lyanna_head, target_features
 
-from .conftest import draft_loaded
+from .conftest import draft_loaded, stir_upper_layers
 
 D2T = np.arange(259)[::-1].copy()  # a permuted draft vocabulary: the index mapping is exercised
 
@@ -87,6 +87,47 @@ def test_catch_up_writes_the_cache_rows_a_full_step_writes(tiny_decoder, fitted)
     np.testing.assert_array_equal(pc.cache.k[:, :, :n], ref_cache.k[:, :, :n])
     np.testing.assert_array_equal(pc.cache.v[:, :, :n], ref_cache.v[:, :, :n])
     np.testing.assert_array_equal(pred, ref[-1])
+
+
+def test_a_two_layer_chain_matches_its_torch_twin_and_decodes_losslessly(tiny_decoder, tiny_examples, tmp_path):
+    """A head of two decoder layers: the numpy chain (catch-up through both layers, the second's
+    cache filled from the first's outputs) gives the torch unroll's raw logits, the catch-up leaves
+    the cache a full step leaves, and the method gives ``ar``'s tokens."""
+    head = init_lyanna_head(tiny_decoder.engine, tiny_decoder.target.weights, D2T, rank=8, layers=2)
+    stir_upper_layers(head, seed=1)
+    with torch.no_grad():
+        head.ti.b.normal_(0, 0.5)
+    ex = tiny_examples[0]
+    drafter = drafter_for(tiny_decoder, head)
+    assert len(drafter.head.layers) == 2
+    tokens, features = np.asarray(ex.tokens), ex.features
+    drafter.start(list(tokens[:-1]), {drafter.taps[0]: features[:-1]})
+    raw = drafter.chain(list(tokens), 4)
+    with torch.no_grad():
+        chain = head.unroll(torch.from_numpy(features), torch.from_numpy(tokens), 4)
+        ref = torch.stack([head.raw_logits(f[-1]) for f in chain]).numpy()
+    np.testing.assert_allclose(raw, ref, atol=2e-4)
+    w1 = {k: v for k, v in export(head, range(0, 259, 2)).items() if not k.startswith("layer2.")}
+    one = LyannaDrafter(ChainHead(tiny_decoder.engine, w1), drafter.ti, drafter.taps)
+    one.start(list(tokens[:-1]), {one.taps[0]: features[:-1]})
+    assert np.abs(one.chain(list(tokens), 4) - raw).max() > 1e-2  # the second layer matters
+    pc = drafter.context
+    n = len(tokens) - 1
+    ref_cache = drafter.head.new_cache(n)
+    drafter.head.step(features[:-1], tokens[1:], np.arange(1, n + 1), ref_cache,
+                      attention_bias(0, np.tril(np.ones((n, n), bool))))
+    assert pc.cache.k.shape[0] == 2 and pc.cache.length == n
+    np.testing.assert_allclose(pc.cache.k[:, :, :n], ref_cache.k[:, :, :n], atol=1e-5)
+    np.testing.assert_allclose(pc.cache.v[:, :, :n], ref_cache.v[:, :, :n], atol=1e-5)
+    save_head(tmp_path / "deep", "lyanna", export(head, range(0, 259, 2)), tiny_decoder.target,
+              tiny_decoder.engine.config.num_layers)
+    with draft_loaded(tiny_decoder, tmp_path / "deep"):
+        for prompt in ("abc", "tell me about item 3 and cats"):
+            ids = tiny_decoder.encode(prompt)
+            req = GenerationRequest(max_new_tokens=24)
+            ar = tiny_decoder.generate(ids, req).tokens
+            for m in ("lyanna", "lyanna+suffix"):
+                assert tiny_decoder.generate(ids, req, method=m, budget=None).tokens == ar
 
 
 def test_chain_is_identical_whatever_draft_tokens_are_chosen(tiny_decoder, fitted):

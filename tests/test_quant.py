@@ -162,7 +162,7 @@ def test_default_model_runs_on_its_gguf_blocks(gguf_decoder, default_decoder):
         assert gguf_decoder.generate(ids, req, method=method, budget=16).tokens == ar.tokens, method
     # The draft heads' matrices follow the target onto blocks (Q8_0: drafts need no exact weights).
     head = gguf_decoder.drafter_for("lyanna").head
-    assert isinstance(head.layer.w_down, QuantMatrix) and isinstance(head.fc_w, QuantMatrix)
+    assert isinstance(head.layers[0].w_down, QuantMatrix) and isinstance(head.fc_w, QuantMatrix)
     # Their layer runs as one fused call, with the layer-by-layer path's bits.
     from lyanna.engines.transformer import attention_bias
 

@@ -222,6 +222,59 @@ def test_fit_can_start_from_a_checkpoint(run_dir, tmp_path):
         fit_stage.stage_fit(run_dir, "eagle", steps=1, batch=2, name="wrong", row_len=64, init=base)
 
 
+@pytest.mark.parametrize("arch", ["lyanna", "eagle"])
+def test_a_deeper_head_starts_as_its_one_layer_init_fits_and_decodes_losslessly(run_dir, tiny_model_dir, tmp_path, arch):
+    """`fit --head-layers 2 --init` a one-layer head: the second layer starts by passing its input
+    through (the same held-out agreement at lr 0), learns, exports ``layer2.*`` with a card line,
+    and every method of the checkpoint gives ``ar``'s tokens; a resumed fit keeps its layers and a
+    deeper ``--init`` than the head is refused."""
+    kw = dict(batch=2, depth=2, rank=4, draft_vocab=150, row_len=64)
+    fit_stage.stage_fit(run_dir, arch, steps=4, lr=2e-3, eval_every=4, name=f"{arch}-one", **kw)
+    one = tmp_path / "one"
+    export.stage_export(run_dir, arch, one, name=f"{arch}-one", hot=32)
+    start = fit_stage.stage_fit(run_dir, arch, steps=1, lr=0.0, eval_every=1, name=f"{arch}-two0", init=one,
+                                head_layers=2, **kw)
+    assert start["settings"]["head_layers"] == 2
+    assert start["history"][0]["agreement"] == start["history"][1]["agreement"]
+    assert start["history"][0]["agreement"] == json.loads((one / "config.json").read_text())["settings"]["held_out_agreement"]
+    state = fit_stage.stage_fit(run_dir, arch, steps=8, lr=2e-3, eval_every=4, name=f"{arch}-two", init=one,
+                                head_layers=2, **kw)
+    assert state["history"][-1]["loss"] < state["history"][1]["loss"]
+    trained = load_file(str(run_dir / "fit" / f"{arch}-two" / "state.safetensors"))
+    assert np.abs(trained["head/layer2.mlp.down_proj.weight"]).max() > 0  # the second layer came into use
+    with pytest.raises(LyannaError, match="2 layer"):
+        fit_stage.stage_fit(run_dir, arch, steps=9, name=f"{arch}-two", head_layers=3, **kw)
+    two = tmp_path / "two"
+    export.stage_export(run_dir, arch, two, name=f"{arch}-two", hot=32)
+    assert "layer2.self_attn.q_proj.weight" in load_file(str(two / "model.safetensors"))
+    assert "- head: 2 decoder layers" in (two / "README.md").read_text()
+    decoder = Decoder(load_target(tiny_model_dir))
+    assert_lossless(decoder, two)
+    assert len(decoder.drafter_for(arch).head.layers) == 2
+    with pytest.raises(LyannaError, match="more than this head's 1"):
+        fit_stage.stage_fit(run_dir, arch, steps=1, name=f"{arch}-shallow", init=two, **kw)
+    with pytest.raises(LyannaError, match=">= 1"):
+        fit_stage.stage_fit(run_dir, arch, steps=1, name=f"{arch}-none", head_layers=0, **kw)
+
+
+def test_a_head_missing_a_tensor_of_its_second_layer_is_refused(run_dir, tiny_model_dir, tmp_path):
+    """A checkpoint with ``layer2.*`` must hold all of that layer: one missing is named in one line."""
+    from safetensors.numpy import save_file
+
+    from lyanna.drafters.checkpoint import load_head
+    from lyanna.drafters.lyanna import LyannaDrafter
+
+    fit_stage.stage_fit(run_dir, "lyanna", steps=1, batch=2, lr=0.0, depth=2, rank=4, draft_vocab=150, eval_every=1,
+                        name="deep-broken", row_len=64, head_layers=2)
+    out = tmp_path / "deep"
+    export.stage_export(run_dir, "lyanna", out, name="deep-broken", hot=32)
+    weights = load_file(str(out / "model.safetensors"))
+    del weights["layer2.mlp.up_proj.weight"]
+    save_file(weights, str(out / "model.safetensors"))
+    with pytest.raises(LyannaError, match="missing layer2.mlp.up_proj.weight"):
+        load_head(out, load_target(tiny_model_dir), LyannaDrafter)
+
+
 def test_a_run_grown_in_copies_merges_into_the_same_data(run_dir, tiny_model_dir, tmp_path):
     """`train data --done` on another machine answers only the prompts the run lacks, and `train
     merge` brings them home: the same replies as one run made in one place; a copy that answers a

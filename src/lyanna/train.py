@@ -104,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--depth-decay", type=float, default=None,
                    help="the loss of unrolled step k weighs this to the power k - 1 (default 0.8; a resumed fit "
                         "keeps its own)")
+    t.add_argument("--head-layers", type=int, default=None,
+                   help="decoder layers of the head (default 1; a resumed fit keeps its own); with --init from a "
+                        "shallower head, the further layers start by passing their input through")
     t.add_argument("--init", type=Path, default=None,
                    help="start from this draft checkpoint (same arch) instead of the target's last layer: continued "
                         "training on new data; a Lyanna head keeps its draft vocabulary and rank")
@@ -145,7 +148,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             fit_stage.stage_fit(args.run_dir, args.arch, args.steps, args.batch, args.lr, args.depth, args.rank,
                                args.draft_vocab, args.selection, args.seed, args.eval_every, args.save_every, args.name,
                                args.row_len, args.warmup, args.labels, args.device, args.eval_run, args.max_train_tokens,
-                               args.eval_examples, args.init, args.until, args.taps, args.depth_decay)
+                               args.eval_examples, args.init, args.until, args.taps, args.depth_decay,
+                               args.head_layers)
         else:
             decode = None
             if args.decode:

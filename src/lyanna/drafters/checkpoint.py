@@ -19,17 +19,33 @@ from .base import Drafter
 
 FORMAT = "lyanna-draft-head"
 VERSION = 1
-# The one decoder layer every head has, in Hugging Face's names under "layer.".
-_LAYER = tuple(f"layer.{n}.weight" for n in (
-    "input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
-    "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"))
-_ATTENTION_BIASES = tuple(f"layer.self_attn.{n}.bias" for n in ("q_proj", "k_proj", "v_proj"))
+# A decoder layer's tensors, in Hugging Face's names under the layer's prefix.
+_LAYER = ("input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_proj.weight",
+          "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight", "mlp.gate_proj.weight",
+          "mlp.up_proj.weight", "mlp.down_proj.weight")
+_ATTENTION_BIASES = tuple(f"self_attn.{n}.bias" for n in ("q_proj", "k_proj", "v_proj"))
 
 
-def _required_tensors(head_tensors: tuple[str, ...], target: Target) -> tuple[str, ...]:
-    """The tensor names a complete head for ``target`` holds: its own ``head_tensors``, the decoder
-    layer, and attention biases where the target's layers have them."""
-    return head_tensors + _LAYER + (_ATTENTION_BIASES if target.config.attention_bias else ())
+def layer_prefixes(count: int) -> list[str]:
+    """The names a head's ``count`` decoder layers go by: ``layer.`` first (the only one of a
+    one-layer head, so every checkpoint from before deeper heads loads as it was), then
+    ``layer2.``, ``layer3.``, ... each reading the one before's output."""
+    return ["layer."] + [f"layer{i}." for i in range(2, count + 1)]
+
+
+def head_layer_count(weights: dict[str, Any]) -> int:
+    """How many decoder layers a head's tensors hold (``layer_prefixes``)."""
+    count = 1
+    while f"layer{count + 1}.input_layernorm.weight" in weights:
+        count += 1
+    return count
+
+
+def _required_tensors(head_tensors: tuple[str, ...], target: Target, layers: int) -> tuple[str, ...]:
+    """The tensor names a complete head for ``target`` holds: its own ``head_tensors``, each of its
+    ``layers`` decoder layers, with attention biases where the target's layers have them."""
+    per_layer = _LAYER + (_ATTENTION_BIASES if target.config.attention_bias else ())
+    return head_tensors + tuple(p + n for p in layer_prefixes(layers) for n in per_layer)
 
 
 def target_fingerprint(target: Target, taps: int | Sequence[int]) -> dict[str, Any]:
@@ -122,7 +138,8 @@ def load_head(path: str | Path, target: Target, head: type[Drafter]) -> tuple[di
         weights = load_file(str(weights_file))
     except (SafetensorError, OSError, ValueError) as e:
         raise LyannaError(f"cannot read {weights_file}: {str(e).splitlines()[0]}; the file is truncated or corrupt") from None
-    required = _required_tensors(head.TENSORS, target) + (("taps_fc.weight",) if len(taps) > 1 else ())
+    required = (_required_tensors(head.TENSORS, target, head_layer_count(weights))
+                + (("taps_fc.weight",) if len(taps) > 1 else ()))
     missing = [name for name in required if name not in weights]
     if missing:
         raise LyannaError(f"{weights_file} is an incomplete {arch} head: missing {', '.join(missing)}; "

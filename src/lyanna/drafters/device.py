@@ -24,6 +24,7 @@ import torch
 from ..engines.device import KEY_BUCKET_MIN, FixedShapeCall, Slab, SlabPool, StaticCache, pow2_at_least
 from ..engines.torch_layers import DecoderLayer, PackedLayer, cached_layer, rms_norm, rotation
 from ..errors import LyannaError
+from .checkpoint import head_layer_count, layer_prefixes
 from .head import PairContext
 from .tree import DraftTree
 
@@ -244,7 +245,7 @@ class _TreePass(FixedShapeCall):
 
 
 class DeviceDraftHead:
-    """The fusion layer and the head's decoder layer in torch, on the engine's device and in its
+    """The fusion layer and the head's decoder layers in torch, on the engine's device and in its
     dtype; the embedding and LM head are the engine's own tensors."""
 
     def __init__(self, engine, weights: dict[str, np.ndarray]):
@@ -256,20 +257,22 @@ class DeviceDraftHead:
             raise LyannaError(f"draft head fc.weight has shape {tuple(fc_w.shape)}, expected {(c.hidden_size, 2 * c.hidden_size)}")
         self.fc = torch.nn.Linear(2 * c.hidden_size, c.hidden_size)
         self.fc.load_state_dict({"weight": fc_w, "bias": self._weight(weights, "fc.bias")})
-        layer = DecoderLayer(c)
-        layer.load_state_dict({k: self._weight(weights, f"layer.{k}") for k in layer.state_dict()})
-        for m in (self.fc, layer):
-            m.to(self.device, self.dtype).eval().requires_grad_(False)
-        with torch.no_grad():
-            self.layer = PackedLayer(layer, c)
+        self.fc.to(self.device, self.dtype).eval().requires_grad_(False)
+        self.layers = []
+        for prefix in layer_prefixes(head_layer_count(weights)):
+            layer = DecoderLayer(c)
+            layer.load_state_dict({k: self._weight(weights, prefix + k) for k in layer.state_dict()})
+            layer.to(self.device, self.dtype).eval().requires_grad_(False)
+            with torch.no_grad():
+                self.layers.append(PackedLayer(layer, c))
         # Several taps' rows are projected on the host, where ``PairContext`` keeps the features.
         self.taps_fc = np.ascontiguousarray(weights["taps_fc.weight"], np.float32) if "taps_fc.weight" in weights else None
         self._embed = engine._embed
         self._lm_head = engine._lm_head
         self._inv_freq = engine._inv_freq
         self._graph_pool = engine._graph_pool  # None: no graphs (CPU, or --no-cuda-graphs)
-        # One layer's keys and values a cache, ``CATCH_UP_ROWS`` scratch slots for a catch-up's padding.
-        self._pool = SlabPool(1, c, CATCH_UP_ROWS, HEAD_POOL_MIN, self.dtype, self.device)
+        # Each layer's keys and values a cache, ``CATCH_UP_ROWS`` scratch slots for a catch-up's padding.
+        self._pool = SlabPool(len(self.layers), c, CATCH_UP_ROWS, HEAD_POOL_MIN, self.dtype, self.device)
         self._eagles: dict[tuple[int, ...], _EagleTreePass] = {}
 
     @staticmethod
@@ -301,21 +304,31 @@ class DeviceDraftHead:
 
     def layer_at(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
                  mask: torch.Tensor | None, slab: Slab, keys: int) -> torch.Tensor:
-        """The head's layer over rows ``x``: keys and values written at ``slots``, attention over
+        """The head's layers over rows ``x``: keys and values written at ``slots``, attention over
         the first ``keys`` slots under ``mask`` (None: all of them)."""
-        return cached_layer(self.layer, x, cos, sin, slab.k[0], slab.v[0], slots, mask, keys)
+        for i, layer in enumerate(self.layers):
+            x = cached_layer(layer, x, cos, sin, slab.k[i], slab.v[i], slots, mask, keys)
+        return x
 
     @torch.inference_mode()
     def fill(self, features: np.ndarray, tokens: np.ndarray, positions: np.ndarray, cache: StaticCache) -> None:
-        """Append pairs as a full step would, keys and values only (nobody reads their outputs)."""
+        """Append pairs as a full step would, the last layer's keys and values only (nobody reads
+        their outputs): the layers below it run whole, each pair seeing those before it."""
         n = len(tokens)
         if not n:
             return
-        h = rms_norm(self._fuse(features, tokens), self.layer.input_norm, self.layer.eps)
-        _, k, v = self.layer.qkv_rows(h, *self.rotation(positions))
-        cache.k[0, :, cache.length : cache.length + n] = k
-        cache.v[0, :, cache.length : cache.length + n] = v
-        cache.length += n
+        x, (cos, sin) = self._fuse(features, tokens), self.rotation(positions)
+        end = cache.length + n
+        if len(self.layers) > 1:
+            slots = torch.arange(cache.length, end, device=self.device)
+            mask = torch.arange(end, device=self.device)[None, :] <= slots[:, None]
+            for i, layer in enumerate(self.layers[:-1]):
+                x = cached_layer(layer, x, cos, sin, cache.k[i], cache.v[i], slots, mask, end)
+        last = self.layers[-1]
+        _, k, v = last.qkv_rows(rms_norm(x, last.input_norm, last.eps), cos, sin)
+        cache.k[-1, :, cache.length : end] = k
+        cache.v[-1, :, cache.length : end] = v
+        cache.length = end
 
     def _pending(self, pc: PairContext, ctx: np.ndarray, extra: int) -> np.ndarray:
         """The pairs a fixed-shape catch-up takes (at most ``CATCH_UP_ROWS``, the root last) after

@@ -1,7 +1,8 @@
 """The draft head's forward pass in numpy: a fusion FC over [feature ; token embedding] and one
-decoder layer with its own KV cache. Embedding and LM head are the target's own (frozen, shared).
+decoder layer (or a few, ``checkpoint.layer_prefixes``) with its own KV cache. Embedding and LM
+head are the target's own (frozen, shared).
 
-The layer uses the target's layer shape and the engine's kernels (``layer_forward``, or on a GGUF's
+The layers use the target's layer shape and the engine's kernels (``layer_forward``, or on a GGUF's
 blocks the fused all-layers call), so the head's numbers follow the same code path as the target's.
 """
 from __future__ import annotations
@@ -14,8 +15,9 @@ from ..engines.base import TargetEngine
 from ..engines.fused import FusedLayers
 from ..engines.kernels import linear, rms_norm, rope_qk
 from ..engines.quant import QuantMatrix, quantize_q8_0
-from ..engines.transformer import KVCache, LayerWeights, Weight, layer_forward, rotation
+from ..engines.transformer import KVCache, LayerWeights, Weight, attention_bias, layer_forward, rotation
 from ..errors import LyannaError
+from .checkpoint import head_layer_count, layer_prefixes
 
 
 class DraftHead:
@@ -38,16 +40,17 @@ class DraftHead:
         self.fc_b = get("fc.bias")
         if self.fc_w.shape != (c.hidden_size, 2 * c.hidden_size):
             raise LyannaError(f"draft head fc.weight has shape {self.fc_w.shape}, expected {(c.hidden_size, 2 * c.hidden_size)}")
-        self.layer = LayerWeights.from_hf(get, "layer.", c)
-        # On blocks the layer runs as one compiled call (as the target's layers do): a draft step
-        # is one row, so the ~10 kernel launches of the layer-by-layer path cost more than its math.
-        self._fused = FusedLayers.of([self.layer], c)
-        # The key and value rows of the fused projection: what a pair whose output nobody reads
-        # needs (``fill``).
+        self.layers = [LayerWeights.from_hf(get, prefix, c) for prefix in layer_prefixes(head_layer_count(weights))]
+        # On blocks the layers run as one compiled call (as the target's layers do): a draft step
+        # is one row, so the ~10 kernel launches a layer of the layer-by-layer path cost more than its math.
+        self._fused = FusedLayers.of(self.layers, c)
+        self._fused_below = FusedLayers.of(self.layers[:-1], c) if len(self.layers) > 1 else None
+        # The key and value rows of the last layer's fused projection: with the layers below it,
+        # what a pair whose output nobody reads needs (``fill``).
         q_dim = c.num_heads * c.head_dim
-        wqkv = self.layer.wqkv
-        self._wkv = wqkv.take(np.arange(q_dim, wqkv.shape[0]), axis=0)
-        self._bkv = None if self.layer.bqkv is None else self.layer.bqkv[q_dim:]
+        last = self.layers[-1]
+        self._wkv = last.wqkv.take(np.arange(q_dim, last.wqkv.shape[0]), axis=0)
+        self._bkv = None if last.bqkv is None else last.bqkv[q_dim:]
         self.embed = target.embed
         self.lm_head = target.lm_head
         self.inv_freq = target.inv_freq
@@ -56,7 +59,7 @@ class DraftHead:
 
     def new_cache(self, capacity: int) -> KVCache:
         c = self.config
-        return KVCache(1, c.num_kv_heads, c.head_dim, capacity)
+        return KVCache(len(self.layers), c.num_kv_heads, c.head_dim, capacity)
 
     def _fuse(self, features: np.ndarray, tokens: np.ndarray) -> np.ndarray:
         return linear(np.concatenate([features, self.embed[tokens]], axis=-1), self.fc_w) + self.fc_b
@@ -70,14 +73,19 @@ class DraftHead:
 
     def fill(self, features: np.ndarray, tokens: np.ndarray, positions: np.ndarray, cache: KVCache) -> None:
         """Append n (feature, token) pairs to ``cache`` as ``step`` would, without predicting:
-        a row's key and value depend on that row alone, so pairs whose outputs nobody reads
-        (all of a catch-up's but the root's) need the fusion FC and the key/value projection,
-        about a fifth of the layer's multiply-adds, and no attention. Same kernels, so the
-        cache rows are bit-identical to ``step``'s."""
+        a row's key and value in the last layer depend on that row's input to it alone, so pairs
+        whose outputs nobody reads (all of a catch-up's but the root's) need the fusion FC, the
+        layers below the last, and the last's key/value projection: for a one-layer head about a
+        fifth of its multiply-adds, and no attention. Same kernels, so the cache rows are
+        bit-identical to ``step``'s."""
         c, n = self.config, len(tokens)
         if not n:
             return
-        h = rms_norm(self._fuse(features, tokens), self.layer.attn_norm, c.rms_norm_eps)
+        x = self._fuse(features, tokens)
+        if len(self.layers) > 1:  # each pair sees those before it
+            x = self.layer_step(x, positions, cache, attention_bias(cache.length, np.tril(np.ones((n, n), bool))),
+                                below=True)
+        h = rms_norm(x, self.layers[-1].attn_norm, c.rms_norm_eps)
         kv = linear(h, self._wkv)
         if self._bkv is not None:
             kv += self._bkv
@@ -86,18 +94,21 @@ class DraftHead:
         qkv[:, q_dim:] = kv
         _, k = rope_qk(qkv, rotation(self.inv_freq, positions), c.num_heads, c.num_kv_heads, c.head_dim)
         end = cache.length + n
-        cache.k[0, :, cache.length : end] = k.transpose(1, 0, 2)
-        cache.v[0, :, cache.length : end] = kv[:, kv_dim:].reshape(n, c.num_kv_heads, c.head_dim).transpose(1, 0, 2)
+        cache.k[-1, :, cache.length : end] = k.transpose(1, 0, 2)
+        cache.v[-1, :, cache.length : end] = kv[:, kv_dim:].reshape(n, c.num_kv_heads, c.head_dim).transpose(1, 0, 2)
         cache.length = end
 
     def layer_step(self, x: np.ndarray, positions: np.ndarray | Sequence[int], cache: KVCache,
-                   bias: np.ndarray | None) -> np.ndarray:
-        """The head's decoder layer over rows ``x`` at ``positions``, written to the cache after
-        its ``length`` rows (the caller advances ``length``)."""
+                   bias: np.ndarray | None, below: bool = False) -> np.ndarray:
+        """The head's decoder layers (``below``: all but the last) over rows ``x`` at
+        ``positions``, written to the cache after its ``length`` rows (the caller advances ``length``)."""
         rot = rotation(self.inv_freq, positions)
-        if self._fused is not None:
-            return self._fused(x, rot, [(0, x.shape[0], cache.k, cache.v, cache.length, bias)], [])[0]
-        return layer_forward(self.layer, self.config, x, rot, cache.k[0], cache.v[0], cache.length, bias)
+        layers, fused = (self.layers[:-1], self._fused_below) if below else (self.layers, self._fused)
+        if fused is not None:
+            return fused(x, rot, [(0, x.shape[0], cache.k, cache.v, cache.length, bias)], [])[0]
+        for i, layer in enumerate(layers):
+            x = layer_forward(layer, self.config, x, rot, cache.k[i], cache.v[i], cache.length, bias)
+        return x
 
     def log_probs(self, features: np.ndarray) -> np.ndarray:
         logits = linear(features, self.lm_head)

@@ -10,7 +10,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..errors import LyannaError
-from .run import TRAINING_WEIGHTS, fitted_taps, iter_data, run_info
+from .run import TRAINING_WEIGHTS, fitted_taps, head_layers_of, iter_data, run_info
 
 
 def _reply_counts(run: Path, vocab: int) -> np.ndarray:
@@ -96,6 +96,8 @@ def _card(run: Path, arch: str, model: str, taps: Sequence[int], info: dict[str,
         f"- steps: {state['step']} (batch {st['batch']} rows of {st.get('row_len', '-')} tokens, lr {st['lr']}, "
         f"warmup {st.get('warmup', 0)}, {st.get('labels', 'soft')} labels, unrolled depth {st['depth']}, "
         f"step k's loss weighted {depth_decay_of(st)} ** (k - 1))",
+        *([f"- head: {head_layers_of(st)} decoder layers, each reading the one before's output"]
+          if head_layers_of(st) > 1 else []),
         f"- cost: {_stage_costs(run, state)}",
         f"- held-out top-1 agreement with the target by depth (teacher-forced): {last.get('agreement')}",
         *head_lines,

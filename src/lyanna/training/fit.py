@@ -199,18 +199,26 @@ def example_loss(head: EagleHead, ex: Example, depth: int, **kw) -> torch.Tensor
     return batch_loss(head, make_batch([ex], [[0]], len(ex.tokens)), depth, **kw)
 
 
-def init_eagle_head(engine: TargetEngine, target_weights: dict[str, np.ndarray], seed: int = 0) -> EagleHead:
+def init_eagle_head(engine: TargetEngine, target_weights: dict[str, np.ndarray], seed: int = 0,
+                    layers: int = 1) -> EagleHead:
     """A head whose layer starts from the target's last layer and whose fc starts as 'feature +
     s * embedding', with ``s`` matching the embedding's scale to the feature's (final-norm
     outputs are ~17x larger than embedding rows in SmolLM2: a small random init would hide the
-    token from the head and stall training)."""
+    token from the head and stall training). Further ``layers`` start from that layer too with
+    their output projections zero, so they pass their input through: the deeper head starts as
+    the one-layer head (and ``--init`` from a one-layer checkpoint continues it exactly)."""
     torch.manual_seed(seed)
     c = engine.config
-    head = EagleHead(c, engine.embed, engine.lm_head)
+    head = EagleHead(c, engine.embed, engine.lm_head, layers=layers)
     prefix = f"model.layers.{c.num_layers - 1}."
-    head.layer.load_state_dict({k[len(prefix):]: torch.from_numpy(np.array(v, np.float32))
-                                for k, v in target_weights.items() if k.startswith(prefix)})
+    last = {k[len(prefix):]: torch.from_numpy(np.array(v, np.float32)) for k, v in target_weights.items()
+            if k.startswith(prefix)}
+    for layer in head.layers:
+        layer.load_state_dict(last)
     with torch.no_grad():
+        for layer in head.layers[1:]:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
         head.fc.weight.zero_()
         head.fc.weight[:, : c.hidden_size] = torch.eye(c.hidden_size)
         scale = float(np.sqrt(np.mean(np.square(engine.final_norm))) / np.sqrt(np.mean(np.square(engine.embed))))
@@ -221,12 +229,12 @@ def init_eagle_head(engine: TargetEngine, target_weights: dict[str, np.ndarray],
 
 
 def init_lyanna_head(engine: TargetEngine, target_weights: dict[str, np.ndarray], d2t: np.ndarray, rank: int = 32,
-                     seed: int = 0, taps: int = 1) -> LyannaHead:
+                     seed: int = 0, taps: int = 1, layers: int = 1) -> LyannaHead:
     """Like ``init_eagle_head``, plus the raw-logit norm from the target's final norm and a zero TI.
     With several ``taps`` their projection starts as the final-norm tap alone (the last one), so
     the head starts as the one-tap head and the other layers come in as the fit finds them useful."""
-    eagle = init_eagle_head(engine, target_weights, seed)
-    head = LyannaHead(engine.config, engine.embed, engine.lm_head, d2t, rank, taps)
+    eagle = init_eagle_head(engine, target_weights, seed, layers)
+    head = LyannaHead(engine.config, engine.embed, engine.lm_head, d2t, rank, taps, layers)
     state = {**eagle.state_dict(), "norm.weight": torch.from_numpy(engine.final_norm.copy()),
              "d2t": head.d2t, "ti.a": head.ti.a.detach(), "ti.b": head.ti.b.detach()}
     if taps > 1:

@@ -12,7 +12,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..errors import LyannaError
-from .run import (TRAINING_WEIGHTS, feature_taps, fitted_taps, load_examples, run_info, split_held_out,
+from .run import (TRAINING_WEIGHTS, feature_taps, fitted_taps, head_layers_of, load_examples, run_info, split_held_out,
                   token_frequencies, training_engine)
 
 
@@ -178,7 +178,8 @@ def stage_fit(run: Path, arch: str, steps: int, batch: int = 8, lr: float = 3e-4
               save_every: int = 50, name: str | None = None, row_len: int = 2048, warmup: int = 0,
               labels: str = "soft", device: str = "cpu", eval_run: Path | None = None, max_train_tokens: int | None = None,
               eval_examples: int = 64, init: Path | None = None, until: int | None = None,
-              taps: Sequence[int] | None = None, depth_decay: float | None = None) -> dict[str, Any]:
+              taps: Sequence[int] | None = None, depth_decay: float | None = None,
+              head_layers: int | None = None) -> dict[str, Any]:
     """Train a draft head on packed batches of ``batch`` rows of ``row_len`` tokens;
     data-parallel under torchrun (every rank takes a slice of each batch's rows). Held-out
     agreement is measured on this run's held-out split, or on all of ``eval_run`` (for example
@@ -189,10 +190,13 @@ def stage_fit(run: Path, arch: str, steps: int, batch: int = 8, lr: float = 3e-4
     spans ``steps`` (a long fit over several sittings: rerun with a later ``until``, or none, to go on).
     ``taps``: the hidden states the head reads, some of those the run's features hold (default:
     all of them), so that one features stage serves fits on several choices of taps. ``depth_decay``:
-    the loss of unrolled step k weighs ``depth_decay ** (k - 1)`` (None: ``fit.DEPTH_DECAY``)."""
+    the loss of unrolled step k weighs ``depth_decay ** (k - 1)`` (None: ``fit.DEPTH_DECAY``).
+    ``head_layers``: the head's decoder layers (None: one, or what the fit being resumed has); a
+    deeper head continued from a shallower ``init`` starts as it (its further layers pass their
+    input through)."""
     import torch
 
-    from ..drafters.checkpoint import check_taps, head_taps, load_head
+    from ..drafters.checkpoint import check_taps, head_layer_count, head_taps, load_head
     from ..drafters.registry import head_class
     from ..engines.loading import load_target
     from .fit import DEPTH_DECAY, depth_decay_of
@@ -205,6 +209,8 @@ def stage_fit(run: Path, arch: str, steps: int, batch: int = 8, lr: float = 3e-4
         raise LyannaError(f"--labels must be soft or hard, got {labels!r}")
     if depth_decay is not None and not depth_decay > 0.0:
         raise LyannaError(f"--depth-decay must be > 0, got {depth_decay}")
+    if head_layers is not None and head_layers < 1:
+        raise LyannaError(f"--head-layers must be >= 1, got {head_layers}")
     rank_id, world = _distributed()
     if batch % world:
         raise LyannaError(f"--batch {batch} must be a multiple of the {world} processes")
@@ -225,7 +231,7 @@ def stage_fit(run: Path, arch: str, steps: int, batch: int = 8, lr: float = 3e-4
     out.mkdir(parents=True, exist_ok=True)
     settings = {"batch": batch, "row_len": row_len, "lr": lr, "warmup": warmup, "labels": labels, "depth": depth,
                 "rank": rank, "draft_vocab": draft_vocab, "seed": seed, "taps": list(taps),
-                "depth_decay": DEPTH_DECAY if depth_decay is None else depth_decay}
+                "depth_decay": DEPTH_DECAY if depth_decay is None else depth_decay, "head_layers": head_layers or 1}
     state_json = out / "state.json"
     state = (json.loads(state_json.read_text()) if state_json.is_file()
              else _new_state(arch, selection, settings, train, held, eval_run))
@@ -237,6 +243,9 @@ def stage_fit(run: Path, arch: str, steps: int, batch: int = 8, lr: float = 3e-4
     fitted_decay = depth_decay_of(state["settings"])
     if depth_decay is not None and depth_decay != fitted_decay:
         raise LyannaError(f"{out} fits with --depth-decay {fitted_decay}, not {depth_decay}; pass another --name")
+    layers = head_layers_of(state["settings"])
+    if head_layers is not None and head_layers != layers:
+        raise LyannaError(f"{out} fits a head of {layers} layer(s), not {head_layers}; pass another --name")
     state["device"] = str(device)
     start = None
     if init is not None:
@@ -244,6 +253,9 @@ def stage_fit(run: Path, arch: str, steps: int, batch: int = 8, lr: float = 3e-4
         start_taps = head_taps(init_config, target.config.num_layers, init)
         if len(start_taps) > 1 and start_taps != taps:
             raise LyannaError(f"--init {init} reads taps {list(start_taps)}, this run's features hold {list(taps)}")
+        if head_layer_count(start) > layers:
+            raise LyannaError(f"--init {init} has {head_layer_count(start)} layers, more than this head's {layers}: "
+                              "pass --head-layers")
         state.setdefault("init", {"path": str(init), "settings": init_config.get("settings", {})})
     counts = token_frequencies(train, target.config.vocab_size)
     d2t = np.argsort(-counts, kind="stable")[: min(draft_vocab, target.config.vocab_size)]

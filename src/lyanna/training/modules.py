@@ -1,7 +1,7 @@
 """Torch twins of the draft head for training, in Hugging Face weight layout.
 
 Parameter names match the checkpoint names read by ``drafters.head.DraftHead`` (``fc.*``,
-``layer.*``), and a test checks that both forward passes agree.
+``layer.*``, a deeper head's ``layer2.*`` ...), and a test checks that both forward passes agree.
 """
 from __future__ import annotations
 
@@ -30,18 +30,22 @@ def segment_positions(segments: torch.Tensor) -> torch.Tensor:
 
 
 class EagleHead(nn.Module):
-    """fc([feature ; embedding(token)]) -> one decoder layer -> predicted next feature.
+    """fc([feature ; embedding(token)]) -> one decoder layer (or ``layers``, each reading the
+    one before's output) -> predicted next feature.
 
     Embedding and LM head are the target's, frozen (buffers, not parameters).
     """
 
-    def __init__(self, c: ModelConfig, embed: np.ndarray, lm_head: np.ndarray, taps: int = 1):
+    def __init__(self, c: ModelConfig, embed: np.ndarray, lm_head: np.ndarray, taps: int = 1, layers: int = 1):
         super().__init__()
         self.c = c
         # Several taps' rows, side by side, are projected to one feature before the pair input.
         self.taps_fc = nn.Linear(taps * c.hidden_size, c.hidden_size, bias=False) if taps > 1 else None
         self.fc = nn.Linear(2 * c.hidden_size, c.hidden_size, bias=True)
         self.layer = DecoderLayer(c)
+        for i in range(2, layers + 1):  # named as the checkpoint names them (``checkpoint.layer_prefixes``)
+            setattr(self, f"layer{i}", DecoderLayer(c))
+        self.layers = [self.layer] + [getattr(self, f"layer{i}") for i in range(2, layers + 1)]
         self.register_buffer("embed", torch.from_numpy(np.asarray(embed, np.float32)), persistent=False)
         self.register_buffer("lm_head", torch.from_numpy(np.asarray(lm_head, np.float32)), persistent=False)
         self.register_buffer("inv_freq", torch.from_numpy(rope_inv_freq(c)), persistent=False)
@@ -50,7 +54,9 @@ class EagleHead(nn.Module):
         angles = positions.float()[:, None] * self.inv_freq[None, :]
         angles = torch.cat([angles, angles], dim=-1)
         x = self.fc(torch.cat([features, self.embed[tokens]], dim=-1))
-        return self.layer(x, angles.cos(), angles.sin())
+        for layer in self.layers:
+            x = layer(x, angles.cos(), angles.sin())
+        return x
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         return features @ self.lm_head.T
@@ -66,21 +72,21 @@ class EagleHead(nn.Module):
         """Logits the classification loss compares: the full vocabulary unless restricted."""
         return features @ getattr(self, "loss_lm", self.lm_head).T
 
-    def _qkv(self, x: torch.Tensor, positions: torch.Tensor):
-        """q, k, v of ``x`` [B, N, H] at ``positions`` [B, N]."""
-        c, attn = self.c, self.layer.self_attn
+    def _qkv(self, layer: DecoderLayer, x: torch.Tensor, positions: torch.Tensor):
+        """``layer``'s q, k, v of ``x`` [B, N, H] at ``positions`` [B, N]."""
+        c, attn = self.c, layer.self_attn
         angles = positions.float()[..., None] * self.inv_freq
         angles = torch.cat([angles, angles], dim=-1)
         cos, sin = angles.cos()[:, :, None], angles.sin()[:, :, None]
-        h = self.layer.input_layernorm(x)
+        h = layer.input_layernorm(x)
         b, t = x.shape[:2]
         q = rope(attn.q_proj(h).view(b, t, c.num_heads, c.head_dim), cos, sin)
         k = rope(attn.k_proj(h).view(b, t, c.num_kv_heads, c.head_dim), cos, sin)
         return q, k, attn.v_proj(h).view(b, t, c.num_kv_heads, c.head_dim)
 
-    def _step(self, x: torch.Tensor, q: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor,
+    def _step(self, layer: DecoderLayer, x: torch.Tensor, q: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor,
               own_k: list[torch.Tensor], own_v: list[torch.Tensor], ctx_mask: torch.Tensor) -> torch.Tensor:
-        """One layer step for every row of ``x`` [B, N, H]: attention to the pair context where
+        """``layer``'s step for every row of ``x`` [B, N, H]: attention to the pair context where
         ``ctx_mask`` [B, N, N] allows, and to the earlier steps of the row's own chain."""
         c = self.c
         b, t, g = x.shape[0], x.shape[1], c.num_heads // c.num_kv_heads
@@ -94,8 +100,8 @@ class EagleHead(nn.Module):
         o = torch.einsum("btkgs,bskd->btkgd", p[..., :n], ctx_v)
         if own_k:
             o = o + torch.einsum("btkgj,jbtkd->btkgd", p[..., n:], torch.stack(own_v))
-        x = x + self.layer.self_attn.o_proj(o.reshape(b, t, -1))
-        return x + self.layer.mlp(self.layer.post_attention_layernorm(x))
+        x = x + layer.self_attn.o_proj(o.reshape(b, t, -1))
+        return x + layer.mlp(layer.post_attention_layernorm(x))
 
     def _chain_input(self, f: torch.Tensor, tokens: torch.Tensor, k: int) -> torch.Tensor:
         """Input of chain step k >= 2 for every root row j: [f_{k-1} ; embedding of token
@@ -111,8 +117,9 @@ class EagleHead(nn.Module):
         """Chain features ``f_1..f_depth`` [B, L-1, H] of packed rows: ``features`` [B, L, taps * H],
         ``tokens`` [B, L], ``segments`` [B, L] (which sequence each position belongs to; -1 for
         padding). Pair row j = (feature after token j, token j + 1); row j of step k predicts the
-        token at position j + 1 + k. Each step attends to the pairs of its own sequence up to its
-        root and to the earlier steps of its own chain, exactly as the drafter does at decode time."""
+        token at position j + 1 + k. Each step attends (in every layer) to the pairs of its own
+        sequence up to its root and to the earlier steps of its own chain, exactly as the drafter
+        does at decode time."""
         pseg = pair_segments(segments)
         n = pseg.shape[1]
         idx = torch.arange(n, device=features.device)
@@ -121,17 +128,22 @@ class EagleHead(nn.Module):
         positions = segment_positions(segments)[:, 1:]
         taps = features[:, :-1]
         x = self.fc(torch.cat([taps if self.taps_fc is None else self.taps_fc(taps), self.embed[tokens[:, 1:]]], dim=-1))
-        q, ctx_k, ctx_v = self._qkv(x, positions)
-        f = self._step(x, q, ctx_k, ctx_v, [], [], ctx_mask)
+        ctx = []  # each layer's keys and values of the pair rows
+        for layer in self.layers:
+            q, ctx_k, ctx_v = self._qkv(layer, x, positions)
+            ctx.append((ctx_k, ctx_v))
+            x = self._step(layer, x, q, ctx_k, ctx_v, [], [], ctx_mask)
+        f = x
         out = [f]
-        own_k: list[torch.Tensor] = []
-        own_v: list[torch.Tensor] = []
+        own: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = [([], []) for _ in self.layers]
         for k in range(2, depth + 1):
             x = self._chain_input(f, tokens, k)
-            q, kk, vv = self._qkv(x, positions + k - 1)
-            own_k.append(kk)
-            own_v.append(vv)
-            f = self._step(x, q, ctx_k, ctx_v, own_k, own_v, ctx_mask)
+            for layer, (ctx_k, ctx_v), (own_k, own_v) in zip(self.layers, ctx, own):
+                q, kk, vv = self._qkv(layer, x, positions + k - 1)
+                own_k.append(kk)
+                own_v.append(vv)
+                x = self._step(layer, x, q, ctx_k, ctx_v, own_k, own_v, ctx_mask)
+            f = x
             out.append(f)
         return out
 
@@ -151,8 +163,8 @@ class LyannaHead(EagleHead):
     ``A[y] @ B``."""
 
     def __init__(self, c: ModelConfig, embed: np.ndarray, lm_head: np.ndarray, d2t: np.ndarray, rank: int,
-                 taps: int = 1):
-        super().__init__(c, embed, lm_head, taps)
+                 taps: int = 1, layers: int = 1):
+        super().__init__(c, embed, lm_head, taps, layers)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.register_buffer("d2t", torch.as_tensor(np.asarray(d2t), dtype=torch.long))
         self.register_buffer("draft_lm", self.lm_head[self.d2t].clone(), persistent=False)

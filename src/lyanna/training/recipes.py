@@ -14,7 +14,7 @@ import numpy as np
 from ..drafters.registry import head_class, trainable_archs
 from ..engines.base import TargetEngine
 from ..errors import LyannaError
-from .run import fitted_taps
+from .run import fitted_taps, head_layers_of
 
 
 class HeadRecipe:
@@ -33,7 +33,7 @@ class HeadRecipe:
 
         if len(fitted_taps(settings, engine.config.num_layers)) > 1:  # its drafted rows feed its own predicted features back
             raise LyannaError(f"an eagle head reads one tap; these features hold {settings['taps']}")
-        head = init_eagle_head(engine, target_weights, seed=seed)
+        head = init_eagle_head(engine, target_weights, seed=seed, layers=head_layers_of(settings))
         head.restrict_loss_vocab(d2t)  # the same frequent tokens as Lyanna's draft vocabulary
         return head
 
@@ -65,7 +65,8 @@ class LyannaRecipe(HeadRecipe):
             d2t = start["d2t"]
             settings.update(rank=int(start["ti.a"].shape[1]), draft_vocab=len(d2t))
         return init_lyanna_head(engine, target_weights, d2t, rank=settings["rank"], seed=seed,
-                                taps=len(fitted_taps(settings, engine.config.num_layers)))
+                                taps=len(fitted_taps(settings, engine.config.num_layers)),
+                                layers=head_layers_of(settings))
 
     def export(self, weights: dict[str, np.ndarray], reply_counts: Callable[[], np.ndarray], hot: int) -> dict[str, Any]:
         counts = reply_counts()

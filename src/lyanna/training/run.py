@@ -104,6 +104,11 @@ def fitted_taps(settings: dict[str, Any], num_layers: int) -> tuple[int, ...]:
     return tuple(settings.get("taps", [num_layers]))
 
 
+def head_layers_of(settings: dict[str, Any]) -> int:
+    """The decoder layers of a fit's head, from its settings (a fit before deeper heads: one)."""
+    return int(settings.get("head_layers", 1))
+
+
 def shard_taps(metadata: dict[str, str]) -> tuple[int, ...]:
     """The taps a features shard holds (``tap``: a shard written before multi-layer taps)."""
     return tuple(json.loads(metadata["taps"])) if "taps" in metadata else (int(metadata.get("tap", -1)),)

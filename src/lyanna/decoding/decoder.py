@@ -165,9 +165,11 @@ class Decoder:
     def latency_curve(self, recalibrate: bool = False) -> LatencyCurve:
         """This machine's target latency against block size (``lyanna calibrate``): read from the
         per-model, per-machine cache, measured (a few seconds) and cached when missing."""
-        from .budget import calibrate, calibration_path, load_curve, save_curve
-
         if self._curve is None or recalibrate:
+            # Imported here, where a curve is missing, not on every call: every drafting round's
+            # budget asks for the curve, and the import statement cost ~15 us a round in the decode loop.
+            from .budget import calibrate, calibration_path, load_curve, save_curve
+
             path = calibration_path(self.target.name, self.engine)
             curve = None if recalibrate else load_curve(path)
             if curve is None:

@@ -214,3 +214,34 @@ def test_fused_layers_give_the_layer_by_layer_bits(tiny_model_dir, kernel):
     batch = fused.forward_batch([Block(tokens[:7], np.arange(7), caches[0]), Block(tokens[7:10], np.arange(3), caches[1])])
     alone = [fused.forward(tokens[:7], np.arange(7), fused.new_cache(64)), fused.forward(tokens[7:10], np.arange(3), fused.new_cache(64))]
     assert all(np.array_equal(b.logits, a.logits) for b, a in zip(batch, alone))
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_two_layer_head_on_blocks_runs_fused_with_the_layer_by_layer_bits(tiny_model_dir, kernel):
+    """On a target computed on blocks a two-layer draft head's matrices become blocks too, and its
+    layers (and a catch-up's fill through the lower one) run as compiled calls: the same bits as
+    layer by layer."""
+    from lyanna.drafters.head import DraftHead
+    from lyanna.engines.loading import load_target
+    from lyanna.engines.transformer import Transformer
+    from lyanna.training.fit import init_eagle_head
+
+    from .conftest import stir_upper_layers
+
+    target = load_target(tiny_model_dir)
+    weights = {name: quantize_q8_0(w, kernel) if w.ndim == 2 and (".layers." in name or name == "lm_head.weight") else w
+               for name, w in target.weights.items()}
+    torch_head = init_eagle_head(Transformer(target.config, target.weights), target.weights, layers=2)
+    stir_upper_layers(torch_head, seed=5)
+    head = DraftHead(Transformer(target.config, weights), torch_head.numpy_weights())
+    assert isinstance(head.layers[1].w_down, QuantMatrix)
+    compiled = (head._fused, head._fused_below)
+    assert None not in compiled
+    rng = np.random.default_rng(13)
+    feats, toks = rng.standard_normal((6, head.config.hidden_size)).astype(np.float32), rng.integers(3, 259, 6)
+    runs = []
+    for fused, below in (compiled, (None, None)):
+        head._fused, head._fused_below, cache = fused, below, head.new_cache(16)
+        head.fill(feats[:5], toks[:5], np.arange(1, 6), cache)
+        runs.append((head.step(feats[5:], toks[5:], np.arange(6, 7), cache, None), cache.k.copy(), cache.v.copy()))
+    assert all(np.array_equal(a, b) for a, b in zip(*runs))

@@ -10,6 +10,8 @@ from gguf import GGMLQuantizationType, quants
 from lyanna.engines.kernels import linear
 from lyanna.engines.quant import KERNELS, SUPPORTED, QuantMatrix, from_blocks, hf_name, quantize_q8_0
 
+from .conftest import stir_upper_layers
+
 ROWS = (1, 2, 3, 5, 8, 17, 31, 64)
 
 
@@ -225,8 +227,6 @@ def test_a_two_layer_head_on_blocks_runs_fused_with_the_layer_by_layer_bits(tiny
     from lyanna.engines.loading import load_target
     from lyanna.engines.transformer import Transformer
     from lyanna.training.fit import init_eagle_head
-
-    from .conftest import stir_upper_layers
 
     target = load_target(tiny_model_dir)
     weights = {name: quantize_q8_0(w, kernel) if w.ndim == 2 and (".layers." in name or name == "lm_head.weight") else w

@@ -53,9 +53,10 @@ class EagleHead(nn.Module):
     def forward(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         angles = positions.float()[:, None] * self.inv_freq[None, :]
         angles = torch.cat([angles, angles], dim=-1)
+        cos, sin = angles.cos(), angles.sin()
         x = self.fc(torch.cat([features, self.embed[tokens]], dim=-1))
         for layer in self.layers:
-            x = layer(x, angles.cos(), angles.sin())
+            x = layer(x, cos, sin)
         return x
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
@@ -72,12 +73,15 @@ class EagleHead(nn.Module):
         """Logits the classification loss compares: the full vocabulary unless restricted."""
         return features @ getattr(self, "loss_lm", self.lm_head).T
 
-    def _qkv(self, layer: DecoderLayer, x: torch.Tensor, positions: torch.Tensor):
-        """``layer``'s q, k, v of ``x`` [B, N, H] at ``positions`` [B, N]."""
-        c, attn = self.c, layer.self_attn
+    def _rotation(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE's cos and sin at ``positions`` [B, N], shaped for ``_qkv`` (one per step, every layer's)."""
         angles = positions.float()[..., None] * self.inv_freq
         angles = torch.cat([angles, angles], dim=-1)
-        cos, sin = angles.cos()[:, :, None], angles.sin()[:, :, None]
+        return angles.cos()[:, :, None], angles.sin()[:, :, None]
+
+    def _qkv(self, layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """``layer``'s q, k, v of ``x`` [B, N, H] under RoPE's ``cos``/``sin`` (``_rotation``)."""
+        c, attn = self.c, layer.self_attn
         h = layer.input_layernorm(x)
         b, t = x.shape[:2]
         q = rope(attn.q_proj(h).view(b, t, c.num_heads, c.head_dim), cos, sin)
@@ -129,8 +133,9 @@ class EagleHead(nn.Module):
         taps = features[:, :-1]
         x = self.fc(torch.cat([taps if self.taps_fc is None else self.taps_fc(taps), self.embed[tokens[:, 1:]]], dim=-1))
         ctx = []  # each layer's keys and values of the pair rows
+        rot = self._rotation(positions)
         for layer in self.layers:
-            q, ctx_k, ctx_v = self._qkv(layer, x, positions)
+            q, ctx_k, ctx_v = self._qkv(layer, x, *rot)
             ctx.append((ctx_k, ctx_v))
             x = self._step(layer, x, q, ctx_k, ctx_v, [], [], ctx_mask)
         f = x
@@ -138,8 +143,9 @@ class EagleHead(nn.Module):
         own: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = [([], []) for _ in self.layers]
         for k in range(2, depth + 1):
             x = self._chain_input(f, tokens, k)
+            rot = self._rotation(positions + k - 1)
             for layer, (ctx_k, ctx_v), (own_k, own_v) in zip(self.layers, ctx, own):
-                q, kk, vv = self._qkv(layer, x, positions + k - 1)
+                q, kk, vv = self._qkv(layer, x, *rot)
                 own_k.append(kk)
                 own_v.append(vv)
                 x = self._step(layer, x, q, ctx_k, ctx_v, own_k, own_v, ctx_mask)

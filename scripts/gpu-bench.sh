@@ -37,6 +37,19 @@
 # and brings the replies back packed (the machine returns at most 8 files of 16 MiB: a gzipped tar
 # in 15 MiB parts), not their features (three taps of 30M tokens are ~100 GB; make features where
 # the fit runs).
+#
+# Fitting a head at that scale on lent GPUs, a session at a time (the fit computes its features):
+#   here:  scripts/gpu-bench.sh prepare-fit RUN NAME FIT-ARGS...   # .gpu/fit/: a parcel of RUN's data,
+#          its fit NAME so far, --eval-run's data and --init's checkpoint, in 47 MiB parts, and the args
+#   there: (the two GGUF receive calls), then `receive` once per parcel part, carry [".gpu/fit/in.part-N"]
+#          scripts/gpu-bench.sh fit    # carry [".gpu/MANIFEST", ".gpu/wheels", ".gpu/fit/MANIFEST", ".gpu/fit/args"]
+#          scripts/gpu-bench.sh send   # only if `fit` says parts are left: carry nothing
+#   here:  cat FILES_AT/fit.tar.gz.part-* (of both calls, in order) | tar xzf - -C RUN/fit
+# `fit` runs `train fit --features online --device cuda --time-limit FIT_S` (default 420 s) with the
+# args given here (the same each session: the schedule spans --steps) and brings the fit's state back
+# in 15 MiB parts, four to a call: a one-layer head's state (weights and Adam moments) is ~70 MB,
+# so `send` brings the rest. Every session goes on where the last one saved. To check the script here:
+# receive, then OUT=DIR PY=.venv/bin/python FIT_DEVICE=cpu FIT_S=30 scripts/gpu-bench.sh fit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STAGE=${LYANNA_GPU_STAGE:-/tmp/lyanna-gpu}   # where parts, the model and the cache live on the machine
@@ -64,10 +77,11 @@ EOF
   echo "  run: scripts/gpu-bench.sh run       carry: [\".gpu/MANIFEST\", \".gpu/wheels\"]"
 }
 
-receive() {
+receive() {  # the GGUF's parts, or a fit parcel's, whichever were carried
   mkdir -p "$STAGE/parts"
-  cp .gpu/part-* "$STAGE/parts/"
-  echo "have $(ls "$STAGE/parts" | wc -l) of $(grep -c part- .gpu/MANIFEST) parts in $STAGE/parts"
+  local f
+  for f in .gpu/part-* .gpu/fit/in.part-*; do if [ -f "$f" ]; then cp "$f" "$STAGE/parts/"; fi; done
+  echo "have $(ls "$STAGE/parts" | grep -c '^part-') GGUF parts and $(ls "$STAGE/parts" | grep -c '^in.part-') fit parcel parts in $STAGE/parts"
 }
 
 setup() {
@@ -137,6 +151,54 @@ print("\n".join(row["id"] for row in iter_data(Path(sys.argv[1]))))' "$run" > .g
   echo "prepared .gpu/data: $(basename "$prompts") and $(grep -c . .gpu/data/done.txt) ids already answered"
 }
 
+prepare_fit() {  # prepare_fit RUN NAME FIT-ARGS...: the parcel for `fit`, in .gpu/fit/
+  local run=${1:?usage: scripts/gpu-bench.sh prepare-fit RUN NAME FIT-ARGS...} name=${2:?the name of the fit}
+  shift 2
+  [ -f "$run/run.json" ] || { echo "$run is not a training run (no run.json)"; exit 2; }
+  local home=.gpu/fit/home args=()
+  rm -rf .gpu/fit && mkdir -p "$home/run/fit"
+  cp "$run/run.json" "$home/run/" && cp -r "$run/data" "$home/run/"  # replies only: the fit makes the features
+  if [ -d "$run/fit/$name" ]; then cp -r "$run/fit/$name" "$home/run/fit/"; fi
+  while [ $# -gt 0 ]; do  # paths the fit reads travel in the parcel; the machine's own flags are set there
+    case "$1" in
+      --eval-run) mkdir -p "$home/eval" && cp "$2/run.json" "$home/eval/" && cp -r "$2/data" "$home/eval/"
+                  args+=(--eval-run @/eval); shift 2 ;;
+      --init) if [ ! -f "$run/fit/$name/state.json" ]; then cp -r "$2" "$home/init"; args+=(--init @/init); fi
+              shift 2 ;;  # a fit under way holds what it took from its start
+      --run-dir|--name|--device|--features|--time-limit) echo "prepare-fit sets $1 itself"; exit 2 ;;
+      *) args+=("$1"); shift ;;
+    esac
+  done
+  printf '%s\n' --run-dir @/run --name "$name" "${args[@]}" > .gpu/fit/args
+  (cd .gpu/fit && tar czf - home | split -b 47M -d -a 1 - in.part- && sha256sum in.part-* > MANIFEST)
+  rm -rf "$home"
+  echo "prepared .gpu/fit: $(ls .gpu/fit | grep -c in.part-) parts ($(du -ch .gpu/fit/in.part-* | tail -1 | cut -f1)); fit args: $(tr '\n' ' ' < .gpu/fit/args)"
+  for p in .gpu/fit/in.part-*; do echo "  run: scripts/gpu-bench.sh receive   carry: [\"$p\"]"; done
+  echo "  run: scripts/gpu-bench.sh fit       carry: [\".gpu/MANIFEST\", \".gpu/wheels\", \".gpu/fit/MANIFEST\", \".gpu/fit/args\"]"
+}
+
+fit() {  # there: FIT_S seconds of the fit the parcel holds, its state to $OUT/fit.tar.gz.part-* (the rest: send)
+  local home="$STAGE/home" name args=()
+  (cd "$STAGE/parts" && sha256sum -c --quiet "$OLDPWD/.gpu/fit/MANIFEST") \
+    || { echo "parcel parts missing or damaged in $STAGE/parts: send them again with receive"; exit 1; }
+  rm -rf "$home" "$STAGE"/fit.tar.gz.part-* && cat "$STAGE"/parts/in.part-* | tar xzf - -C "$STAGE"
+  while IFS= read -r a; do args+=("${a/#@\//$home/}"); done < .gpu/fit/args
+  name=$(sed -n '/^--name$/{n;p;q}' .gpu/fit/args)
+  step $((${FIT_S:-420} + 120)) "fit $name on ${FIT_DEVICE:-cuda}" "${PY:-python3}" -m lyanna.train fit "${args[@]}" \
+    --features online --device "${FIT_DEVICE:-cuda}" --time-limit "${FIT_S:-420}"
+  [ -f "$home/run/fit/$name/state.safetensors" ] || { echo "!! the fit saved no state"; return; }
+  (cd "$home/run/fit" && tar czf - "$name") | split -b 15M -d -a 1 - "$STAGE/fit.tar.gz.part-"
+  ls "$STAGE"/fit.tar.gz.part-* | head -4 | xargs -I{} mv {} "$OUT/"
+  echo "== state of fit $name at step $(sed -n 's/^  "step": \([0-9]*\),$/\1/p' "$home/run/fit/$name/state.json"):" \
+    "$(ls "$OUT"/fit.tar.gz.part-* | wc -l) parts here, $(ls "$STAGE"/fit.tar.gz.part-* 2>/dev/null | wc -l) left for send"
+}
+
+send() {  # there: the state parts `fit` had no room for
+  ls "$STAGE"/fit.tar.gz.part-* > /dev/null 2>&1 || { echo "no parts left"; return; }
+  ls "$STAGE"/fit.tar.gz.part-* | head -4 | xargs -I{} mv {} "$OUT/"
+  echo "== $(ls "$OUT"/fit.tar.gz.part-* | wc -l) parts here, $(ls "$STAGE"/fit.tar.gz.part-* 2>/dev/null | wc -l) left"
+}
+
 data() {  # there: DATA_S seconds of replies to the prompts the run at home lacks, to $OUT/sd.tar.gz.part-*
   local run="$STAGE/sd" prompts settings
   prompts=$(ls .gpu/data/*.jsonl | head -1)
@@ -155,6 +217,9 @@ print(r["seed"], r["max_new_tokens"], r["max_prompt_tokens"])' .gpu/data/home-ru
 case "${1:-}" in
   prepare) prepare ;;
   prepare-data) prepare_data "${2:-}" "${3:-}" ;;
+  prepare-fit) shift; prepare_fit "$@" ;;
+  fit) setup; fit 2>&1 | tee "${OUT:?run this on the device machine, where OUT is set}/log.txt" ;;
+  send) send ;;
   data) setup; data 2>&1 | tee "${OUT:?run this on the device machine, where OUT is set}/log.txt" ;;
   receive) receive ;;
   run)
@@ -166,5 +231,6 @@ case "${1:-}" in
     PY=.venv/bin/python LATENCY_DTYPE=float32
     setup
     METHODS=${METHODS_LOCAL:-ar,suffix,lyanna} measure cpu "${OUT:-/tmp/lyanna-gpu-local/out}" "${BENCH_LIMIT:-2}" "${BENCH_TOKENS:-16}" ;;
-  *) echo "usage: scripts/gpu-bench.sh prepare | receive | run | local | prepare-data RUN PROMPTS | data"; exit 2 ;;
+  *) echo "usage: scripts/gpu-bench.sh prepare | receive | run | local | prepare-data RUN PROMPTS | data |" \
+          "prepare-fit RUN NAME FIT-ARGS... | fit | send"; exit 2 ;;
 esac

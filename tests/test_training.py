@@ -222,6 +222,34 @@ def test_fit_can_start_from_a_checkpoint(run_dir, tmp_path):
         fit_stage.stage_fit(run_dir, "eagle", steps=1, batch=2, name="wrong", row_len=64, init=base)
 
 
+def test_a_continued_fit_resumed_without_its_init_keeps_the_checkpoints_draft_vocabulary(run_dir, tmp_path):
+    """A fit begun with --init and resumed without it trains the same head as one run straight
+    through: the saved draft vocabulary (here in another order than the data's counts give) picks
+    the LM-head rows of the raw logits, not the one the head was rebuilt with."""
+    import shutil
+
+    from safetensors.numpy import save_file
+
+    kw = dict(steps=2, batch=2, lr=2e-3, depth=2, eval_every=1, row_len=64)
+    fit_stage.stage_fit(run_dir, "lyanna", steps=2, batch=2, lr=2e-3, depth=2, rank=4, draft_vocab=150, eval_every=2,
+                        name="vocab-base", row_len=64)
+    base, turned = tmp_path / "base", tmp_path / "turned"
+    export.stage_export(run_dir, "lyanna", base, name="vocab-base", hot=32)
+    shutil.copytree(base, turned)
+    w = load_file(str(base / "model.safetensors"))
+    order = np.arange(len(w["d2t"]))[::-1]  # the same head over its draft vocabulary in reverse
+    w["d2t"], w["ti.b"] = w["d2t"][order].copy(), w["ti.b"][:, order].copy()
+    save_file(w, str(turned / "model.safetensors"))
+    fit_stage.stage_fit(run_dir, "lyanna", name="resumed", init=turned, until=1, **kw)
+    resumed = fit_stage.stage_fit(run_dir, "lyanna", name="resumed", **kw)
+    whole = fit_stage.stage_fit(run_dir, "lyanna", name="whole", init=turned, **kw)
+    assert resumed["history"][-1]["loss"] == whole["history"][-1]["loss"]
+    a = load_file(str(run_dir / "fit" / "resumed" / "state.safetensors"))
+    b = load_file(str(run_dir / "fit" / "whole" / "state.safetensors"))
+    for k in b:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+
 @pytest.mark.parametrize("arch", ["lyanna", "eagle"])
 def test_a_deeper_head_starts_as_its_one_layer_init_fits_and_decodes_losslessly(run_dir, tiny_model_dir, tmp_path, arch):
     """`fit --head-layers 2 --init` a one-layer head: the second layer starts by passing its input
@@ -442,3 +470,65 @@ def test_self_distillation_writes_the_features_of_its_taps(taps_run, run_dir, ti
     theirs = dict(load_examples(taps_run))
     for eid, ex in load_examples(run):
         np.testing.assert_allclose(ex.features.astype(np.float32), theirs[eid].features.astype(np.float32), rtol=2e-3, atol=2e-3)
+
+
+def test_a_fit_computing_its_features_online_equals_one_on_stored_features(run_dir, tmp_path):
+    """`fit --features online` on a run with data alone: the same examples in the same order, held
+    out the same way, and the same fit as one on the features `train features --device cpu` stores
+    (the same function; fp16 rounding may differ where a batch's padding changes the last bit);
+    `select --features online` keeps the same flattest examples."""
+    import shutil
+
+    from lyanna.training.run import load_data_examples
+
+    stored, bare = tmp_path / "stored", tmp_path / "bare"
+    for run in (stored, bare):
+        run.mkdir()
+        shutil.copy(run_dir / "run.json", run / "run.json")
+        shutil.copytree(run_dir / "data", run / "data")
+    features.stage_features(stored, device="cpu")
+    have = load_examples(stored)
+    online = load_data_examples(bare)
+    assert [eid for eid, _ in online] == [eid for eid, _ in have]
+    for (_, a), (_, b) in zip(online, have):
+        assert a.features is None and np.array_equal(a.tokens, b.tokens) and np.array_equal(a.mask, b.mask)
+    kw = dict(steps=6, batch=2, lr=2e-3, depth=2, rank=4, draft_vocab=150, eval_every=3, row_len=64, taps=(1, 2))
+    with pytest.raises(LyannaError, match="hold"):  # stored features of the final norm alone
+        fit_stage.stage_fit(stored, "lyanna", name="taps", **kw)
+    kw["taps"] = None
+    ref = fit_stage.stage_fit(stored, "lyanna", name="ref", **kw)
+    got = fit_stage.stage_fit(bare, "lyanna", name="ref", features="online", **kw)
+    assert not (bare / "features").exists() and got["features"] == "online" and ref["features"] == "stored"
+    assert [h["step"] for h in got["history"]] == [3, 6]
+    for a, b in zip(got["history"], ref["history"]):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-3)
+        assert a["agreement"] == pytest.approx(b["agreement"], abs=0.02)
+    a = load_file(str(bare / "fit" / "ref" / "state.safetensors"))
+    b = load_file(str(stored / "fit" / "ref" / "state.safetensors"))
+    for k in a:
+        if k.startswith("head/"):
+            np.testing.assert_allclose(a[k], b[k], rtol=1e-3, atol=1e-4, err_msg=k)
+    # the flattest half, scored on features computed on the fly, is the one the stored features give
+    flat = json.loads(features.stage_select(stored, "flat", 0.5, 0).read_text())["ids"]
+    assert json.loads(features.stage_select(bare, "flat", 0.5, 0, features="online").read_text())["ids"] == flat
+    # online features take any taps, and the card says where the features came from
+    state = fit_stage.stage_fit(bare, "lyanna", name="taps", features="online", **{**kw, "taps": (1, 2)})
+    assert state["settings"]["taps"] == [1, 2] and state["step"] == 6
+    export.stage_export(bare, "lyanna", tmp_path / "out", name="taps", hot=32)
+    assert "target features computed in the fit" in (tmp_path / "out" / "README.md").read_text()
+    with pytest.raises(LyannaError, match="stored or online"):
+        fit_stage.stage_fit(bare, "lyanna", name="bad", features="somewhere", **kw)
+    with pytest.raises(LyannaError, match="no features yet"):
+        fit_stage.stage_fit(bare, "lyanna", name="stored", **kw)
+
+
+def test_a_fit_stops_at_its_time_limit_judged_and_saved(run_dir):
+    """`fit --time-limit`: the step that reaches the limit is the last, judged and saved; a rerun goes on."""
+    kw = dict(steps=4, batch=2, lr=2e-3, depth=2, rank=4, draft_vocab=150, eval_every=4, row_len=64, name="timed")
+    state = fit_stage.stage_fit(run_dir, "lyanna", time_limit=1e-9, **kw)
+    assert state["step"] == 1 and [h["step"] for h in state["history"]] == [1]
+    assert json.loads((run_dir / "fit" / "timed" / "state.json").read_text())["step"] == 1
+    state = fit_stage.stage_fit(run_dir, "lyanna", **kw)
+    assert state["step"] == 4 and [h["step"] for h in state["history"]] == [1, 4]
+    with pytest.raises(LyannaError, match="time-limit"):
+        fit_stage.stage_fit(run_dir, "lyanna", time_limit=0, **kw)

@@ -72,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--keep", type=float, default=0.5)
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--device", default=None, help="torch device for the flatness scores (cpu, cuda; default numpy)")
+    s.add_argument("--features", default="stored", choices=["stored", "online"],
+                   help="flat: the features stage's (stored), or each example's computed here through the Hugging Face "
+                        "model on --device (online: no features stage needed)")
 
     t = sub.add_parser("fit", help="train a head (data-parallel under torchrun)")
     t.add_argument("--run-dir", required=True, type=Path)
@@ -100,7 +103,15 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--until", type=int, default=None,
                    help="stop after this step; the learning-rate schedule still spans --steps (rerun to go on)")
     t.add_argument("--taps", type=_taps, default=None,
-                   help="the hidden states the head reads, some of those the run's features hold (default: all of them)")
+                   help="the hidden states the head reads, some of those the run's features hold (default: all of them); "
+                        "with --features online: " + TAPS_HELP)
+    t.add_argument("--time-limit", type=float, default=None,
+                   help="stop after the step that reaches this many seconds of fitting, judged and saved there "
+                        "(a lent machine's time; rerun to go on)")
+    t.add_argument("--features", default="stored", choices=["stored", "online"],
+                   help="stored: the features stage's shards; online: each batch's target features computed in the fit "
+                        "through the Hugging Face model on --device, as `train features --device` makes them (a run "
+                        "then needs only its data: no features stage, no features on disk)")
     t.add_argument("--depth-decay", type=float, default=None,
                    help="the loss of unrolled step k weighs this to the power k - 1 (default 0.8; a resumed fit "
                         "keeps its own)")
@@ -143,13 +154,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.stage == "features":
             features.stage_features(args.run_dir, args.device, args.taps)
         elif args.stage == "select":
-            features.stage_select(args.run_dir, args.mode, args.keep, args.seed, args.device)
+            features.stage_select(args.run_dir, args.mode, args.keep, args.seed, args.device, args.features)
         elif args.stage == "fit":
             fit_stage.stage_fit(args.run_dir, args.arch, args.steps, args.batch, args.lr, args.depth, args.rank,
                                args.draft_vocab, args.selection, args.seed, args.eval_every, args.save_every, args.name,
                                args.row_len, args.warmup, args.labels, args.device, args.eval_run, args.max_train_tokens,
                                args.eval_examples, args.init, args.until, args.taps, args.depth_decay,
-                               args.head_layers)
+                               args.head_layers, args.features, args.time_limit)
         else:
             decode = None
             if args.decode:

@@ -32,7 +32,10 @@ def _stage_costs(run: Path, fit_state: dict[str, Any]) -> str:
             r = json.loads(f.read_text())
             if "seconds" in r:
                 parts.append(f"{name} {r['seconds'] / 60:.1f} min" + (f" ({r['device']})" if r.get("device") else ""))
-    parts.append(f"fit {fit_state['seconds'] / 60:.1f} min" + (f" ({fit_state['device']})" if fit_state.get("device") else ""))
+    where = [fit_state["device"]] if fit_state.get("device") else []
+    if fit_state.get("features") == "online":
+        where.append("target features computed in the fit")
+    parts.append(f"fit {fit_state['seconds'] / 60:.1f} min" + (f" ({', '.join(where)})" if where else ""))
     return ", ".join(parts)
 
 

@@ -6,7 +6,7 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 
@@ -18,6 +18,7 @@ from .run import (
     hf_model,
     hf_taps,
     iter_data,
+    load_data_examples,
     load_examples,
     progress,
     run_info,
@@ -27,33 +28,50 @@ from .run import (
 )
 
 
-def _hf_features(model_dir: Path, seqs: list[np.ndarray], device: str, taps: Sequence[int]):
-    """The taps' features of each sequence from the Hugging Face model itself on ``device``
-    (fp32, no TF32: the same function as the engine), batched by length."""
-    import torch
+BATCH_TOKENS = 65536  # tokens per forward: large enough to fill a GPU, small enough for its memory
 
-    model = hf_model(model_dir, device)
-    out: list[np.ndarray | None] = [None] * len(seqs)
-    order = np.argsort([-len(s) for s in seqs], kind="stable")
-    budget = 65536  # tokens per forward: large enough to fill a GPU, small enough for its memory
-    at = 0
-    with torch.no_grad():
-        while at < len(order):
-            width = len(seqs[order[at]])
-            n = max(1, budget // max(width, 1))
-            chunk = order[at:at + n]
-            ids = torch.zeros(len(chunk), width, dtype=torch.long)
-            att = torch.zeros(len(chunk), width, dtype=torch.long)
-            for r, i in enumerate(chunk):
-                ids[r, :len(seqs[i])] = torch.from_numpy(seqs[i])
-                att[r, :len(seqs[i])] = 1
-            hidden = hf_taps(model.model(input_ids=ids.to(device), attention_mask=att.to(device),
-                                         output_hidden_states=len(taps) > 1), taps)
-            hidden = hidden.to(torch.float16).cpu().numpy()
-            for r, i in enumerate(chunk):
-                out[i] = hidden[r, :len(seqs[i])]
-            at += len(chunk)
-            yield [(int(i), out[i]) for i in chunk]
+
+class TargetFeatures:
+    """The taps' features of token sequences through the Hugging Face model on a torch device,
+    fp32 without TF32 (the same function as the engine), rounded to fp16 as stored features are;
+    padded batches of similar lengths."""
+
+    def __init__(self, model_dir: Path, device: str, taps: Sequence[int]):
+        self.model, self.device, self.taps = hf_model(model_dir, device), device, tuple(taps)
+
+    def batches(self, seqs: Sequence[np.ndarray]) -> Iterator[list[tuple[int, np.ndarray]]]:
+        """(index, [len, taps * H] fp16 features) of every sequence, a forward's worth at a time."""
+        import torch
+
+        order = np.argsort([-len(s) for s in seqs], kind="stable")
+        tf32 = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = False  # a fit turns TF32 on for its head's matmuls
+        at = 0
+        try:
+            with torch.no_grad():
+                while at < len(order):
+                    width = len(seqs[order[at]])
+                    chunk = order[at:at + max(1, BATCH_TOKENS // max(width, 1))]
+                    ids = torch.zeros(len(chunk), width, dtype=torch.long)
+                    att = torch.zeros(len(chunk), width, dtype=torch.long)
+                    for r, i in enumerate(chunk):
+                        ids[r, :len(seqs[i])] = torch.from_numpy(np.asarray(seqs[i], np.int64))
+                        att[r, :len(seqs[i])] = 1
+                    out = self.model.model(input_ids=ids.to(self.device), attention_mask=att.to(self.device),
+                                           output_hidden_states=len(self.taps) > 1)
+                    hidden = hf_taps(out, self.taps).to(torch.float16).cpu().numpy()
+                    yield [(int(i), hidden[r, :len(seqs[i])]) for r, i in enumerate(chunk)]
+                    at += len(chunk)
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = tf32
+
+    def of(self, seqs: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """The features of every sequence, in order."""
+        out: list[np.ndarray] = [np.zeros(0)] * len(seqs)
+        for got in self.batches(seqs):
+            for i, f in got:
+                out[i] = f
+        return out
 
 
 def stage_features(run: Path, device: str | None = None, taps: Sequence[int] | None = None) -> int:
@@ -95,13 +113,14 @@ def stage_features(run: Path, device: str | None = None, taps: Sequence[int] | N
     bar = progress(n_tokens, "features", n_tokens - sum(len(reply_mask(r)[0]) for k in todo for r in shards[k]))
     bar.unit = "tok"
     engine = None if device else training_engine(target)
+    hf = TargetFeatures(resolve_model(info["model"]), device, taps) if device and todo else None
     t0, done_tokens = time.perf_counter(), 0
     for k in todo:
         shard = shards[k]
         seqs = [reply_mask(r) for r in shard]
         feats: dict[int, np.ndarray] = {}
         if device:
-            for got in _hf_features(resolve_model(info["model"]), [ids for ids, _ in seqs], device, taps):
+            for got in hf.batches([ids for ids, _ in seqs]):
                 for i, f in got:
                     feats[i] = f
                     bar.update(len(f))
@@ -140,16 +159,22 @@ def flatness(features: np.ndarray, lm_head, mask: np.ndarray) -> float:
     return float(entropy.mean() / math.log(lm_head.shape[0]))
 
 
-def stage_select(run: Path, mode: str, keep: float, seed: int, device: str | None = None) -> Path:
-    """Keep a fraction of the examples: the flattest (``flat``), a random one (``random``), or ``all``."""
-    from ..engines.loading import load_target
+def stage_select(run: Path, mode: str, keep: float, seed: int, device: str | None = None,
+                 features: str = "stored") -> Path:
+    """Keep a fraction of the examples: the flattest (``flat``), a random one (``random``), or ``all``.
+    ``features``: ``stored`` (the features stage's) or ``online`` (the final-norm features of each
+    example computed here, through the Hugging Face model on ``device`` or the CPU, and dropped once
+    scored: a run at scale needs no features on disk)."""
+    from ..engines.loading import load_target, resolve_model
 
     if mode not in ("flat", "random", "all"):
         raise LyannaError(f"selection mode must be flat, random or all, got {mode!r}")
     if not 0 < keep <= 1:
         raise LyannaError(f"--keep must be in (0, 1], got {keep}")
+    if features not in ("stored", "online"):
+        raise LyannaError(f"--features must be stored or online, got {features!r}")
     info = run_info(run)
-    examples = load_examples(run)
+    examples = load_data_examples(run) if features == "online" else load_examples(run)
     ids = [eid for eid, _ in examples]
     if mode == "flat":
         target = load_target(info["model"], weight_format=TRAINING_WEIGHTS)
@@ -158,7 +183,17 @@ def stage_select(run: Path, mode: str, keep: float, seed: int, device: str | Non
             import torch
 
             head = torch.from_numpy(np.asarray(head, np.float32)).to(device)  # copied to the device once
-        scores = [flatness(ex.features[:, -head.shape[1]:], head, ex.scored()) for _, ex in examples]  # the final norm's
+        if features == "online":
+            featurize = TargetFeatures(resolve_model(info["model"]), device or "cpu", (target.config.num_layers,))
+            scores = [0.0] * len(examples)
+            bar = progress(len(examples), "select (flatness)")
+            for got in featurize.batches([ex.tokens for _, ex in examples]):
+                for i, f in got:
+                    scores[i] = flatness(f, head, examples[i][1].scored())
+                bar.update(len(got))
+            bar.close()
+        else:  # the final norm's rows
+            scores = [flatness(ex.features[:, -head.shape[1]:], head, ex.scored()) for _, ex in examples]
         order = np.argsort(scores)[::-1]
     elif mode == "random":
         order = np.random.default_rng(seed).permutation(len(ids))

@@ -24,7 +24,8 @@ from .modules import EagleHead, LyannaHead, pair_segments
 @dataclass
 class Example:
     tokens: np.ndarray  # [T]
-    features: np.ndarray  # [T, taps * H] target features after each token (the taps side by side, final norm last)
+    features: np.ndarray | None  # [T, taps * H] target features after each token (the taps side by side, final
+    # norm last); None until a fit computing its features online fills them in
     mask: np.ndarray | None = None  # [T] bool: tokens the assistant wrote (scored); None = all
 
     def scored(self) -> np.ndarray:

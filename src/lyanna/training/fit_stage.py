@@ -12,8 +12,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..errors import LyannaError
-from .run import (TRAINING_WEIGHTS, feature_taps, fitted_taps, head_layers_of, load_examples, run_info, split_held_out,
-                  token_frequencies, training_engine)
+from .run import (TRAINING_WEIGHTS, feature_taps, fitted_taps, head_layers_of, load_data_examples, load_examples, run_info,
+                  split_held_out, token_frequencies, training_engine)
 
 
 def _distributed() -> tuple[int, int]:
@@ -56,17 +56,19 @@ def _tap_columns(examples: list, stored: Sequence[int], taps: Sequence[int], hid
 
 
 def _fit_examples(run: Path, selection: str | None, eval_run: Path | None, max_train_tokens: int | None,
-                  eval_examples: int) -> tuple[list, list]:
+                  eval_examples: int, online: bool = False) -> tuple[list, list]:
     """(train, held-out) examples as (id, Example) pairs: the run's split, a selection's training
     part judged on the whole run's held-out split, ``eval_run`` wholly held out, and a prefix of
-    the seeded order holding ``max_train_tokens`` assistant tokens (the data-scaling points)."""
+    the seeded order holding ``max_train_tokens`` assistant tokens (the data-scaling points).
+    ``online``: the examples come without features, from the runs' data."""
+    load = load_data_examples if online else load_examples
     ids = set(json.loads((run / "select" / selection).read_text())["ids"]) if selection else None
     # a scaling run loads a little more than it needs: the held-out split takes one example in 20
-    train, held = split_held_out(load_examples(run, ids, int(max_train_tokens * 1.2) if max_train_tokens else None))
+    train, held = split_held_out(load(run, ids, int(max_train_tokens * 1.2) if max_train_tokens else None))
     if eval_run is not None:  # a run nothing is trained on: all of it is held out
-        held = load_examples(Path(eval_run))
+        held = load(Path(eval_run))
     elif ids is not None:  # every arm of a selection is judged on the same held-out split: the whole run's
-        held = split_held_out(load_examples(run))[1]
+        held = split_held_out(load(run))[1]
     if ids is not None:
         held_ids = {e[0] for e in held}
         train = [e for e in train if e[0] in ids and e[0] not in held_ids]
@@ -81,6 +83,17 @@ def _fit_examples(run: Path, selection: str | None, eval_run: Path | None, max_t
             total += int(e[1].scored().sum())
         train = kept
     return train, held[:eval_examples]
+
+
+def _featured(examples: list, rows: Sequence[Sequence[int]], featurize, row_len: int) -> list:
+    """``examples`` with the features of those in ``rows`` computed by ``featurize`` (a
+    ``TargetFeatures``), each over the tokens a batch row can hold (causal: the same rows as over
+    the whole example); the others left as they are."""
+    need = sorted({i for row in rows for i in row})
+    out = list(examples)
+    for i, f in zip(need, featurize.of([examples[i].tokens[:row_len] for i in need])):
+        out[i] = dataclasses.replace(examples[i], features=f)
+    return out
 
 
 def _new_state(arch: str, selection: str | None, settings: dict[str, Any], train: list, held: list,
@@ -179,7 +192,8 @@ def stage_fit(run: Path, arch: str, steps: int, batch: int = 8, lr: float = 3e-4
               labels: str = "soft", device: str = "cpu", eval_run: Path | None = None, max_train_tokens: int | None = None,
               eval_examples: int = 64, init: Path | None = None, until: int | None = None,
               taps: Sequence[int] | None = None, depth_decay: float | None = None,
-              head_layers: int | None = None) -> dict[str, Any]:
+              head_layers: int | None = None, features: str = "stored",
+              time_limit: float | None = None) -> dict[str, Any]:
     """Train a draft head on packed batches of ``batch`` rows of ``row_len`` tokens;
     data-parallel under torchrun (every rank takes a slice of each batch's rows). Held-out
     agreement is measured on this run's held-out split, or on all of ``eval_run`` (for example
@@ -193,7 +207,11 @@ def stage_fit(run: Path, arch: str, steps: int, batch: int = 8, lr: float = 3e-4
     the loss of unrolled step k weighs ``depth_decay ** (k - 1)`` (None: ``fit.DEPTH_DECAY``).
     ``head_layers``: the head's decoder layers (None: one, or what the fit being resumed has); a
     deeper head continued from a shallower ``init`` starts as it (its further layers pass their
-    input through)."""
+    input through). ``features``: ``stored`` (the features stage's shards) or ``online`` (each
+    batch's target features computed in the fit through the Hugging Face model on ``device``,
+    as the features stage computes them: a run needs only its data, never the features' disk).
+    ``time_limit``: stop after the step that reaches this many seconds of fitting, judged and saved
+    there (a lent machine's time; rerun to go on)."""
     import torch
 
     from ..drafters.checkpoint import check_taps, head_layer_count, head_taps, load_head
@@ -211,21 +229,40 @@ def stage_fit(run: Path, arch: str, steps: int, batch: int = 8, lr: float = 3e-4
         raise LyannaError(f"--depth-decay must be > 0, got {depth_decay}")
     if head_layers is not None and head_layers < 1:
         raise LyannaError(f"--head-layers must be >= 1, got {head_layers}")
+    if features not in ("stored", "online"):
+        raise LyannaError(f"--features must be stored or online, got {features!r}")
+    online = features == "online"
+    if time_limit is not None and not time_limit > 0:
+        raise LyannaError(f"--time-limit must be > 0 seconds, got {time_limit}")
     rank_id, world = _distributed()
+    if time_limit is not None and world > 1:  # the ranks would stop at different steps
+        raise LyannaError("--time-limit runs in one process, not under torchrun")
     if batch % world:
         raise LyannaError(f"--batch {batch} must be a multiple of the {world} processes")
     info = run_info(run)
     target = load_target(info["model"], weight_format=TRAINING_WEIGHTS)
-    stored = feature_taps(run)
-    taps = stored if taps is None else check_taps(taps, target.config.num_layers)
-    held_taps = feature_taps(Path(eval_run)) if eval_run is not None else stored
-    for where, have in (("the run's features", stored), (f"--eval-run {eval_run}'s features", held_taps)):
-        if not set(taps) <= set(have):
-            raise LyannaError(f"the head reads taps {list(taps)}; {where} hold {list(have)}: "
-                              "make features with those taps (`lyanna train features --taps`)")
-    train, held = _fit_examples(run, selection, eval_run, max_train_tokens, eval_examples)
-    h = target.config.hidden_size
-    train, held = _tap_columns(train, stored, taps, h), _tap_columns(held, held_taps, taps, h)
+    if online:  # the features are made with exactly the head's taps
+        taps = check_taps(taps, target.config.num_layers)
+    else:
+        stored = feature_taps(run)
+        taps = stored if taps is None else check_taps(taps, target.config.num_layers)
+        held_taps = feature_taps(Path(eval_run)) if eval_run is not None else stored
+        for where, have in (("the run's features", stored), (f"--eval-run {eval_run}'s features", held_taps)):
+            if not set(taps) <= set(have):
+                raise LyannaError(f"the head reads taps {list(taps)}; {where} hold {list(have)}: "
+                                  "make features with those taps (`lyanna train features --taps`)")
+    train, held = _fit_examples(run, selection, eval_run, max_train_tokens, eval_examples, online)
+    featurize = None
+    if online:
+        from ..engines.loading import resolve_model
+        from .features import TargetFeatures
+
+        featurize = TargetFeatures(resolve_model(info["model"]), device, taps)
+        held_rows = [[i] for i in range(len(held))]
+        held = list(zip([eid for eid, _ in held], _featured([ex for _, ex in held], held_rows, featurize, row_len)))
+    else:
+        h = target.config.hidden_size
+        train, held = _tap_columns(train, stored, taps, h), _tap_columns(held, held_taps, taps, h)
     engine = training_engine(target)
     out = run / "fit" / (name or arch)
     out.mkdir(parents=True, exist_ok=True)
@@ -247,6 +284,7 @@ def stage_fit(run: Path, arch: str, steps: int, batch: int = 8, lr: float = 3e-4
     if head_layers is not None and head_layers != layers:
         raise LyannaError(f"{out} fits a head of {layers} layer(s), not {head_layers}; pass another --name")
     state["device"] = str(device)
+    state["features"] = features
     start = None
     if init is not None:
         init_config, start = load_head(init, target, head_class(arch))
@@ -258,22 +296,25 @@ def stage_fit(run: Path, arch: str, steps: int, batch: int = 8, lr: float = 3e-4
                               "pass --head-layers")
         state.setdefault("init", {"path": str(init), "settings": init_config.get("settings", {})})
     counts = token_frequencies(train, target.config.vocab_size)
-    d2t = np.argsort(-counts, kind="stable")[: min(draft_vocab, target.config.vocab_size)]
+    d2t = np.argsort(-counts, kind="stable")[: min(state["settings"]["draft_vocab"], target.config.vocab_size)]
     head = recipe.init_head(engine, target.weights, d2t, state["settings"], start, seed)
     if start is not None:  # a one-tap head continued on several taps keeps the projection's start (the final tap)
         head.load_state_dict({**head.state_dict(),
                               **{k: torch.from_numpy(np.asarray(v)) for k, v in start.items() if k not in recipe.EXPORT_ONLY}})
     fit = _Fit(out, head, state, lr, device)
     _train(fit, [ex for _, ex in train], [ex for _, ex in held], steps, until, lr, warmup, depth, labels, batch,
-           row_len, seed, eval_every, save_every, device, (rank_id, world), f"from {init}" if start is not None else None)
+           row_len, seed, eval_every, save_every, device, (rank_id, world), f"from {init}" if start is not None else None,
+           featurize, time_limit)
     return state
 
 
 def _train(fit: _Fit, train: list, held: list, steps: int, until: int | None, lr: float, warmup: int, depth: int,
            labels: str, batch: int, row_len: int, seed: int, eval_every: int, save_every: int, device: str,
-           ranks: tuple[int, int], continued: str | None) -> None:
+           ranks: tuple[int, int], continued: str | None, featurize=None, time_limit: float | None = None) -> None:
     """The steps from ``fit.state["step"]`` to ``until`` (or ``steps``), with held-out agreement
-    every ``eval_every`` steps and a save every ``save_every``, both on rank 0."""
+    every ``eval_every`` steps and a save every ``save_every``, both on rank 0; ``featurize``
+    computes each batch's features (``held`` has its own already); past ``time_limit`` seconds
+    the step that ends is the last."""
     import torch
     from tqdm import tqdm
 
@@ -285,6 +326,7 @@ def _train(fit: _Fit, train: list, held: list, steps: int, until: int | None, lr
     bar = tqdm(total=steps, initial=state["step"], desc=f"fit {state['arch']}", unit="step", dynamic_ncols=True,
                disable=rank_id != 0 or os.environ.get("LYANNA_NO_PROGRESS") == "1")
     t0 = time.perf_counter()
+    deadline = None if time_limit is None else t0 + time_limit
     # epochs pack differently, so their lengths differ: walk them up to the current step
     epoch, epoch_start = 0, 0
     epoch_batches = _batches(train, row_len, batch, seed, 0)
@@ -306,7 +348,9 @@ def _train(fit: _Fit, train: list, held: list, steps: int, until: int | None, lr
         counts = ([c / world for c in scored_counts(make_batch(train, rows, row_len, features=False), depth)]
                   if world > 1 else None)
         mine = rows[rank_id::world]
-        b = make_batch(train, mine, row_len, device) if mine else None
+        b = None
+        if mine:
+            b = make_batch(_featured(train, mine, featurize, row_len) if featurize else train, mine, row_len, device)
         for g in fit.opt.param_groups:
             g["lr"] = lr_at(step, steps, lr, warmup)
         loss = model(b, counts)
@@ -320,7 +364,7 @@ def _train(fit: _Fit, train: list, held: list, steps: int, until: int | None, lr
         elapsed = state["seconds"] + time.perf_counter() - t0
         rate = positions / max(time.perf_counter() - t0, 1e-9)
         bar.set_postfix(loss=f"{float(loss.detach()):.3f}", pos_s=f"{rate:.0f}")
-        done = state["step"] == last
+        done = state["step"] == last or (deadline is not None and time.perf_counter() >= deadline)
         if rank_id == 0 and (state["step"] % eval_every == 0 or done):
             acc = fit.evaluate(held, row_len, batch, depth, device)
             at = epoch + (step - epoch_start) / len(epoch_batches)
@@ -334,4 +378,6 @@ def _train(fit: _Fit, train: list, held: list, steps: int, until: int | None, lr
             t0 = time.perf_counter()
             positions = 0
             fit.save()
+        if done:
+            break
     bar.close()

@@ -173,10 +173,15 @@ class LyannaHead(EagleHead):
         super().__init__(c, embed, lm_head, taps, layers)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.register_buffer("d2t", torch.as_tensor(np.asarray(d2t), dtype=torch.long))
-        self.register_buffer("draft_lm", self.lm_head[self.d2t].clone(), persistent=False)
         self.ti = nn.Module()
         self.ti.a = nn.Parameter(torch.randn(c.vocab_size, rank) * 0.01)
         self.ti.b = nn.Parameter(torch.zeros(rank, len(d2t)))
+
+    @property
+    def draft_lm(self) -> torch.Tensor:
+        """The LM head's rows of the draft vocabulary, gathered from ``d2t`` when asked (a
+        resumed fit loads its saved ``d2t`` over the one the head was built with)."""
+        return self.lm_head[self.d2t]
 
     def raw_logits(self, f: torch.Tensor) -> torch.Tensor:
         return self.norm(f) @ self.draft_lm.T

@@ -155,6 +155,29 @@ def load_examples(run: Path, ids: set[str] | None = None, max_reply_tokens: int 
     return out
 
 
+def load_data_examples(run: Path, ids: set[str] | None = None, max_reply_tokens: int | None = None):
+    """(id, Example without features) for every example of the run's data, in the order
+    ``load_examples`` gives them (shards of ``SHARD_EXAMPLES`` rows, ids sorted within a shard as
+    a features shard's keys are), so that a fit computing its features online trains and holds
+    out the same examples as one reading them from the features stage."""
+    from .corpus import reply_mask
+    from .fit import Example
+
+    rows = list(iter_data(run))
+    if not rows:
+        raise LyannaError(f"{run} has no data yet: run `lyanna train data` first")
+    out, kept = [], 0
+    for first in range(0, len(rows), SHARD_EXAMPLES):
+        if max_reply_tokens is not None and kept >= max_reply_tokens:
+            break
+        for r in sorted(rows[first:first + SHARD_EXAMPLES], key=lambda r: f"{r['id']}/tokens"):
+            if ids is None or r["id"] in ids:
+                tokens, mask = reply_mask(r)
+                out.append((r["id"], Example(tokens, None, mask)))
+                kept += int(mask.sum())
+    return out
+
+
 def split_held_out(examples) -> tuple[list, list]:
     held = [e for i, e in enumerate(examples) if i % 20 == 19] or examples[-1:]
     train = [e for i, e in enumerate(examples) if i % 20 != 19] or examples

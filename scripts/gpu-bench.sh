@@ -20,8 +20,8 @@
 # generate() and its prompt lookup; Spec-Bench, 26 prompts x 128 tokens, cut by --time-limit),
 # where a round's time goes (scripts/count-device-ops.py: each fixed-shape call's device time and
 # the host's gap, per round), fixed budgets without the fallback, the bench in float32,
-# tests/test_device_engine.py on the GPU, and the device's latency for blocks of 1..128 tokens (the pass alone too). It
-# is meant to fit one 10-minute command (the first H200 run, with longer bench steps and no
+# tests/test_device_engine.py and the online-features fit test on the GPU, and the device's
+# latency for blocks of 1..128 tokens (the pass alone too). It is meant to fit one 10-minute command (the first H200 run, with longer bench steps and no
 # fixed-budget step, took 8 minutes); BF16_S, FIXED_S, FP32_S and TESTS_S set the steps'
 # seconds, BENCH_LIMIT and BENCH_TOKENS the bench.
 # `local` runs the same steps here on the CPU (device cpu, a short bench) to check the script.
@@ -130,7 +130,7 @@ measure() {  # measure DEVICE OUT LIMIT TOKENS; the headline comes first, each s
     --methods "$METHODS" --limit "$limit" --max-new-tokens "$tokens" --time-limit "$FP32_S" \
     --no-progress --json "$out/bench-float32.json"
   step "$TESTS_S" "tests on $device" env LYANNA_TEST_DEVICE="$device" "${PY:-python3}" -m pytest -x -q -p no:cacheprovider \
-    tests/test_device_engine.py
+    tests/test_device_engine.py tests/test_training.py::test_a_fit_computing_its_features_online_equals_one_on_stored_features
   step 90 "latency against block size ($device, $LATENCY_DTYPE)" "${PY:-python3}" scripts/project-speedup.py \
     --device "$device" --dtype "$LATENCY_DTYPE" --out "$out/latency-$LATENCY_DTYPE.json"
   echo "== done $(date -u +%T)"
@@ -138,7 +138,7 @@ measure() {  # measure DEVICE OUT LIMIT TOKENS; the headline comes first, each s
 
 # Seconds of prompts per step (see step()); the defaults fit one 10-minute command: bf16 is the
 # headline, fp32 shows equality with ar.
-BF16_S=${BF16_S:-150} FIXED_S=${FIXED_S:-45} FP32_S=${FP32_S:-75} TESTS_S=${TESTS_S:-90}
+BF16_S=${BF16_S:-150} FIXED_S=${FIXED_S:-45} FP32_S=${FP32_S:-75} TESTS_S=${TESTS_S:-150}
 
 prepare_data() {  # prepare_data RUN PROMPTS
   local run=${1:?usage: scripts/gpu-bench.sh prepare-data RUN PROMPTS} prompts=${2:?the prompts file of RUN}

@@ -476,8 +476,12 @@ def test_a_fit_computing_its_features_online_equals_one_on_stored_features(run_d
     """`fit --features online` on a run with data alone: the same examples in the same order, held
     out the same way, and the same fit as one on the features `train features --device cpu` stores
     (the same function; fp16 rounding may differ where a batch's padding changes the last bit);
-    `select --features online` keeps the same flattest examples."""
+    `select --features online` keeps the same flattest examples. ``LYANNA_TEST_DEVICE=cuda`` runs
+    both fits on a GPU (as `scripts/gpu-bench.sh run` does), where the features come from the GPU's
+    kernels and the head's matmuls use TF32: the histories agree more loosely there."""
     import shutil
+
+    device = os.environ.get("LYANNA_TEST_DEVICE", "cpu")
 
     from lyanna.training.run import load_data_examples
 
@@ -492,7 +496,8 @@ def test_a_fit_computing_its_features_online_equals_one_on_stored_features(run_d
     assert [eid for eid, _ in online] == [eid for eid, _ in have]
     for (_, a), (_, b) in zip(online, have):
         assert a.features is None and np.array_equal(a.tokens, b.tokens) and np.array_equal(a.mask, b.mask)
-    kw = dict(steps=6, batch=2, lr=2e-3, depth=2, rank=4, draft_vocab=150, eval_every=3, row_len=64, taps=(1, 2))
+    kw = dict(steps=6, batch=2, lr=2e-3, depth=2, rank=4, draft_vocab=150, eval_every=3, row_len=64, taps=(1, 2),
+              device=device)
     with pytest.raises(LyannaError, match="hold"):  # stored features of the final norm alone
         fit_stage.stage_fit(stored, "lyanna", name="taps", **kw)
     kw["taps"] = None
@@ -500,17 +505,19 @@ def test_a_fit_computing_its_features_online_equals_one_on_stored_features(run_d
     got = fit_stage.stage_fit(bare, "lyanna", name="ref", features="online", **kw)
     assert not (bare / "features").exists() and got["features"] == "online" and ref["features"] == "stored"
     assert [h["step"] for h in got["history"]] == [3, 6]
+    here = device == "cpu"  # the stored features were made on this CPU too
     for a, b in zip(got["history"], ref["history"]):
-        assert a["loss"] == pytest.approx(b["loss"], rel=1e-3)
-        assert a["agreement"] == pytest.approx(b["agreement"], abs=0.02)
-    a = load_file(str(bare / "fit" / "ref" / "state.safetensors"))
-    b = load_file(str(stored / "fit" / "ref" / "state.safetensors"))
-    for k in a:
-        if k.startswith("head/"):
-            np.testing.assert_allclose(a[k], b[k], rtol=1e-3, atol=1e-4, err_msg=k)
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-3 if here else 1e-2)
+        assert a["agreement"] == pytest.approx(b["agreement"], abs=0.02 if here else 0.05)
+    if here:
+        a = load_file(str(bare / "fit" / "ref" / "state.safetensors"))
+        b = load_file(str(stored / "fit" / "ref" / "state.safetensors"))
+        for k in a:
+            if k.startswith("head/"):
+                np.testing.assert_allclose(a[k], b[k], rtol=1e-3, atol=1e-4, err_msg=k)
     # the flattest half, scored on features computed on the fly, is the one the stored features give
     flat = json.loads(features.stage_select(stored, "flat", 0.5, 0).read_text())["ids"]
-    assert json.loads(features.stage_select(bare, "flat", 0.5, 0, features="online").read_text())["ids"] == flat
+    assert json.loads(features.stage_select(bare, "flat", 0.5, 0, device, "online").read_text())["ids"] == flat
     # online features take any taps, and the card says where the features came from
     state = fit_stage.stage_fit(bare, "lyanna", name="taps", features="online", **{**kw, "taps": (1, 2)})
     assert state["settings"]["taps"] == [1, 2] and state["step"] == 6

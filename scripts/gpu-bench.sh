@@ -21,9 +21,9 @@
 # where a round's time goes (scripts/count-device-ops.py: each fixed-shape call's device time and
 # the host's gap, per round), fixed budgets without the fallback, the bench in float32,
 # tests/test_device_engine.py and the online-features fit test on the GPU, and the device's
-# latency for blocks of 1..128 tokens (the pass alone too). It is meant to fit one 10-minute command (the first H200 run, with longer bench steps and no
-# fixed-budget step, took 8 minutes); BF16_S, FIXED_S, FP32_S and TESTS_S set the steps'
-# seconds, BENCH_LIMIT and BENCH_TOKENS the bench.
+# latency for blocks of 1..128 tokens (the pass alone too). It is meant to fit one 10-minute
+# command (the first H200 run, with longer bench steps and no fixed-budget step, took 8 minutes);
+# BF16_S, FIXED_S, FP32_S and TESTS_S set the steps' seconds, BENCH_LIMIT and BENCH_TOKENS the bench.
 # `local` runs the same steps here on the CPU (device cpu, a short bench) to check the script.
 #
 # Growing a self-distillation run on lent GPUs (the heads' data at scale), a session at a time:

@@ -42,6 +42,7 @@
 #   here:  scripts/gpu-bench.sh prepare-fit RUN NAME FIT-ARGS...   # .gpu/fit/: a parcel of RUN's data,
 #          its fit NAME so far, --eval-run's data and --init's checkpoint, in 47 MiB parts, and the args
 #   there: (the two GGUF receive calls), then `receive` once per parcel part, carry [".gpu/fit/in.part-N"]
+#          (the heads untracked for these calls too: a part leaves no room for them)
 #          scripts/gpu-bench.sh fit    # carry [".gpu/MANIFEST", ".gpu/wheels", ".gpu/fit/MANIFEST", ".gpu/fit/args"]
 #          scripts/gpu-bench.sh send   # only if `fit` says parts are left: carry nothing
 #   here:  cat FILES_AT/fit.tar.gz.part-* (of both calls, in order) | tar xzf - -C RUN/fit
@@ -181,7 +182,8 @@ fit() {  # there: FIT_S seconds of the fit the parcel holds, its state to $OUT/f
   local home="$STAGE/home" name args=()
   (cd "$STAGE/parts" && sha256sum -c --quiet "$OLDPWD/.gpu/fit/MANIFEST") \
     || { echo "parcel parts missing or damaged in $STAGE/parts: send them again with receive"; exit 1; }
-  rm -rf "$home" "$STAGE"/fit.tar.gz.part-* && cat "$STAGE"/parts/in.part-* | tar xzf - -C "$STAGE"
+  rm -rf "$home" "$STAGE"/fit.tar.gz.part-*
+  awk '{print $2}' .gpu/fit/MANIFEST | sed "s|^|$STAGE/parts/|" | xargs cat | tar xzf - -C "$STAGE"  # this parcel's parts only
   while IFS= read -r a; do args+=("${a/#@\//$home/}"); done < .gpu/fit/args
   name=$(sed -n '/^--name$/{n;p;q}' .gpu/fit/args)
   step $((${FIT_S:-420} + 120)) "fit $name on ${FIT_DEVICE:-cuda}" "${PY:-python3}" -m lyanna.train fit "${args[@]}" \

@@ -49,12 +49,15 @@
 # `fit` runs `train fit --features online --device cuda --time-limit FIT_S` (default 420 s) with the
 # args given here (the same each session: the schedule spans --steps) and brings the fit's state back
 # in 15 MiB parts, four to a call: a one-layer head's state (weights and Adam moments) is ~70 MB,
-# so `send` brings the rest. Every session goes on where the last one saved. To check the script here:
-# receive, then OUT=DIR PY=.venv/bin/python FIT_DEVICE=cpu FIT_S=30 scripts/gpu-bench.sh fit.
+# so `send` brings the rest. Every session goes on where the last one saved. Paths are taken from
+# the repository root (or absolute); FIT_PARCEL puts the parcel elsewhere than .gpu/fit. With
+# FIT_DEVICE=cpu and PY set, `fit` runs here: tests/test_training.py carries a fit across two such
+# 'machines' that way.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STAGE=${LYANNA_GPU_STAGE:-/tmp/lyanna-gpu}   # where parts, the model and the cache live on the machine
 PART_MB=${PART_MB:-47}
+PARCEL=${FIT_PARCEL:-.gpu/fit}  # a fit's parcel (prepare-fit, receive, fit); paths are from the repository root
 GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
 METHODS=${METHODS:-ar,suffix,eagle,lyanna,lyanna+suffix,hf,hf-pld}
 LATENCY_DTYPE=${LATENCY_DTYPE:-bfloat16}
@@ -81,7 +84,7 @@ EOF
 receive() {  # the GGUF's parts, or a fit parcel's, whichever were carried
   mkdir -p "$STAGE/parts"
   local f
-  for f in .gpu/part-* .gpu/fit/in.part-*; do if [ -f "$f" ]; then cp "$f" "$STAGE/parts/"; fi; done
+  for f in .gpu/part-* "$PARCEL"/in.part-*; do if [ -f "$f" ]; then cp "$f" "$STAGE/parts/"; fi; done
   echo "have $(ls "$STAGE/parts" | grep -c '^part-') GGUF parts and $(ls "$STAGE/parts" | grep -c '^in.part-') fit parcel parts in $STAGE/parts"
 }
 
@@ -152,12 +155,12 @@ print("\n".join(row["id"] for row in iter_data(Path(sys.argv[1]))))' "$run" > .g
   echo "prepared .gpu/data: $(basename "$prompts") and $(grep -c . .gpu/data/done.txt) ids already answered"
 }
 
-prepare_fit() {  # prepare_fit RUN NAME FIT-ARGS...: the parcel for `fit`, in .gpu/fit/
+prepare_fit() {  # prepare_fit RUN NAME FIT-ARGS...: the parcel for `fit`, in $PARCEL
   local run=${1:?usage: scripts/gpu-bench.sh prepare-fit RUN NAME FIT-ARGS...} name=${2:?the name of the fit}
   shift 2
   [ -f "$run/run.json" ] || { echo "$run is not a training run (no run.json)"; exit 2; }
-  local home=.gpu/fit/home args=()
-  rm -rf .gpu/fit && mkdir -p "$home/run/fit"
+  local home="$PARCEL/home" args=()
+  rm -rf "$PARCEL" && mkdir -p "$home/run/fit"
   cp "$run/run.json" "$home/run/" && cp -r "$run/data" "$home/run/"  # replies only: the fit makes the features
   if [ -d "$run/fit/$name" ]; then cp -r "$run/fit/$name" "$home/run/fit/"; fi
   while [ $# -gt 0 ]; do  # paths the fit reads travel in the parcel; the machine's own flags are set there
@@ -170,22 +173,24 @@ prepare_fit() {  # prepare_fit RUN NAME FIT-ARGS...: the parcel for `fit`, in .g
       *) args+=("$1"); shift ;;
     esac
   done
-  printf '%s\n' --run-dir @/run --name "$name" "${args[@]}" > .gpu/fit/args
-  (cd .gpu/fit && tar czf - home | split -b 47M -d -a 1 - in.part- && sha256sum in.part-* > MANIFEST)
+  printf '%s\n' --run-dir @/run --name "$name" "${args[@]}" > "$PARCEL/args"
+  (cd "$PARCEL" && tar czf - home | split -b 47M -d -a 1 - in.part- && sha256sum in.part-* > MANIFEST)
   rm -rf "$home"
-  echo "prepared .gpu/fit: $(ls .gpu/fit | grep -c in.part-) parts ($(du -ch .gpu/fit/in.part-* | tail -1 | cut -f1)); fit args: $(tr '\n' ' ' < .gpu/fit/args)"
-  for p in .gpu/fit/in.part-*; do echo "  run: scripts/gpu-bench.sh receive   carry: [\"$p\"]"; done
-  echo "  run: scripts/gpu-bench.sh fit       carry: [\".gpu/MANIFEST\", \".gpu/wheels\", \".gpu/fit/MANIFEST\", \".gpu/fit/args\"]"
+  echo "prepared $PARCEL: $(ls "$PARCEL" | grep -c in.part-) parts ($(du -ch "$PARCEL"/in.part-* | tail -1 | cut -f1)); fit args: $(tr '\n' ' ' < "$PARCEL/args")"
+  for p in "$PARCEL"/in.part-*; do echo "  run: scripts/gpu-bench.sh receive   carry: [\"$p\"]"; done
+  echo "  run: scripts/gpu-bench.sh fit       carry: [\".gpu/MANIFEST\", \".gpu/wheels\", \"$PARCEL/MANIFEST\", \"$PARCEL/args\"]"
 }
 
 fit() {  # there: FIT_S seconds of the fit the parcel holds, its state to $OUT/fit.tar.gz.part-* (the rest: send)
   local home="$STAGE/home" name args=()
-  (cd "$STAGE/parts" && sha256sum -c --quiet "$OLDPWD/.gpu/fit/MANIFEST") \
+  local manifest
+  manifest=$(realpath "$PARCEL/MANIFEST")
+  (cd "$STAGE/parts" && sha256sum -c --quiet "$manifest") \
     || { echo "parcel parts missing or damaged in $STAGE/parts: send them again with receive"; exit 1; }
   rm -rf "$home" "$STAGE"/fit.tar.gz.part-*
-  awk '{print $2}' .gpu/fit/MANIFEST | sed "s|^|$STAGE/parts/|" | xargs cat | tar xzf - -C "$STAGE"  # this parcel's parts only
-  while IFS= read -r a; do args+=("${a/#@\//$home/}"); done < .gpu/fit/args
-  name=$(sed -n '/^--name$/{n;p;q}' .gpu/fit/args)
+  awk '{print $2}' "$manifest" | sed "s|^|$STAGE/parts/|" | xargs cat | tar xzf - -C "$STAGE"  # this parcel's parts only
+  while IFS= read -r a; do args+=("${a/#@\//$home/}"); done < "$PARCEL/args"
+  name=$(sed -n '/^--name$/{n;p;q}' "$PARCEL/args")
   step $((${FIT_S:-420} + 120)) "fit $name on ${FIT_DEVICE:-cuda}" "${PY:-python3}" -m lyanna.train fit "${args[@]}" \
     --features online --device "${FIT_DEVICE:-cuda}" --time-limit "${FIT_S:-420}"
   [ -f "$home/run/fit/$name/state.safetensors" ] || { echo "!! the fit saved no state"; return; }

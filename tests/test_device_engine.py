@@ -223,6 +223,62 @@ def _lyanna_head(tiny, seed: int, varied: bool = False, layers: int = 1):
     return e, ly.numpy_weights()
 
 
+def _candidates(rng: np.random.Generator, vocab: int, depth: int, topk: int, width: int, ties: int,
+                joint: bool) -> tuple:
+    """A token-info-like candidate list in depth order: each frontier node's ``topk`` distinct
+    children, the ``width`` likeliest of a level expanded; probabilities rounded to ``ties``
+    steps (0: none), so that many nodes tie; ``joint``: a child's score is its parent's times a
+    step (never above it, as drafters' joint probabilities), else any (closed scores decide)."""
+    tokens, parents, scores, depths, frontier = [], [], [], [], [-1]
+    for d in range(1, depth + 1):
+        level = []
+        for f in frontier:
+            for t in rng.choice(vocab, topk, replace=False):
+                u = rng.random()
+                scores.append((1.0 if f < 0 or not joint else scores[f]) * (np.round(u * ties) / ties if ties else u))
+                tokens.append(t), parents.append(f), depths.append(d), level.append(len(tokens) - 1)
+        frontier = sorted(level, key=lambda i: -scores[i])[:width]
+    return tuple(np.asarray(a) for a in (tokens, parents, scores, depths))
+
+
+def test_device_tree_choice_and_union_follow_the_host_rules():
+    """``device_tree.best`` and ``union`` (the round's nodes chosen on the device) give
+    ``DraftTree.best`` and ``merged``'s trees: the same nodes, parents, scores, origins and order,
+    over random candidate lists with many tied scores (tie-breaks decide), trees cut shorter than
+    their candidates and longer, and a second tree valid only to some depth (leftover rows)."""
+    from lyanna.drafters import device_tree
+
+    def t(a, dtype=None):
+        return torch.as_tensor(np.asarray(a, dtype))[None].to(DEVICE)
+
+    rng = np.random.default_rng(0)
+    merged_any = 0
+    for trial in range(300):
+        depth, topk, width, vocab = 1 + trial % 5, 1 + trial % 4, 1 + trial // 3 % 4, 4 + trial % 7
+        m, ties, levels = 1 + trial % 13, (0, 2, 4)[trial % 3], 1 + trial % (1 + trial % 5)
+        ca, cb = (_candidates(rng, vocab, depth, topk, width, ties, joint=trial % 4 > 0) for _ in range(2))
+        nb = int((cb[3] <= levels).sum())
+        host_a = DraftTree(ca[0], ca[1], ca[2]).best(m)
+        host_b = DraftTree(cb[0][:nb], cb[1][:nb], cb[2][:nb], origin=np.ones(nb)).best(m)
+        want = host_a.merged(host_b, m)
+        joint = trial % 4 > 0
+        a = device_tree.best(t(ca[0]), t(ca[1]), t(ca[2], np.float64), t(ca[3]), t(np.zeros(len(ca[0]), np.int64)),
+                             t(np.ones(len(ca[0]), bool)), m, depth, joint)
+        b = device_tree.best(t(cb[0]), t(cb[1]), t(cb[2], np.float64), t(cb[3]), t(np.ones(len(cb[0]), np.int64)),
+                             t(cb[3] <= levels), m, depth, joint)
+        fused, valid = device_tree.union(a, b, depth)
+        got = [device_tree.unpacked(device_tree.packed(x).cpu().numpy())
+               for x in (a, b, device_tree.best(*fused[:5], valid, m, depth, joint))]
+        merged_any += len(host_a.merged(host_b, 10**6)) < len(host_a) + len(host_b)
+        for g, w in zip(got, (host_a, host_b, want)):
+            assert len(g) == len(w), trial
+            np.testing.assert_array_equal(g.tokens, w.tokens)
+            np.testing.assert_array_equal(g.parents, w.parents)
+            np.testing.assert_array_equal(g.origin, w.origin)
+            np.testing.assert_array_equal(g.scores, w.scores)
+    assert merged_any > 100  # most unions had nodes in both trees
+
+
 @pytest.mark.parametrize("fallback", ["lowrank", "none"])
 def test_device_trees_equal_the_host_trees_on_the_same_raw_rows(tiny, fallback):
     """Token-info trees built on the device (token information formed on the fly) are the host
@@ -330,8 +386,9 @@ def test_fixed_shape_draft_equals_the_host_heads_draft(tiny, layers):
 
 @pytest.mark.parametrize("fallback", ["lowrank", "none"])
 def test_a_rounds_drafting_in_one_call_equals_the_host_heads(tiny, fallback):
-    """``draft_trees`` (draft, its tree and the tree re-sampled from leftover rows, one call on
-    the device) gives the host head's raw rows and trees: with and without leftover rows."""
+    """``draft_trees`` (draft, its tree, the tree re-sampled from leftover rows and their fusion,
+    one call on the device) gives the host head's raw rows and tree: with and without leftover
+    rows, the fused tree holding nodes of both origins."""
     e, w = _lyanna_head(tiny, seed=9, varied=True)
     vocab = tiny.config.vocab_size
     ti = TokenInfo(w["ti.a"], w["ti.b"], np.arange(0, vocab, 3), fallback)
@@ -341,18 +398,19 @@ def test_a_rounds_drafting_in_one_call_equals_the_host_heads(tiny, fallback):
     for head, rows in ((ChainHead(e, w), np.asarray), (DeviceChainHead(e, w), lambda r: torch.from_numpy(r).to(DEVICE))):
         pc = PairContext(head, (2,))
         pc.start({2: hidden[:20]})
-        raw, fresh, none = head.draft_trees(pc, ctx[:21], 4, None, ti, 3, 2, 12)
+        raw, fresh = head.draft_trees(pc, ctx[:21], 4, None, ti, 3, 2, 12)
         pc.commit({2: hidden[20:22]})
         leftover = rows(np.asarray(raw.cpu() if isinstance(raw, torch.Tensor) else raw)[2:])
-        raw2, fresh2, resampled = head.draft_trees(pc, ctx[:23], 3, leftover, ti, 3, 2, 12)
-        assert none is None and len(resampled) > 0 and np.all(resampled.origin == 1)
-        rounds.append((raw, fresh, raw2, fresh2, resampled, pc.passes))
+        raw2, fused = head.draft_trees(pc, ctx[:23], 3, leftover, ti, 3, 2, 12)
+        assert np.all(fresh.origin == 0) and set(fused.origin.tolist()) == {0, 1}
+        rounds.append((raw, fresh, raw2, fused, pc.passes))
     host, dev = rounds
     assert host[-1] == dev[-1]
     for a, b in zip(host[:-1], dev[:-1]):
         if isinstance(a, DraftTree):
             np.testing.assert_array_equal(b.tokens, a.tokens)
             np.testing.assert_array_equal(b.parents, a.parents)
+            np.testing.assert_array_equal(b.origin, a.origin)
             np.testing.assert_allclose(b.scores, a.scores, rtol=1e-4)
         else:
             np.testing.assert_allclose(np.asarray(b.cpu()), a, rtol=1e-4, atol=1e-4)

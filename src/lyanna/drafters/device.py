@@ -2,8 +2,9 @@
 
 On a ``DeviceEngine`` a draft head runs where the target does: the catch-up over committed pairs,
 the head's steps, and for ``lyanna`` the chain, the raw logits over the draft vocabulary and the
-trees built from them stay on the device; only candidate nodes (a few dozen token ids, parents
-and scores) cross to the host to become a ``DraftTree``. ``DeviceDraftHead`` gives ``PairContext``
+trees built from them stay on the device, and so does the choice of the round's nodes among the
+candidates (``device_tree``): only the chosen tree (a few dozen token ids, parents and scores)
+crosses to the host to become a ``DraftTree``. ``DeviceDraftHead`` gives ``PairContext``
 its cache and ``fill`` and ``EagleDrafter`` the whole tree (``eagle_tree``); ``DeviceChainHead``
 gives ``LyannaDrafter`` what ``lyanna.ChainHead`` does (``draft``, ``tree``, and ``draft_trees``, a
 round's drafting in one call); the same numbers as the host heads up to floating-point rounding.
@@ -15,7 +16,6 @@ gives cold parents no token information, as on the host.
 """
 from __future__ import annotations
 
-import functools
 from typing import Any, Sequence
 
 import numpy as np
@@ -25,6 +25,7 @@ from ..engines.device import KEY_BUCKET_MIN, FixedShapeCall, Slab, SlabPool, Sta
 from ..engines.torch_layers import DecoderLayer, PackedLayer, cached_layer, rms_norm, rotation
 from ..errors import LyannaError
 from .checkpoint import head_layer_count, layer_prefixes
+from .device_tree import PaddedTrees, best, packed, union, unpacked
 from .head import PairContext
 from .tree import DraftTree
 
@@ -100,22 +101,32 @@ class _DraftPass(_CatchUpCall):
 
 class _DraftTreesPass(_DraftPass):
     """A round of lyanna's drafting in one call: ``_DraftPass``, then the tree of its raw logits
-    and, with ``resample`` (the last chain's rows still valid, in ``leftover``'s first rows), the
-    tree re-sampled from them, both under the same root and grown together (``_grow``)."""
+    and, with ``resample`` (the last chain's rows still valid, in ``leftover``'s first rows, their
+    count in ``levels``), the tree re-sampled from them, both under the same root, grown together
+    (``_grow``) and fused (``device_tree.union``): ``tree``, the round's best ``max_nodes``
+    (``device_tree.packed``)."""
 
     def __init__(self, head: "DeviceChainHead", slab: Slab, rows: int, depth: int, keys: int, resample: bool,
-                 topk: int, width: int, pool: Any):
+                 topk: int, width: int, max_nodes: int, pool: Any):
         super().__init__(head, slab, rows, depth, keys, pool)
-        self.topk, self.width = topk, width
+        self.topk, self.width, self.max_nodes = topk, width, max_nodes
         trees = 2 if resample else 1
         self.leftover = torch.zeros((depth, head.d2t.size), dtype=torch.float32, device=head.device) if resample else None
         self._input("root_info", (trees, 1, head._ti_b.shape[0]), torch.float32)
-        self.candidates: torch.Tensor | None = None
+        self._input("levels", (trees, 1), torch.int64)  # each tree's levels of valid rows
+        self.tree: torch.Tensor | None = None
 
     def _forward(self) -> None:
         super()._forward()
+        h, depth = self.head, self.depth
         raw = self.raw[None] if self.leftover is None else torch.stack([self.raw, self.leftover])
-        self.candidates = _grow(self.head, raw, self.root_info, self.topk, self.width)
+        ids, parents, scores, depths = _grow(h, raw, self.root_info, self.topk, self.width)
+        origin = torch.arange(raw.shape[0], device=h.device)[:, None].expand_as(ids)  # the re-sampled tree: 1
+        kept = best(ids, parents, scores, depths, origin, depths <= self.levels, self.max_nodes, depth, joint=True)
+        if self.leftover is not None:
+            fused, valid = union(PaddedTrees(*(t[:1] for t in kept)), PaddedTrees(*(t[1:] for t in kept)), depth)
+            kept = best(*fused[:5], valid, self.max_nodes, depth, joint=True)
+        self.tree = packed(kept._replace(tokens=h._d2t[kept.tokens]))
 
 
 class _EagleTreePass(_CatchUpCall):
@@ -123,18 +134,18 @@ class _EagleTreePass(_CatchUpCall):
     ``width`` frontier nodes a level), after the catch-up: the root's top-k children, then per
     level the ``width`` best candidates by joint log-probability (a stable sort: ties to the
     earlier) through the head at once, each seeing the prefix, its ancestors' slots and its own,
-    each expanded to its top-k. ``candidates`` is ``[3, n]`` float64 (tokens, parents, joint
-    log-probabilities) in the host drafter's order."""
+    each expanded to its top-k. ``tree``: the best ``max_nodes`` of the candidates (in the host
+    drafter's order), ``device_tree.packed``."""
 
-    def __init__(self, head: "DeviceDraftHead", slab: Slab, rows: int, depth: int, topk: int, width: int, keys: int,
-                 pool: Any):
+    def __init__(self, head: "DeviceDraftHead", slab: Slab, rows: int, depth: int, topk: int, width: int,
+                 max_nodes: int, keys: int, pool: Any):
         super().__init__(head, slab, rows, keys, pool)
-        self.depth, self.topk, self.width = depth, topk, width
+        self.depth, self.topk, self.width, self.max_nodes = depth, topk, width, max_nodes
         spec = max(depth - 1, 0) * width  # slots of speculative pairs: ``width`` a level after the first
         self._input("spec_slots", (spec,), torch.int64)
         self._input("spec_positions", (max(depth - 1, 1),), torch.int64)
         self._input("prefix", (keys,), torch.bool)  # the committed slots
-        self.candidates: torch.Tensor | None = None
+        self.tree: torch.Tensor | None = None
 
     def _forward(self) -> None:
         h, k, w, dev = self.head, self.topk, self.width, self.device
@@ -148,6 +159,7 @@ class _EagleTreePass(_CatchUpCall):
         c_global = torch.arange(k, device=dev)
         anc = torch.zeros((1, spec), dtype=torch.bool, device=dev)  # speculative slots each row's pair sees
         tokens, parents, scores = [c_tok], [torch.full((k,), -1, dtype=torch.int64, device=dev)], [c_score]
+        depths = [torch.ones_like(c_tok)]
         n = k
         for d in range(2, self.depth + 1):
             fw = min(w, c_tok.shape[0])
@@ -167,81 +179,65 @@ class _EagleTreePass(_CatchUpCall):
             tokens.append(c_tok)
             parents.append(c_global[order].repeat_interleave(k))
             scores.append(c_score)
+            depths.append(torch.full_like(c_tok, d))
             c_src, anc = torch.arange(fw, device=dev).repeat_interleave(k), rows_anc
             c_global = n + torch.arange(fw * k, device=dev)
             n += fw * k
-        self.candidates = torch.stack([torch.cat(tokens).double(), torch.cat(parents).double(), torch.cat(scores)])
+        tokens, parents, depths = (torch.cat(t)[None] for t in (tokens, parents, depths))
+        self.tree = packed(best(tokens, parents, torch.cat(scores)[None].exp(), depths, torch.zeros_like(tokens),
+                                torch.ones_like(tokens, dtype=torch.bool), self.max_nodes, self.depth, joint=True))
 
 
-def _best_candidates(c: np.ndarray, max_nodes: int, origin: int = 0) -> DraftTree:
-    """The best ``max_nodes`` of candidates ``c`` (``[3, n]``: tokens, parents, joint
-    log-probabilities, as a fixed-shape call leaves them) as a tree."""
-    return DraftTree.best_of(c[0].astype(np.int64), c[1].astype(np.int64), c[2], max_nodes, np.full(c.shape[1], origin))
-
-
-def _grow(head: "DeviceChainHead", raw: torch.Tensor, root_info: torch.Tensor, topk: int, width: int) -> torch.Tensor:
+def _grow(head: "DeviceChainHead", raw: torch.Tensor, root_info: torch.Tensor, topk: int,
+          width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Token-info trees' candidates, several trees at once (one kernel per step for all of them):
     ``raw`` [trees, depth, draft vocab], ``root_info`` [trees, 1, rank] (each root's ``A`` row,
     zero where it gets no token information). Per depth, each frontier branch's top-k children
     under ``log_softmax(raw[d] + TI(parent))``; the ``width`` best by joint log-probability (a
     stable sort: ties to the earlier child) form the next frontier, whose ``TI`` is read from
-    ``head.ti_rows`` (the draft vocabulary's ``A`` rows). ``[trees, n]`` float64, per tree: every
-    level's draft ids, then each level's frontier order (positions in that level; all levels but
-    the last), then every level's joint log-probabilities (``_tree_of`` reads them)."""
+    ``head.ti_rows`` (the draft vocabulary's ``A`` rows). ``[trees, n]`` per tree, every level's
+    candidates in order (the host builder's): draft ids, parents (indices among the candidates,
+    -1 under the root), joint probabilities (float64) and depths."""
     trees, depth, _ = raw.shape
     a, f_score = root_info, None
-    ids, orders, scores = [], [], []
+    frontier = torch.full((trees, 1), -1, dtype=torch.int64, device=raw.device)  # parents of the next level
+    ids, parents, scores, depths = [], [], [], []
+    start = 0  # the level's first candidate
     for d in range(depth):
         x = raw[:, d, None, :] + a @ head._ti_b  # [trees, frontier, vocab]
         top_v, top_i = torch.topk(x, topk, dim=-1)
         step = top_v - torch.logsumexp(x, dim=-1, keepdim=True)
         s = (step.double() if f_score is None else f_score[:, :, None] + step).reshape(trees, -1)  # float64
         ids.append(top_i.reshape(trees, -1))
+        parents.append(frontier.repeat_interleave(topk, dim=1))
         scores.append(s)
+        depths.append(torch.full_like(ids[-1], d + 1))
         if d + 1 < depth:
             order = torch.sort(s, dim=-1, descending=True, stable=True).indices[:, :width]
-            orders.append(order)
-            a, f_score = head.ti_rows[ids[-1].gather(1, order)], s.gather(1, order)
-    return torch.cat([torch.cat(ids + orders, dim=1).double(), torch.cat(scores, dim=1)], dim=1)
-
-
-@functools.lru_cache(maxsize=None)
-def _layout(depth: int, topk: int, width: int) -> tuple[np.ndarray, np.ndarray, int]:
-    """Where ``_grow``'s levels lie in a tree's row of candidates: each level's first candidate
-    (and the end, ``depth + 1`` entries), each frontier's size (``depth - 1``), and where the
-    frontier orders start (after every level's ids)."""
-    sizes, frontier = [], 1
-    for _ in range(depth):
-        sizes.append(frontier * topk)
-        frontier = min(width, sizes[-1])
-    return np.cumsum([0] + sizes), np.array([min(width, m) for m in sizes[:-1]], np.int64), sum(sizes)
-
-
-def _tree_of(c: np.ndarray, levels: int, depth: int, topk: int, width: int, d2t: np.ndarray, max_nodes: int,
-             origin: int = 0) -> DraftTree:
-    """The best ``max_nodes`` nodes of the first ``levels`` levels of one tree ``_grow`` grew to
-    ``depth`` levels (``c``: its row of candidates), parents found from the frontier orders."""
-    starts, fronts, total = _layout(depth, topk, width)
-    n, orders = int(starts[levels]), int(fronts[: levels - 1].sum())
-    frontier = c[total : total + orders].astype(np.int64) + np.repeat(starts[: levels - 1], fronts[: levels - 1])
-    parents = np.concatenate([np.full(topk, -1, np.int64), np.repeat(frontier, topk)])
-    at = total + int(fronts.sum())  # the joint log-probabilities
-    return DraftTree.best_of(d2t[c[:n].astype(np.int64)], parents, c[at : at + n], max_nodes, np.full(n, origin))
+            a, f_score, frontier = head.ti_rows[ids[-1].gather(1, order)], s.gather(1, order), start + order
+        start += s.shape[1]
+    return torch.cat(ids, 1), torch.cat(parents, 1), torch.cat(scores, 1).exp(), torch.cat(depths, 1)
 
 
 class _TreePass(FixedShapeCall):
-    """A token-info tree's candidates at one fixed shape (``depth`` rows of raw logits, ``topk``
-    children a branch, ``width`` branches a depth; ``_grow``)."""
+    """A token-info tree at one fixed shape (``depth`` rows of raw logits, ``topk`` children a
+    branch, ``width`` branches a depth; ``_grow``): ``tree``, its best ``max_nodes`` candidates
+    (``device_tree.packed``), of origin ``origin``."""
 
-    def __init__(self, head: "DeviceChainHead", depth: int, topk: int, width: int, pool: Any):
+    def __init__(self, head: "DeviceChainHead", depth: int, topk: int, width: int, max_nodes: int, pool: Any):
         super().__init__(head.device, pool)
-        self.head, self.topk, self.width = head, topk, width
+        self.head, self.depth, self.topk, self.width, self.max_nodes = head, depth, topk, width, max_nodes
         self.raw = torch.zeros((1, depth, head.d2t.size), dtype=torch.float32, device=head.device)
         self._input("root_info", (1, 1, head._ti_b.shape[0]), torch.float32)
-        self.candidates: torch.Tensor | None = None
+        self._input("origin", (1, 1), torch.int64)
+        self.tree: torch.Tensor | None = None
 
     def _forward(self) -> None:
-        self.candidates = _grow(self.head, self.raw, self.root_info, self.topk, self.width)
+        h = self.head
+        ids, parents, scores, depths = _grow(h, self.raw, self.root_info, self.topk, self.width)
+        kept = best(ids, parents, scores, depths, self.origin.expand_as(ids), torch.ones_like(ids, dtype=torch.bool),
+                    self.max_nodes, self.depth, joint=True)
+        self.tree = packed(kept._replace(tokens=h._d2t[kept.tokens]))
 
 
 class DeviceDraftHead:
@@ -345,16 +341,17 @@ class DeviceDraftHead:
     def eagle_tree(self, pc: PairContext, ctx: np.ndarray, depth: int, topk: int, width: int,
                    max_nodes: int) -> DraftTree:
         """``EagleDrafter.propose`` in one fixed-shape call (a CUDA graph on a GPU) per shape:
-        the catch-up, then the tree's growth (``_EagleTreePass``); the candidates cross to the host
-        once and the best ``max_nodes`` form the tree. The context is left at its committed pairs."""
+        the catch-up, then the tree's growth and its best ``max_nodes`` nodes (``_EagleTreePass``),
+        which cross to the host in one copy. The context is left at its committed pairs."""
         k = min(topk, self.config.vocab_size)
         spec = max(depth - 1, 0) * width  # speculative pairs' slots: ``width`` a level after the first
 
         def make(slab: Slab, rows: int, keys: int, base: int) -> _EagleTreePass:
-            key = (id(slab), rows, depth, k, width, keys)
+            key = (id(slab), rows, depth, k, width, max_nodes, keys)
             p = self._eagles.get(key)
             if p is None:
-                p = self._eagles[key] = _EagleTreePass(self, slab, rows, depth, k, width, keys, self._graph_pool)
+                p = self._eagles[key] = _EagleTreePass(self, slab, rows, depth, k, width, max_nodes, keys,
+                                                       self._graph_pool)
             p.host("spec_slots")[:] = base + np.arange(spec)
             positions = p.host("spec_positions")
             positions[:], positions[: depth - 1] = 0, len(ctx) - 1 + np.arange(1, depth)
@@ -362,7 +359,7 @@ class DeviceDraftHead:
             return p
 
         p = self._catch_up_call(pc, ctx, width * depth + 1, spec, depth, make)
-        return _best_candidates(p.candidates.cpu().numpy(), max_nodes)
+        return unpacked(p.tree.cpu().numpy())
 
     def _catch_up_call(self, pc: PairContext, ctx: np.ndarray, extra: int, span: int, depth: int, make) -> Any:
         """Run the call ``make(slab, rows, keys, base)`` gives (one per shape, a CUDA graph on a GPU;
@@ -407,7 +404,7 @@ class DeviceChainHead(DeviceDraftHead):
         self._informed: np.ndarray | None = None
         self._drafts: dict[tuple[int, int, int, int], _DraftPass] = {}
         self._draft_trees: dict[tuple, _DraftTreesPass] = {}
-        self._trees: dict[tuple[int, int, int], _TreePass] = {}
+        self._trees: dict[tuple[int, int, int, int], _TreePass] = {}
 
     def _token_info(self, ti, root: int) -> np.ndarray:
         """``ti`` made current (``ti_rows``) and ``root``'s own ``A`` row ([rank], on the host:
@@ -449,43 +446,41 @@ class DeviceChainHead(DeviceDraftHead):
 
     @torch.inference_mode()
     def draft_trees(self, pc: PairContext, ctx: np.ndarray, depth: int, leftover: torch.Tensor | None, ti,
-                    topk: int, width: int, max_nodes: int) -> tuple[torch.Tensor, DraftTree, DraftTree | None]:
+                    topk: int, width: int, max_nodes: int) -> tuple[torch.Tensor, DraftTree]:
         """``ChainHead.draft_trees`` in one fixed-shape call (``_DraftTreesPass``): one launch and
-        one copy to the host (both trees' candidates) a round, instead of three calls and two."""
+        one copy to the host (the round's tree) a round, instead of three calls and two."""
         if topk < 1 or width < 1:
-            return self.draft(pc, ctx, depth), DraftTree.empty(), None if leftover is None else DraftTree.empty()
+            return self.draft(pc, ctx, depth), DraftTree.empty()
         k, resample = min(topk, self.d2t.size), leftover is not None
 
         def make(slab: Slab, rows: int, keys: int) -> _DraftTreesPass:
-            key = (id(slab), rows, depth, keys, resample, k, width)
+            key = (id(slab), rows, depth, keys, resample, k, width, max_nodes)
             p = self._draft_trees.get(key)
             if p is None:
                 p = self._draft_trees[key] = _DraftTreesPass(self, slab, rows, depth, keys, resample, k, width,
-                                                              self._graph_pool)
+                                                              max_nodes, self._graph_pool)
             p.host("root_info")[:] = self._token_info(ti, int(ctx[-1]))
+            p.host("levels")[:] = [[depth]] + ([[leftover.shape[0]]] if resample else [])
             if resample:
                 p.leftover[: leftover.shape[0]].copy_(leftover)
             return p
 
         p = self._drafted(pc, ctx, depth, make)
-        host = p.candidates.cpu().numpy()
-        fresh = _tree_of(host[0], depth, depth, k, width, self.d2t, max_nodes)
-        resampled = None if not resample else _tree_of(host[1], leftover.shape[0], depth, k, width, self.d2t, max_nodes,
-                                                        origin=1)
-        return p.raw.clone(), fresh, resampled
+        return p.raw.clone(), unpacked(p.tree.cpu().numpy())
 
     @torch.inference_mode()
     def tree(self, raw: torch.Tensor, root: int, ti, topk: int, width: int, max_nodes: int, origin: int = 0) -> DraftTree:
-        """``lyanna.token_info_tree`` on the device (``_grow``), at a fixed shape per (depth, top-k,
-        width); the candidates cross to the host once and the best ``max_nodes`` form the tree."""
+        """``lyanna.token_info_tree`` on the device (``_TreePass``), at a fixed shape per (depth,
+        top-k, width, nodes); its best ``max_nodes`` nodes cross to the host in one copy."""
         depth, v = raw.shape
         if depth == 0 or width < 1 or topk < 1:
             return DraftTree.empty()
-        key = (depth, min(topk, v), width)
+        key = (depth, min(topk, v), width, max_nodes)
         p = self._trees.get(key)
         if p is None:
             p = self._trees[key] = _TreePass(self, *key, self._graph_pool)
         p.host("root_info")[:] = self._token_info(ti, int(root))
+        p.host("origin")[:] = origin
         p.raw[0].copy_(raw)
         p.run_fixed()
-        return _tree_of(p.candidates.cpu().numpy()[0], depth, depth, key[1], width, self.d2t, max_nodes, origin)
+        return unpacked(p.tree.cpu().numpy())

@@ -120,13 +120,15 @@ class ChainHead(DraftHead):
         return token_info_tree(raw, root, ti, self.d2t, topk, width, max_nodes, origin)
 
     def draft_trees(self, pc: PairContext, ctx: np.ndarray, depth: int, leftover: np.ndarray | None, ti: "TokenInfo",
-                    topk: int, width: int, max_nodes: int) -> tuple[np.ndarray, DraftTree, DraftTree | None]:
-        """A round's drafting: the chain's raw logits after ``ctx`` (``draft``), their tree, and the
-        tree re-sampled from ``leftover`` rows (None: none), both rooted at ``ctx[-1]`` (the device
-        head does all of it in one call)."""
+                    topk: int, width: int, max_nodes: int) -> tuple[np.ndarray, DraftTree]:
+        """A round's drafting: the chain's raw logits after ``ctx`` (``draft``) and the round's tree,
+        rooted at ``ctx[-1]``: their tree fused with the tree re-sampled from ``leftover`` rows (None:
+        their tree alone), cut to ``max_nodes`` (the device head does all of it in one call)."""
         raw, root = self.draft(pc, ctx, depth), int(ctx[-1])
-        resampled = None if leftover is None else self.tree(leftover, root, ti, topk, width, max_nodes, origin=1)
-        return raw, self.tree(raw, root, ti, topk, width, max_nodes), resampled
+        fresh = self.tree(raw, root, ti, topk, width, max_nodes)
+        if leftover is None:
+            return raw, fresh
+        return raw, fresh.merged(self.tree(leftover, root, ti, topk, width, max_nodes, origin=1), max_nodes)
 
 
 @njit(cache=True, fastmath={"reassoc", "contract", "nsz", "arcp"})
@@ -342,6 +344,6 @@ class LyannaDrafter(Drafter):
         leftover = None
         if self.policy == "fuse" and self._leftover is not None and len(self._leftover):
             leftover = self._leftover[:depth]
-        self._chain, fresh, resampled = self.head.draft_trees(
+        self._chain, tree = self.head.draft_trees(
             self.context, np.asarray(context, np.int64), depth, leftover, self.ti, self.topk, self.width, self.max_nodes)
-        return fresh if resampled is None else fresh.merged(resampled, self.max_nodes)
+        return tree

@@ -1,0 +1,111 @@
+"""``DraftTree.best`` and ``DraftTree.merged`` on a torch device, at fixed shapes.
+
+A draft head on the device grows candidate trees there; choosing the round's nodes there too
+means that only the chosen tree (a few dozen ids, parents and scores) crosses to the host, and no
+host code runs between the draft and its tree. The rules are the host's, tie-breaks included, so
+the same candidates give the same tree: the best ``m`` by closed score (a node no likelier than
+its ancestors), ties to the shallower and then the earlier node, kept in tree order; a union keeps
+the first tree's nodes, then the second's that are new, a node of both with the higher score.
+
+Trees are padded arrays: ``[trees, n]`` tensors of parents (indices among the tree's nodes, -1
+under the root), scores (probabilities, float64), depths (1 under the root) and a ``valid`` mask;
+nodes are in topological order. Shapes never depend on data, so the code can be captured as a CUDA graph.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from .tree import DraftTree
+
+
+class PaddedTrees(NamedTuple):
+    """Trees as padded ``[trees, n]`` arrays (``count`` ``[trees, 1]``: the valid nodes, first)."""
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    scores: torch.Tensor
+    depths: torch.Tensor
+    origin: torch.Tensor
+    count: torch.Tensor
+
+
+def best(tokens: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor, depths: torch.Tensor,
+         origin: torch.Tensor, valid: torch.Tensor, m: int, max_depth: int, joint: bool = False) -> PaddedTrees:
+    """Each tree's best ``m`` valid nodes (``DraftTree.best``), renumbered, in tree order, padded
+    to ``min(m, n)`` columns. ``max_depth``: no node is deeper (the closed scores' levels);
+    ``joint``: no score is above its parent's (a drafter's joint probabilities), so the closed
+    scores are the scores and are not formed."""
+    trees, n = parents.shape
+    m = min(m, n)
+    closed = torch.where(valid, scores, -1.0)  # scores are probabilities: invalid nodes sort last
+    for d in range(2, 1 if joint else max_depth + 1):  # a level at a time: a parent is final before its children
+        above = closed.gather(1, parents.clamp(min=0))
+        closed = torch.where(depths == d, torch.minimum(closed, above), closed)
+    by_depth = torch.sort(depths, dim=1, stable=True).indices
+    order = by_depth.gather(1, torch.sort(-closed.gather(1, by_depth), dim=1, stable=True).indices)[:, :m]
+    count = valid.sum(1, keepdim=True).clamp(max=m)
+    slots = torch.arange(m, device=parents.device).expand(trees, m)
+    keep = torch.sort(torch.where(slots < count, order, n), dim=1).values  # padding (index n) last
+    remap = torch.full((trees, n + 1), -1, dtype=torch.int64, device=parents.device).scatter_(1, keep, slots)
+    keep = keep.clamp(max=n - 1)
+    up = parents.gather(1, keep)
+    kept_parents = torch.where(up >= 0, remap.gather(1, up.clamp(min=0)), -1)
+    return PaddedTrees(tokens.gather(1, keep), kept_parents, scores.gather(1, keep), depths.gather(1, keep),
+                       origin.gather(1, keep), count)
+
+
+def union(a: PaddedTrees, b: PaddedTrees, max_depth: int) -> tuple[PaddedTrees, torch.Tensor]:
+    """The union of tree 0 of ``a`` and tree 0 of ``b`` under one root (``DraftTree.merged``
+    before its cut; no sampled children; siblings have distinct tokens) as one padded tree, with
+    its ``valid`` mask. A node of ``b`` whose path is in ``a`` becomes that node (the higher
+    score, ``a``'s origin); the others follow ``a``'s nodes in ``b``'s order, under their union
+    parents. ``max_depth``: no node is deeper."""
+    dev = a.parents.device
+    ma, mb = a.parents.shape[1], b.parents.shape[1]
+    size = ma + mb + 1  # the last slot takes the writes of nodes that go nowhere
+    valid_a, valid_b = torch.arange(ma, device=dev) < a.count[0], torch.arange(mb, device=dev) < b.count[0]
+    pa, pb = a.parents[0], b.parents[0]
+    up_a, up_b = pa.clamp(min=0), pb.clamp(min=0)  # parents as indices (a root's child reads node 0, unused)
+    # same[i, j]: b's node i and a's node j have one path (equal tokens, depths and parents' paths),
+    # found for one more level each time round.
+    alike = ((b.tokens[0][:, None] == a.tokens[0][None, :]) & (b.depths[0][:, None] == a.depths[0][None, :])
+             & valid_b[:, None] & valid_a[None, :])
+    top = (pb < 0)[:, None] & (pa < 0)[None, :]
+    same = alike & top
+    for _ in range(max_depth - 1):
+        same = alike & (top | same[up_b][:, up_a])
+    found = same.any(1)
+    new = valid_b & ~found
+    place = torch.where(found, same.long().argmax(1), a.count[0] + torch.cumsum(new.long(), 0) - 1)  # in the union
+    slot = torch.where(new, place, size - 1)
+    from_b = torch.where(same, b.scores[0][:, None], 0.0).amax(0)  # 0 where no b node merged (scores >= 0)
+
+    def laid(on_a: torch.Tensor, on_b: torch.Tensor, fill: float | int) -> torch.Tensor:
+        """``a``'s values, then ``b``'s new nodes' at their places."""
+        out = torch.full((size,), fill, dtype=on_a.dtype, device=dev)
+        out[:ma] = on_a
+        return out.scatter_(0, slot, on_b)
+
+    up = torch.where(pb >= 0, place[up_b], -1)
+    count = a.count + new.sum()
+    tree = PaddedTrees(laid(a.tokens[0], b.tokens[0], 0)[None], laid(pa, up, -1)[None],
+                       laid(torch.maximum(a.scores[0], from_b), b.scores[0], 0.0)[None],
+                       laid(a.depths[0], b.depths[0], 0)[None], laid(a.origin[0], b.origin[0], 0)[None], count)
+    return tree, torch.arange(size, device=dev)[None, :] < count
+
+
+def packed(t: PaddedTrees) -> torch.Tensor:
+    """Tree 0 as one float64 vector for one copy to the host (``unpacked``): tokens, parents,
+    scores, origin (each ``m``), then the node count."""
+    return torch.cat([torch.stack([t.tokens[0].double(), t.parents[0].double(), t.scores[0], t.origin[0].double()]).reshape(-1),
+                      t.count[0].double()])
+
+
+def unpacked(v: np.ndarray) -> DraftTree:
+    """The host ``DraftTree`` of a ``packed`` vector."""
+    n, rows = int(v[-1]), v[:-1].reshape(4, -1)
+    return DraftTree(rows[0, :n].astype(np.int64), rows[1, :n].astype(np.int64), rows[2, :n],
+                     origin=rows[3, :n].astype(np.int8))

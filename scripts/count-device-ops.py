@@ -7,9 +7,9 @@ microseconds each, plus Python), so this count says how far a round is from "one
 small copy": what `--backend torch` still does eagerly. Runs on any device (CPU torch counts the
 same operations); prefill is left out by subtracting a one-token generation. The timing pass
 (without the profiler) gives, per round, the milliseconds inside each kind of fixed-shape call
-(the target's pass by its row bucket: ``_StaticPass[16]``; on CUDA synchronized before and
-after, so a call's time is its device time) and outside them (the host's own work: the gap a
-GPU waits through).
+(the target's pass by its row bucket: ``_StaticPass[16]``, or ``_TreeBlockPass[16]`` for a tree
+the drafter left on the device; on CUDA synchronized before and after, so a call's time is its
+device time) and outside them (the host's own work: the gap a GPU waits through).
 
     python scripts/count-device-ops.py --out docs/bench/device-ops.json
 """
@@ -61,7 +61,7 @@ def main() -> None:
             with record_function(MARK):
                 run_fixed(self)
             return
-        name = type(self).__name__ + (f"[{self.rows}]" if isinstance(self, device._StaticPass) else "")
+        name = type(self).__name__ + (f"[{self.rows}]" if isinstance(self, (device._StaticPass, device._TreeBlockPass)) else "")
         sync()
         start = time.perf_counter()
         run_fixed(self)

@@ -19,6 +19,7 @@ from lyanna.drafters.tree import DraftTree
 from lyanna.drafters.checkpoint import save_head
 from lyanna.drafters.device import DeviceChainHead, DeviceDraftHead
 from lyanna.drafters.lyanna import ChainHead, LyannaDrafter, TokenInfo, token_info_tree
+from lyanna.engines.base import Block
 from lyanna.engines.device import DeviceEngine, FixedShapeCall
 from lyanna.engines.loading import load_target
 from lyanna.engines.quant import quantize_q8_0
@@ -81,6 +82,56 @@ def test_compaction_leaves_the_cache_of_a_fresh_causal_run(tiny):
         cache.compact(5, [0, 0])
     with pytest.raises(ValueError, match="capacity"):
         e.forward(np.arange(50), np.arange(23, 73), cache)
+
+
+def test_a_tree_left_on_the_device_verifies_like_the_host_block_of_it(tiny):
+    """A block whose tree the drafter left on the device (``DeviceTree``: tokens, positions and
+    the ancestor mask formed there) gives the host-built block's logits and taps for the root and
+    every node, and the tree itself back; padding nodes past the count are left out and dropped
+    by compaction, which leaves the cache the host block leaves. Trees up to 5 deep, past a
+    Mistral window."""
+    from lyanna.decoding.loop import _block
+    from lyanna.drafters import device_tree
+    from lyanna.engines.device import DeviceTree
+
+    e = DeviceEngine(tiny.config, tiny.weights, DEVICE)
+    top = tiny.config.num_layers
+    rng = np.random.default_rng(3)
+    for trial in range(6):
+        n, pad = 3 + 3 * trial, trial % 3  # nodes, and padding after them
+        parents = np.array([-1] + [int(rng.integers(-1, i)) for i in range(1, n)])
+        tree = DraftTree(rng.integers(0, tiny.config.vocab_size, n), parents, rng.random(n), origin=rng.integers(0, 2, n))
+        depth = int(tree.depths.max())
+        prompt = rng.integers(0, tiny.config.vocab_size, 20 + 7 * trial)
+        caches = [e.new_cache(128), e.new_cache(128)]
+        for c in caches:
+            e.forward(prompt, np.arange(len(prompt)), c)
+        start, root = len(prompt), int(rng.integers(tiny.config.vocab_size))
+        tokens, positions, mask = _block(tree, root, start)
+        on_host = e.forward_batch([Block(tokens, positions, caches[0], mask, taps=(1, top))])[0]
+        padded = device_tree.PaddedTrees(*(torch.as_tensor(np.concatenate([a, a[:pad]]))[None] for a in (
+            tree.tokens, tree.parents, tree.scores, tree.depths, tree.origin.astype(np.int64))),
+            count=torch.tensor([[n]]))
+        on_device = e.forward_batch([Block([root], [start], caches[1], taps=(1, top),
+                                          tree=DeviceTree(device_tree.packed(padded).to(DEVICE), n + pad, depth))])[0]
+        got = DraftTree.from_packed(on_device.tree)
+        np.testing.assert_array_equal(got.tokens, tree.tokens)
+        np.testing.assert_array_equal(got.parents, tree.parents)
+        assert on_device.logits.shape == on_host.logits.shape == (n + 1, tiny.config.vocab_size)
+        np.testing.assert_allclose(np.asarray(on_device.logits), np.asarray(on_host.logits), rtol=1e-4, atol=1e-4)
+        np.testing.assert_array_equal(on_device.logits.argmax(), on_host.logits.argmax())
+        for tap in (1, top):
+            np.testing.assert_allclose(on_device.hidden[tap], on_host.hidden[tap], rtol=1e-4, atol=1e-4)
+        keep = [0] + [1 + i for i in tree.path_to(n - 1)]
+        for c in caches:
+            c.compact(start, keep)
+        assert caches[0].length == caches[1].length == start + len(keep)
+        torch.testing.assert_close(caches[1].slab.kv[..., : caches[1].length, :], caches[0].slab.kv[..., : caches[0].length, :],
+                                   rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="root alone"):
+        e.forward_batch([Block([1, 2], [start, start + 1], caches[1], tree=DeviceTree(padded, n + pad, depth))])
+    with pytest.raises(ValueError, match="on that device's engine"):
+        Transformer(tiny.config, tiny.weights).forward_batch([Block([1], [0], caches[1], tree=DeviceTree(padded, 1, 1))])
 
 
 def test_pooled_caches_serve_later_generations_with_the_same_passes(tiny):
@@ -267,7 +318,7 @@ def test_device_tree_choice_and_union_follow_the_host_rules():
         b = device_tree.best(t(cb[0]), t(cb[1]), t(cb[2], np.float64), t(cb[3]), t(np.ones(len(cb[0]), np.int64)),
                              t(cb[3] <= levels), m, depth, joint)
         fused, valid = device_tree.union(a, b, depth)
-        got = [device_tree.unpacked(device_tree.packed(x).cpu().numpy())
+        got = [DraftTree.from_packed(device_tree.packed(x).cpu().numpy())
                for x in (a, b, device_tree.best(*fused[:5], valid, m, depth, joint))]
         merged_any += len(host_a.merged(host_b, 10**6)) < len(host_a) + len(host_b)
         for g, w in zip(got, (host_a, host_b, want)):
@@ -483,7 +534,7 @@ def test_fixed_shape_calls_issue_no_op_a_cuda_graph_cannot_capture(tiny, monkeyp
     lyanna.start(list(range(3, 30)), {2: np.zeros((27, tiny.config.hidden_size), np.float32)})
     raw = lyanna.chain(list(range(3, 30)), 3)
     lyanna.head.tree(raw, 5, lyanna.ti, 2, 2, 8)
-    assert set(seen) == {"_StaticPass", "_DraftPass", "_DraftTreesPass", "_TreePass", "_EagleTreePass"}
+    assert set(seen) == {"_StaticPass", "_TreeBlockPass", "_DraftPass", "_DraftTreesPass", "_TreePass", "_EagleTreePass"}
     assert seen == {name: set() for name in seen}
 
 

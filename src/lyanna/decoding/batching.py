@@ -48,7 +48,7 @@ class BatchScheduler:
         rows their blocks hold (those that chose already this step, else their last block)."""
         def load() -> tuple[int, int]:
             others = [f for k, f in self.active.items() if k != key]
-            return len(others), sum(len(f.block.tokens) for f in others)
+            return len(others), sum(f.block.rows for f in others)
         return load
 
     def admit(self, key: Hashable, steps: Steps, method: str) -> None:

@@ -200,6 +200,10 @@ def rounds(state: DecodeState, drafter: Drafter, budget: Budget | None = None,
     root = next_token(state.last_logits, state.params, state.rng)
     tracker.extend([root])
     context = [*state.prompt_ids, root]  # prompt + committed tokens, grown in place
+    # The tree's size is known before drafting (a fixed budget's, or the drafter's own cut), so a
+    # drafter on the target's device may leave its tree there for the pass (``propose_sized``).
+    sized = budget is None or budget.spec != "auto"
+    nodes = None if budget is None else budget.spec
     while not tracker.finished:
         t0 = time.perf_counter()
         drafting = (fallback is None or fallback.wants_drafts()) and (budget is None or budget.wants_drafts())
@@ -207,26 +211,38 @@ def rounds(state: DecodeState, drafter: Drafter, budget: Budget | None = None,
         if budget is not None:
             depth = budget.limit_depth(depth)
         if drafting:
-            tree = drafter.propose(context, depth).prune_depth(depth)
+            tree = drafter.propose_sized(context, depth, nodes) if sized else drafter.propose(context, depth)
         elif budget is not None:  # drafting waits: only what costs no draft pass, if the budget finds it pays
-            tree = drafter.propose_free(context, depth).prune_depth(depth)
+            tree = drafter.propose_free(context, depth)
         else:  # paused by the fallback with every tree verified whole: a plain step
             drafter.skip()
             tree = DraftTree.empty()
-        proposed = drafting and len(tree) > 0  # judged by the fallback even when the budget keeps nothing
-        if len(tree) and budget is not None:
-            tree = budget.choose(tree, time.perf_counter() - t0, free=not drafting)
+        on_device = not isinstance(tree, DraftTree)  # cut to size and left on the device: known after the pass
+        if not on_device:
+            tree = tree.prune_depth(depth)
+            proposed = drafting and len(tree) > 0  # judged by the fallback even when the budget keeps nothing
+            if len(tree) and budget is not None:
+                tree = budget.choose(tree, time.perf_counter() - t0, free=not drafting)
         t1 = time.perf_counter()
         start = cache.length
-        tokens, positions, mask = _block(tree, root, start)
-        out = yield Block(tokens, positions, cache, mask, taps=drafter.taps)
+        if on_device:
+            out = yield Block([root], [start], cache, taps=drafter.taps, tree=tree)
+        else:
+            tokens, positions, mask = _block(tree, root, start)
+            out = yield Block(tokens, positions, cache, mask, taps=drafter.taps)
         t_pass = time.perf_counter() - t1
+        if on_device:  # the tree came back with the pass
+            tree = DraftTree.from_packed(out.tree)
+            tokens = np.concatenate([[root], tree.tokens])
+            proposed = drafting and len(tree) > 0
+            if len(tree) and budget is not None:  # sized before drafting: the budget's bookkeeping only
+                budget.choose(tree, t1 - t0)
         state.target_passes += 1
         verdict = verify(tree, out.logits, state.params, state.rng)
         taken = tracker.extend(verdict.tokens)
         context += verdict.tokens[:taken]
         keep = [0] + [1 + i for i in verdict.path]
-        if len(tree):  # drop the rejected nodes (a lone root has nothing to drop)
+        if len(tree) or on_device:  # drop the rejected nodes and padding (a lone root has nothing to drop)
             cache.compact(start, keep)
         t2 = time.perf_counter()
         if budget is not None:

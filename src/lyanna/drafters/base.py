@@ -16,6 +16,7 @@ from .tree import DraftTree
 
 if TYPE_CHECKING:  # annotations only: engines sit below drafters, nothing here runs them
     from ..engines.base import TargetEngine
+    from ..engines.device import DeviceTree
     from ..engines.loading import Target
 
 
@@ -56,6 +57,14 @@ class Drafter(ABC):
     def propose(self, context: Sequence[int], max_depth: int) -> DraftTree:
         """A tree continuing ``context`` (prompt + committed tokens; the last one is the root; the
         loop grows this list afterwards, so keep a copy of what must outlive the call)."""
+
+    def propose_sized(self, context: Sequence[int], max_depth: int, nodes: int | None) -> "DraftTree | DeviceTree":
+        """``propose`` for a round whose tree size is fixed before drafting (a fixed budget:
+        its best ``nodes``; None: the drafter's own cut). A drafter on the target's device may
+        leave that tree there (``engines.device.DeviceTree``) for the verification pass to read
+        where it is, so that nothing waits for a copy between drafting and verifying. The
+        default proposes on the host, and the budget cuts the tree."""
+        return self.propose(context, max_depth)
 
     @abstractmethod
     def commit(self, tokens: Sequence[int], hidden: dict[int, np.ndarray]) -> None:

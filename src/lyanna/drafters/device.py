@@ -21,11 +21,11 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from ..engines.device import KEY_BUCKET_MIN, FixedShapeCall, Slab, SlabPool, StaticCache, pow2_at_least
+from ..engines.device import KEY_BUCKET_MIN, DeviceTree, FixedShapeCall, Slab, SlabPool, StaticCache, pow2_at_least
 from ..engines.torch_layers import DecoderLayer, PackedLayer, cached_layer, rms_norm, rotation
 from ..errors import LyannaError
 from .checkpoint import head_layer_count, layer_prefixes
-from .device_tree import PaddedTrees, best, packed, union, unpacked
+from .device_tree import PaddedTrees, best, packed, union
 from .head import PairContext
 from .tree import DraftTree
 
@@ -103,13 +103,13 @@ class _DraftTreesPass(_DraftPass):
     """A round of lyanna's drafting in one call: ``_DraftPass``, then the tree of its raw logits
     and, with ``resample`` (the last chain's rows still valid, in ``leftover``'s first rows, their
     count in ``levels``), the tree re-sampled from them, both under the same root, grown together
-    (``_grow``) and fused (``device_tree.union``): ``tree``, the round's best ``max_nodes``
-    (``device_tree.packed``)."""
+    (``_grow``) and fused (``device_tree.union``), each tree cut to ``max_nodes`` before: ``tree``,
+    the round's best ``nodes`` (``device_tree.packed``)."""
 
     def __init__(self, head: "DeviceChainHead", slab: Slab, rows: int, depth: int, keys: int, resample: bool,
-                 topk: int, width: int, max_nodes: int, pool: Any):
+                 topk: int, width: int, max_nodes: int, nodes: int, pool: Any):
         super().__init__(head, slab, rows, depth, keys, pool)
-        self.topk, self.width, self.max_nodes = topk, width, max_nodes
+        self.topk, self.width, self.max_nodes, self.nodes = topk, width, max_nodes, nodes
         trees = 2 if resample else 1
         self.leftover = torch.zeros((depth, head.d2t.size), dtype=torch.float32, device=head.device) if resample else None
         self._input("root_info", (trees, 1, head._ti_b.shape[0]), torch.float32)
@@ -122,10 +122,13 @@ class _DraftTreesPass(_DraftPass):
         raw = self.raw[None] if self.leftover is None else torch.stack([self.raw, self.leftover])
         ids, parents, scores, depths = _grow(h, raw, self.root_info, self.topk, self.width)
         origin = torch.arange(raw.shape[0], device=h.device)[:, None].expand_as(ids)  # the re-sampled tree: 1
-        kept = best(ids, parents, scores, depths, origin, depths <= self.levels, self.max_nodes, depth, joint=True)
-        if self.leftover is not None:
+        valid = depths <= self.levels
+        if self.leftover is None:  # the best ``nodes`` of the best ``max_nodes`` (``nodes`` <= ``max_nodes``)
+            kept = best(ids, parents, scores, depths, origin, valid, self.nodes, depth, joint=True)
+        else:
+            kept = best(ids, parents, scores, depths, origin, valid, self.max_nodes, depth, joint=True)
             fused, valid = union(PaddedTrees(*(t[:1] for t in kept)), PaddedTrees(*(t[1:] for t in kept)), depth)
-            kept = best(*fused[:5], valid, self.max_nodes, depth, joint=True)
+            kept = best(*fused[:5], valid, self.nodes, depth, joint=True)
         self.tree = packed(kept._replace(tokens=h._d2t[kept.tokens]))
 
 
@@ -240,6 +243,14 @@ class _TreePass(FixedShapeCall):
         self.tree = packed(kept._replace(tokens=h._d2t[kept.tokens]))
 
 
+def _chosen(packed: torch.Tensor, depth: int, ahead: bool) -> DraftTree | DeviceTree:
+    """A call's chosen tree (``device_tree.packed``, no deeper than ``depth``) on the host, or
+    (``ahead``) left on the device for the verification pass."""
+    if ahead:
+        return DeviceTree(packed, (packed.shape[0] - 1) // 5, depth)
+    return DraftTree.from_packed(packed.cpu().numpy())
+
+
 class DeviceDraftHead:
     """The fusion layer and the head's decoder layers in torch, on the engine's device and in its
     dtype; the embedding and LM head are the engine's own tensors."""
@@ -339,19 +350,21 @@ class DeviceDraftHead:
 
     @torch.inference_mode()
     def eagle_tree(self, pc: PairContext, ctx: np.ndarray, depth: int, topk: int, width: int,
-                   max_nodes: int) -> DraftTree:
+                   max_nodes: int, nodes: int | None = None, ahead: bool = False) -> DraftTree | DeviceTree:
         """``EagleDrafter.propose`` in one fixed-shape call (a CUDA graph on a GPU) per shape:
-        the catch-up, then the tree's growth and its best ``max_nodes`` nodes (``_EagleTreePass``),
-        which cross to the host in one copy. The context is left at its committed pairs."""
+        the catch-up, then the tree's growth and its best ``max_nodes`` nodes (``nodes``, fewer:
+        a fixed budget's) (``_EagleTreePass``), which cross to the host in one copy (``ahead``: are
+        left on the device, ``DeviceTree``, for the verification pass). The context is left at
+        its committed pairs."""
         k = min(topk, self.config.vocab_size)
+        cut = max_nodes if nodes is None else min(nodes, max_nodes)
         spec = max(depth - 1, 0) * width  # speculative pairs' slots: ``width`` a level after the first
 
         def make(slab: Slab, rows: int, keys: int, base: int) -> _EagleTreePass:
-            key = (id(slab), rows, depth, k, width, max_nodes, keys)
+            key = (id(slab), rows, depth, k, width, cut, keys)
             p = self._eagles.get(key)
             if p is None:
-                p = self._eagles[key] = _EagleTreePass(self, slab, rows, depth, k, width, max_nodes, keys,
-                                                       self._graph_pool)
+                p = self._eagles[key] = _EagleTreePass(self, slab, rows, depth, k, width, cut, keys, self._graph_pool)
             p.host("spec_slots")[:] = base + np.arange(spec)
             positions = p.host("spec_positions")
             positions[:], positions[: depth - 1] = 0, len(ctx) - 1 + np.arange(1, depth)
@@ -359,7 +372,7 @@ class DeviceDraftHead:
             return p
 
         p = self._catch_up_call(pc, ctx, width * depth + 1, spec, depth, make)
-        return unpacked(p.tree.cpu().numpy())
+        return _chosen(p.tree, depth, ahead)
 
     def _catch_up_call(self, pc: PairContext, ctx: np.ndarray, extra: int, span: int, depth: int, make) -> Any:
         """Run the call ``make(slab, rows, keys, base)`` gives (one per shape, a CUDA graph on a GPU;
@@ -446,19 +459,24 @@ class DeviceChainHead(DeviceDraftHead):
 
     @torch.inference_mode()
     def draft_trees(self, pc: PairContext, ctx: np.ndarray, depth: int, leftover: torch.Tensor | None, ti,
-                    topk: int, width: int, max_nodes: int) -> tuple[torch.Tensor, DraftTree]:
+                    topk: int, width: int, max_nodes: int, nodes: int | None = None,
+                    ahead: bool = False) -> tuple[torch.Tensor, DraftTree | DeviceTree]:
         """``ChainHead.draft_trees`` in one fixed-shape call (``_DraftTreesPass``): one launch and
-        one copy to the host (the round's tree) a round, instead of three calls and two."""
+        one copy to the host (the round's tree) a round, instead of three calls and two.
+        ``nodes``: the round's tree is cut to its best ``nodes`` (a fixed budget's size, the same
+        tree as cutting it on the host; None: ``max_nodes``). ``ahead``: the tree is left on the
+        device (``DeviceTree``) for the verification pass, not copied."""
         if topk < 1 or width < 1:
             return self.draft(pc, ctx, depth), DraftTree.empty()
         k, resample = min(topk, self.d2t.size), leftover is not None
+        cut = max_nodes if nodes is None else min(nodes, max_nodes)
 
         def make(slab: Slab, rows: int, keys: int) -> _DraftTreesPass:
-            key = (id(slab), rows, depth, keys, resample, k, width, max_nodes)
+            key = (id(slab), rows, depth, keys, resample, k, width, max_nodes, cut)
             p = self._draft_trees.get(key)
             if p is None:
                 p = self._draft_trees[key] = _DraftTreesPass(self, slab, rows, depth, keys, resample, k, width,
-                                                              max_nodes, self._graph_pool)
+                                                              max_nodes, cut, self._graph_pool)
             p.host("root_info")[:] = self._token_info(ti, int(ctx[-1]))
             p.host("levels")[:] = [[depth]] + ([[leftover.shape[0]]] if resample else [])
             if resample:
@@ -466,7 +484,7 @@ class DeviceChainHead(DeviceDraftHead):
             return p
 
         p = self._drafted(pc, ctx, depth, make)
-        return p.raw.clone(), unpacked(p.tree.cpu().numpy())
+        return p.raw.clone(), _chosen(p.tree, depth, ahead)
 
     @torch.inference_mode()
     def tree(self, raw: torch.Tensor, root: int, ti, topk: int, width: int, max_nodes: int, origin: int = 0) -> DraftTree:
@@ -483,4 +501,4 @@ class DeviceChainHead(DeviceDraftHead):
         p.host("origin")[:] = origin
         p.raw[0].copy_(raw)
         p.run_fixed()
-        return unpacked(p.tree.cpu().numpy())
+        return DraftTree.from_packed(p.tree.cpu().numpy())

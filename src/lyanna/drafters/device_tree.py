@@ -15,10 +15,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-import numpy as np
 import torch
-
-from .tree import DraftTree
 
 
 class PaddedTrees(NamedTuple):
@@ -98,14 +95,9 @@ def union(a: PaddedTrees, b: PaddedTrees, max_depth: int) -> tuple[PaddedTrees, 
 
 
 def packed(t: PaddedTrees) -> torch.Tensor:
-    """Tree 0 as one float64 vector for one copy to the host (``unpacked``): tokens, parents,
-    scores, origin (each ``m``), then the node count."""
-    return torch.cat([torch.stack([t.tokens[0].double(), t.parents[0].double(), t.scores[0], t.origin[0].double()]).reshape(-1),
-                      t.count[0].double()])
-
-
-def unpacked(v: np.ndarray) -> DraftTree:
-    """The host ``DraftTree`` of a ``packed`` vector."""
-    n, rows = int(v[-1]), v[:-1].reshape(4, -1)
-    return DraftTree(rows[0, :n].astype(np.int64), rows[1, :n].astype(np.int64), rows[2, :n],
-                     origin=rows[3, :n].astype(np.int8))
+    """Tree 0 as one float64 vector for one copy to the host (``DraftTree.from_packed``) or a
+    verification pass on the device (``engines.device.DeviceTree``): tokens, parents, scores,
+    origin, depths (each ``m``), then the node count."""
+    rows = torch.stack([t.tokens[0].double(), t.parents[0].double(), t.scores[0], t.origin[0].double(),
+                        t.depths[0].double()])
+    return torch.cat([rows.reshape(-1), t.count[0].double()])

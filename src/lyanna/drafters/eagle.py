@@ -26,6 +26,7 @@ from .registry import register
 from .tree import DraftTree
 
 if TYPE_CHECKING:
+    from ..engines.device import DeviceTree
     from .device import DeviceDraftHead
 
 ARCH = "eagle"
@@ -78,6 +79,14 @@ class EagleDrafter(Drafter):
 
     def commit(self, tokens: Sequence[int], hidden: dict[int, np.ndarray]) -> None:
         self.context.commit(hidden)
+
+    def propose_sized(self, context: Sequence[int], max_depth: int, nodes: int | None) -> "DraftTree | DeviceTree":
+        """A device head leaves its best ``nodes`` on the device (``Drafter.propose_sized``)."""
+        depth = min(self.depth, max_depth)
+        if isinstance(self.head, DraftHead) or depth < 1:
+            return self.propose(context, max_depth)
+        return self.head.eagle_tree(self.context, np.asarray(context, np.int64), depth, self.topk, self.width,
+                                    self.max_nodes, nodes, ahead=True)
 
     def propose(self, context: Sequence[int], max_depth: int) -> DraftTree:
         depth = min(self.depth, max_depth)

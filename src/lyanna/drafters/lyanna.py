@@ -39,6 +39,7 @@ from .suffix import SuffixDrafter
 from .tree import DraftTree
 
 if TYPE_CHECKING:
+    from ..engines.device import DeviceTree
     from .device import DeviceChainHead
 
 ARCH = "lyanna"
@@ -304,6 +305,13 @@ class LyannaDrafter(Drafter):
     def propose(self, context: Sequence[int], max_depth: int) -> DraftTree:
         return self._with_suffix(self._propose_chain(context, max_depth), context, max_depth)
 
+    def propose_sized(self, context: Sequence[int], max_depth: int, nodes: int | None) -> "DraftTree | DeviceTree":
+        """A device head leaves its best ``nodes`` on the device (``Drafter.propose_sized``), but
+        for trees the host still changes (suffix matches merged in, policy ``reuse``'s choice)."""
+        if isinstance(self.head, ChainHead) or self.suffix is not None or self.policy == "reuse":
+            return self.propose(context, max_depth)
+        return self._propose_chain(context, max_depth, nodes, ahead=True)
+
     def propose_free(self, context: Sequence[int], max_depth: int) -> DraftTree:
         """What needs no draft pass: the tree re-sampled from the last chain's leftover rows
         (whatever the policy but ``off``) and, for ``lyanna+suffix``, the suffix matches."""
@@ -332,7 +340,9 @@ class LyannaDrafter(Drafter):
         rows = self._leftover[:depth]
         return rows, self.head.tree(rows, root, self.ti, self.topk, self.width, self.max_nodes, origin=1)
 
-    def _propose_chain(self, context: Sequence[int], max_depth: int) -> DraftTree:
+    def _propose_chain(self, context: Sequence[int], max_depth: int, nodes: int | None = None,
+                       ahead: bool = False) -> "DraftTree | DeviceTree":
+        """The round's tree (``ahead``: left on the device, cut to ``nodes``; see ``draft_trees``)."""
         depth = min(self.depth, max_depth)
         if depth < 1:
             return DraftTree.empty()
@@ -344,6 +354,7 @@ class LyannaDrafter(Drafter):
         leftover = None
         if self.policy == "fuse" and self._leftover is not None and len(self._leftover):
             leftover = self._leftover[:depth]
-        self._chain, tree = self.head.draft_trees(
-            self.context, np.asarray(context, np.int64), depth, leftover, self.ti, self.topk, self.width, self.max_nodes)
+        sized = {"nodes": nodes, "ahead": True} if ahead else {}  # a device head's
+        self._chain, tree = self.head.draft_trees(self.context, np.asarray(context, np.int64), depth, leftover, self.ti,
+                                                  self.topk, self.width, self.max_nodes, **sized)
         return tree

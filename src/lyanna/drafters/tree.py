@@ -76,6 +76,15 @@ class DraftTree:
                          np.exp(np.asarray(scores, np.float64)), origin=origin)
         return candidates.best(max_nodes)
 
+    @classmethod
+    def from_packed(cls, v: np.ndarray) -> "DraftTree":
+        """The tree a drafter chose on a device, as that one vector crossed to the host
+        (``device_tree.packed``: tokens, parents, scores, origin and depths rows of equal
+        length, padding after the nodes, then the node count)."""
+        n, rows = int(v[-1]), v[:-1].reshape(5, -1)
+        return cls(rows[0, :n].astype(np.int64), rows[1, :n].astype(np.int64), rows[2, :n],
+                   origin=rows[3, :n].astype(np.int8))
+
     def merged(self, other: "DraftTree", max_nodes: int) -> "DraftTree":
         """Union of two trees under the same root, cut to ``max_nodes``.
 

@@ -3,7 +3,7 @@ return logits and tapped hidden states, keep the accepted cache rows."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
 import numpy as np
 
@@ -38,6 +38,10 @@ class DeviceLogits(Protocol):
 class ForwardOutput:
     logits: np.ndarray | DeviceLogits  # [rows, vocab] for the requested rows
     hidden: dict[int, np.ndarray] = field(default_factory=dict)  # tap -> [n, hidden_size]
+    # A block whose tree was left on the device (``Block.tree``): that tree, copied to the host
+    # with the pass's outputs (the drafter's packed form); the rows above are the root's and its
+    # nodes'. None for every other block.
+    tree: np.ndarray | None = None
 
 
 class Cache(Protocol):
@@ -102,6 +106,8 @@ class TargetEngine(Protocol):
 def block_inputs(c: ModelConfig, b: "Block") -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """A block's tokens, positions and within-block mask (None: a single row), checked against the
     model and the block's cache the same way by every engine."""
+    if b.tree is not None:
+        raise ValueError("a block whose tree was left on a device runs on that device's engine")
     tokens = np.asarray(b.tokens, dtype=np.int64).reshape(-1)
     positions = np.asarray(b.positions, dtype=np.int64)
     n = tokens.shape[0]
@@ -136,3 +142,12 @@ class Block:
     # A prompt's prefill (causal, from an empty cache): its rows are never compared with rows
     # computed in another block, so the engine may compute them with a faster GEMM.
     prefill: bool = False
+    # A draft tree its drafter left on the target's device (``engines.device.DeviceTree``): the
+    # block is the root (``tokens``, at ``positions``) and the tree's nodes, which the engine of
+    # that device reads where they are, so that no copy waits between drafting and verifying.
+    tree: Any = None
+
+    @property
+    def rows(self) -> int:
+        """The block's rows in the pass (a tree left on the device counts its padded nodes)."""
+        return len(self.tokens) + (0 if self.tree is None else self.tree.nodes)

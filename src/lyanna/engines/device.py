@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import warnings
 import weakref
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -225,6 +225,70 @@ class _StaticPass(FixedShapeCall):
         self.run_fixed()
 
 
+class DeviceTree(NamedTuple):
+    """A draft tree its drafter left on this engine's device for the verification pass to read:
+    ``packed``, a float64 vector of five rows of ``nodes`` entries (tokens, parents, scores,
+    origin, depths; nodes past the count are padding) and the node count (the drafter's
+    ``device_tree.packed``); no node deeper than ``depth``. The tensor is the drafter's output
+    buffer: the pass copies it in, before the drafter's next call can overwrite it."""
+
+    packed: torch.Tensor
+    nodes: int
+    depth: int
+
+
+class _TreeBlockPass(FixedShapeCall):
+    """A verification block whose tree is on the device (``DeviceTree``), at one fixed shape: the
+    root and ``nodes`` tree rows padded to ``rows``, attention over ``keys`` slots. Its tokens,
+    positions, slots and mask are formed here from the tree (``tree``, copied in before each run)
+    and the block's start and root (host inputs): the same block the host builds for a tree."""
+
+    def __init__(self, engine: "DeviceEngine", slab: Slab, rows: int, keys: int, taps: tuple[int, ...], nodes: int,
+                 depth: int):
+        super().__init__(engine.device, engine._graph_pool)
+        self.engine, self.slab, self.rows, self.keys, self.taps = engine, slab, rows, keys, taps
+        self.nodes, self.depth = nodes, depth
+        self._input("start", (1,), torch.int64)
+        self._input("root", (1,), torch.int64)
+        self.tree = torch.zeros(5 * nodes + 1, dtype=torch.float64, device=engine.device)
+        self.logits: torch.Tensor | None = None
+        self.argmax: torch.Tensor | None = None
+        self.hidden: dict[int, torch.Tensor] = {}
+
+    def _forward(self) -> None:
+        m, rows, keys, dev = self.nodes, self.rows, self.keys, self.device
+        start, count = self.start, self.tree[-1:].long()
+        tree = self.tree[:-1].view(5, m)
+        at = torch.arange(m, device=dev)
+        valid = at < count
+        parents = tree[1].long()
+        depths = torch.cat([torch.zeros_like(start), torch.where(valid, tree[4].long(), 1)])  # the root's is 0
+        pad = rows - m - 1
+        tokens = torch.cat([self.root, torch.where(valid, tree[0].long(), 0), torch.zeros(pad, dtype=torch.int64, device=dev)])
+        positions = torch.cat([start + depths, torch.zeros(pad, dtype=torch.int64, device=dev)])
+        slots = torch.cat([start + torch.arange(m + 1, device=dev), self.slab.capacity + torch.arange(pad, device=dev)])
+        # Ancestors, a level more each time round: seen[i, j], node j is node i or above it.
+        own = at[:, None] == at[None, :]
+        above, has = parents.clamp(min=0), (parents >= 0)[:, None]
+        seen = own
+        for _ in range(self.depth - 1):
+            seen = own | (has & seen[above])
+        within = torch.cat([torch.ones((m + 1, 1), dtype=torch.bool, device=dev),
+                            torch.cat([torch.zeros((1, m), dtype=torch.bool, device=dev), seen])], 1)  # [m+1, m+1]
+        key = torch.arange(keys, device=dev)
+        inside = key - start  # a slot's row in the block
+        in_block = (inside >= 0) & (inside <= m)
+        mask = (key < start)[None, :] | (within[:, inside.clamp(0, m)] & in_block[None, :])
+        window = self.engine.config.sliding_window
+        if window is not None:
+            key_positions = torch.where(in_block, start + depths[inside.clamp(0, m)], key)
+            mask = mask & (positions[: m + 1, None] - key_positions[None, :] < window)
+        mask = torch.cat([mask, (key == 0)[None, :].expand(pad, keys)])  # padding rows read slot 0 and are dropped
+        self.logits, self.hidden = self.engine._layers_pass(self.slab, tokens, positions, slots, mask, keys, self.taps,
+                                                            None)
+        self.argmax = self.logits.argmax(-1)
+
+
 class DeviceEngine(TargetEngine):
     """A Llama-family target (Llama, Mistral, Qwen2 layouts) on ``device`` in ``dtype``."""
 
@@ -293,6 +357,7 @@ class DeviceEngine(TargetEngine):
         self._graph_pool = torch.cuda.graph_pool_handle() if (cuda if graphs is None else graphs) else None
         self.pool = SlabPool(c.num_layers, c, ROW_BUCKETS[-1], POOL_CAPACITY_MIN, self.dtype, self.device)
         self._passes: dict[tuple[int, int, int, tuple[int, ...]], _StaticPass] = {}
+        self._tree_passes: dict[tuple[int, int, int, tuple[int, ...], int, int], _TreeBlockPass] = {}
 
     def new_cache(self, capacity: int) -> StaticCache:
         """A cache for ``capacity`` positions, from the pool of caches no generation holds."""
@@ -302,9 +367,45 @@ class DeviceEngine(TargetEngine):
         """The blocks one after another, each on its own cache; every block is checked before any runs."""
         if len({id(b.cache) for b in blocks}) != len(blocks):
             raise ValueError("each block of a batch needs its own cache")
-        prepared = [(b, *block_inputs(self.config, b)) for b in blocks]
+        prepared = [(b, *(self._tree_inputs(b) if b.tree is not None else block_inputs(self.config, b))) for b in blocks]
         with torch.inference_mode():
-            return [self._run(*p) for p in prepared]
+            return [self._run_tree(*p) if p[0].tree is not None else self._run(*p) for p in prepared]
+
+    def _tree_inputs(self, b: Block) -> tuple[int]:
+        """A block whose tree is on the device, checked as ``block_inputs`` checks others: its root."""
+        tokens, positions = np.asarray(b.tokens, np.int64).reshape(-1), np.asarray(b.positions, np.int64).reshape(-1)
+        if not isinstance(b.tree, DeviceTree):
+            raise ValueError(f"a block's tree on the device must be a DeviceTree, got {type(b.tree).__name__}")
+        if tokens.shape != (1,) or positions.tolist() != [b.cache.length]:
+            raise ValueError("a block whose tree is on the device holds its root alone, at the cache's length")
+        if b.prefill or b.block_mask is not None or b.logit_rows is not None:
+            raise ValueError("a block whose tree is on the device takes no mask, logit rows or prefill")
+        if not 0 <= tokens[0] < self.config.vocab_size:
+            raise ValueError(f"token ids must lie in [0, {self.config.vocab_size})")
+        if b.cache.length + 1 + b.tree.nodes > b.cache.capacity:
+            raise ValueError(f"cache capacity {b.cache.capacity} exceeded: {b.cache.length} cached + {1 + b.tree.nodes} new")
+        return (int(tokens[0]),)
+
+    def _run_tree(self, b: Block, root: int) -> ForwardOutput:
+        """A block whose tree is on the device (``_TreeBlockPass``), at its bucketed shape: the tree
+        comes to the host with the tapped rows and every row's argmax, in one wait. Rows past its
+        node count (padding) are left out of the output; they stay in the cache until compaction."""
+        cache, tree = b.cache, b.tree
+        slab, start, n = cache.slab, cache.length, tree.nodes + 1
+        rows, keys = pow2_at_least(n), min(pow2_at_least(start + n, KEY_BUCKET_MIN), slab.capacity)
+        taps = tuple(sorted(set(b.taps)))
+        key = (id(slab), rows, keys, taps, tree.nodes, tree.depth)
+        p = self._tree_passes.get(key)
+        if p is None:
+            p = self._tree_passes[key] = _TreeBlockPass(self, slab, rows, keys, taps, tree.nodes, tree.depth)
+        p.host("start")[0], p.host("root")[0] = start, root
+        p.tree.copy_(tree.packed)
+        p.run_fixed()
+        cache.length += n
+        *hidden, argmax, packed = _fetch([p.hidden[tap][:n] for tap in b.taps] + [p.argmax[:n], p.tree])
+        cut = 1 + int(packed[-1])
+        return ForwardOutput(logits=_Logits(p.logits[:cut].clone(), argmax[:cut]),
+                             hidden={tap: h[:cut] for tap, h in zip(b.taps, hidden)}, tree=packed)
 
     def _run(self, b: Block, tokens: np.ndarray, positions: np.ndarray, within: np.ndarray | None) -> ForwardOutput:
         n, cache = tokens.shape[0], b.cache

@@ -178,6 +178,27 @@ def test_auto_keeps_what_a_flat_then_steep_curve_pays_for():
     assert chosen.tokens.tolist() == binary_tree(20, 0.9).best(want).tokens.tolist()
 
 
+def test_a_size_fixed_before_drafting_follows_what_auto_would_keep():
+    """``nodes_ahead``: a fixed budget's size; under ``auto``, the drafter's own cut at first,
+    then what ``choose_after`` would have kept of the last tree, filled to its row bucket (7
+    nodes and the root: 8 rows), and the drafter's cut again once a tree is kept whole (on a
+    flat curve), so that the size can grow back."""
+    assert Budget(16).nodes_ahead() == 16
+    b = Budget("auto", FLAT_THEN_STEEP)
+    assert b.nodes_ahead() is None
+    b.choose_after(binary_tree(20, 0.9), 0.0)  # keeps 7 of 20
+    assert b.nodes_ahead() == 7
+    b.choose_after(binary_tree(5, 0.9), 0.0)  # keeps 5 of 5
+    assert b.nodes_ahead() is None
+    flat = Budget("auto", curve([1, 64], [0.01, 0.01]))
+    flat.choose_after(binary_tree(12, 0.9), 0.0)
+    assert flat.nodes_ahead() is None
+    steep = Budget("auto", curve([1, 2, 4, 8, 16], [0.01, 0.011, 0.013, 0.017, 0.5]))
+    steep.choose_after(binary_tree(20, 0.9), 0.0)
+    assert 0 < len(steep.choose(binary_tree(20, 0.9), 0.0)) <= steep.nodes_ahead() < 20
+    assert steep.nodes_ahead() + 1 in (2, 4, 8, 16)
+
+
 def test_auto_keeps_more_when_drafting_is_the_larger_cost():
     scores = np.full(20, 0.9)
     want = expected_nodes(scores, flat_then_steep_latency, 1.0)

@@ -237,6 +237,46 @@ def test_greedy_on_the_device_equals_ar_there_and_the_numpy_engine(tiny, method)
         assert accepted > 0
 
 
+@pytest.mark.parametrize("method", ["eagle-device", "lyanna-device"])
+def test_trees_sized_before_drafting_stay_on_the_device_under_every_budget(tiny, method, monkeypatch):
+    """With the tree's size fixed before drafting (none: the drafter's cut; a fixed budget;
+    ``auto``: from what it kept of the last tree) a device head's tree reaches the pass on the
+    device (``_TreeBlockPass``), never as a host-built tree block (but ``auto``'s free trees while
+    drafting waits), and verifies to ``ar``'s tokens; budget 0 drafts trees the host cuts to
+    nothing (no tree block at all)."""
+    from lyanna.decoding.budget import LatencyCurve
+    from lyanna.engines import device as device_module
+
+    e = DeviceEngine(tiny.config, tiny.weights, DEVICE)
+    d = _with_heads(Decoder(tiny, engine=e, default_drafts=False), tiny)
+    d._curve = LatencyCurve((1, 2, 4, 8, 16), (0.01, 0.011, 0.013, 0.017, 0.5), "test-model", "test machine", 256)
+    blocks: list[tuple[str, int]] = []
+    run_tree, run_static = device_module.DeviceEngine._run_tree, device_module.DeviceEngine._run_static
+    monkeypatch.setattr(device_module.DeviceEngine, "_run_tree",
+                        lambda self, b, *a: blocks.append(("device", b.tree.nodes)) or run_tree(self, b, *a))
+    monkeypatch.setattr(device_module.DeviceEngine, "_run_static",
+                        lambda self, b, t, *a: blocks.append(("host", len(t))) or run_static(self, b, t, *a))
+    req = GenerationRequest(max_new_tokens=32, eos_token_ids=())
+    prompt = list(range(3, 60))
+    ar = d.generate(prompt, req)
+    for budget in (None, 4, 1, 0, "auto"):
+        blocks.clear()
+        got = d.generate(prompt, req, method=method, budget=budget, fallback=False)
+        assert got.tokens == ar.tokens, budget
+        on_device = {n for kind, n in blocks if kind == "device"}
+        on_host = [n for kind, n in blocks if kind == "host" and n > 1]  # trees that crossed before their pass
+        if budget == "auto":  # only free trees (drafting waits: lyanna's re-sampled one) cross
+            assert on_device and (method == "lyanna-device" or not on_host)
+            continue
+        assert not on_host, budget
+        if budget == 0:
+            assert not on_device and got.draft_tokens == 0
+        elif budget is None:
+            assert on_device
+        else:
+            assert max(on_device) == budget
+
+
 @pytest.fixture(scope="module")
 def device_small_decoder():
     target = small_vocab_target()

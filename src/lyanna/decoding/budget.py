@@ -242,6 +242,7 @@ class Budget:
         self.slowdown = 1.0
         self._kept_depths: deque[int] = deque(maxlen=DEPTH_WINDOW)  # depth of each recent auto-sized tree
         self._judged = False  # whether ``choose`` saw a tree since the last ``observe``
+        self._ahead: int | None = None  # under ``auto``, the size of the next tree fixed before drafting
 
     @property
     def correction(self) -> float:
@@ -299,6 +300,21 @@ class Budget:
         chosen = tree.best(keep, closed)
         self._kept_depths.append(int(chosen.depths.max()) if len(chosen) else 0)
         return chosen
+
+    def nodes_ahead(self) -> int | None:
+        """The size of a tree fixed before drafting (``Drafter.propose_sized``: a drafter on the
+        target's device leaves its tree there, unseen until the pass): a fixed budget's; under
+        ``auto``, what ``choose_after`` found, None (the drafter's own cut) before any."""
+        return self._ahead if self.spec == "auto" else int(self.spec)
+
+    def choose_after(self, tree: DraftTree, draft_seconds: float) -> None:
+        """``choose``'s bookkeeping for a tree verified at the size fixed before drafting, and,
+        under ``auto``, the next such size: as many nodes as it would have kept of this tree,
+        filled up to the row bucket they take anyway (a power of two, with the root), or the
+        drafter's own cut when it would have kept every node (so the size can grow again)."""
+        chosen = self.choose(tree, draft_seconds)
+        if self.spec == "auto" and len(chosen):
+            self._ahead = None if len(chosen) == len(tree) else (1 << len(chosen).bit_length()) - 1
 
     def limit_depth(self, room: int) -> int:
         """How deep to draft this round, at most ``room``: under ``auto``, one level deeper than

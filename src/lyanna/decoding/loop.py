@@ -200,18 +200,14 @@ def rounds(state: DecodeState, drafter: Drafter, budget: Budget | None = None,
     root = next_token(state.last_logits, state.params, state.rng)
     tracker.extend([root])
     context = [*state.prompt_ids, root]  # prompt + committed tokens, grown in place
-    # The tree's size is known before drafting (a fixed budget's, or the drafter's own cut), so a
-    # drafter on the target's device may leave its tree there for the pass (``propose_sized``).
-    sized = budget is None or budget.spec != "auto"
-    nodes = None if budget is None else budget.spec
     while not tracker.finished:
         t0 = time.perf_counter()
         drafting = (fallback is None or fallback.wants_drafts()) and (budget is None or budget.wants_drafts())
         depth = tracker.max_new_tokens - len(tracker.tokens) - 1  # room left after the bonus token
         if budget is not None:
             depth = budget.limit_depth(depth)
-        if drafting:
-            tree = drafter.propose_sized(context, depth, nodes) if sized else drafter.propose(context, depth)
+        if drafting:  # a drafter on the target's device may leave a tree of a size fixed now there (unseen)
+            tree = drafter.propose_sized(context, depth, None if budget is None else budget.nodes_ahead())
         elif budget is not None:  # drafting waits: only what costs no draft pass, if the budget finds it pays
             tree = drafter.propose_free(context, depth)
         else:  # paused by the fallback with every tree verified whole: a plain step
@@ -235,8 +231,8 @@ def rounds(state: DecodeState, drafter: Drafter, budget: Budget | None = None,
             tree = DraftTree.from_packed(out.tree)
             tokens = np.concatenate([[root], tree.tokens])
             proposed = drafting and len(tree) > 0
-            if len(tree) and budget is not None:  # sized before drafting: the budget's bookkeeping only
-                budget.choose(tree, t1 - t0)
+            if len(tree) and budget is not None:
+                budget.choose_after(tree, t1 - t0)
         state.target_passes += 1
         verdict = verify(tree, out.logits, state.params, state.rng)
         taken = tracker.extend(verdict.tokens)

@@ -59,11 +59,11 @@ class Drafter(ABC):
         loop grows this list afterwards, so keep a copy of what must outlive the call)."""
 
     def propose_sized(self, context: Sequence[int], max_depth: int, nodes: int | None) -> "DraftTree | DeviceTree":
-        """``propose`` for a round whose tree size is fixed before drafting (a fixed budget:
+        """``propose``, with the size the budget fixes before drafting (``Budget.nodes_ahead``:
         its best ``nodes``; None: the drafter's own cut). A drafter on the target's device may
-        leave that tree there (``engines.device.DeviceTree``) for the verification pass to read
-        where it is, so that nothing waits for a copy between drafting and verifying. The
-        default proposes on the host, and the budget cuts the tree."""
+        cut its tree there and leave it there (``engines.device.DeviceTree``) for the
+        verification pass to read, so that nothing waits for a copy between drafting and
+        verifying. The default proposes on the host, where the budget cuts the tree it sees."""
         return self.propose(context, max_depth)
 
     @abstractmethod

@@ -83,7 +83,7 @@ class EagleDrafter(Drafter):
     def propose_sized(self, context: Sequence[int], max_depth: int, nodes: int | None) -> "DraftTree | DeviceTree":
         """A device head leaves its best ``nodes`` on the device (``Drafter.propose_sized``)."""
         depth = min(self.depth, max_depth)
-        if isinstance(self.head, DraftHead) or depth < 1:
+        if isinstance(self.head, DraftHead) or depth < 1 or nodes == 0:
             return self.propose(context, max_depth)
         return self.head.eagle_tree(self.context, np.asarray(context, np.int64), depth, self.topk, self.width,
                                     self.max_nodes, nodes, ahead=True)

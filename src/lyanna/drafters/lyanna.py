@@ -308,7 +308,7 @@ class LyannaDrafter(Drafter):
     def propose_sized(self, context: Sequence[int], max_depth: int, nodes: int | None) -> "DraftTree | DeviceTree":
         """A device head leaves its best ``nodes`` on the device (``Drafter.propose_sized``), but
         for trees the host still changes (suffix matches merged in, policy ``reuse``'s choice)."""
-        if isinstance(self.head, ChainHead) or self.suffix is not None or self.policy == "reuse":
+        if isinstance(self.head, ChainHead) or self.suffix is not None or self.policy == "reuse" or nodes == 0:
             return self.propose(context, max_depth)
         return self._propose_chain(context, max_depth, nodes, ahead=True)
 

@@ -239,18 +239,20 @@ class DeviceTree(NamedTuple):
 
 class _TreeBlockPass(FixedShapeCall):
     """A verification block whose tree is on the device (``DeviceTree``), at one fixed shape: the
-    root and ``nodes`` tree rows padded to ``rows``, attention over ``keys`` slots. Its tokens,
-    positions, slots and mask are formed here from the tree (``tree``, copied in before each run)
-    and the block's start and root (host inputs): the same block the host builds for a tree."""
+    root and ``rows - 1`` tree rows (a tree of fewer nodes is padded), attention over ``keys``
+    slots, ancestors up to ``depth``. Its tokens, positions, slots and mask are formed here from
+    the tree (``load``) and the block's start and root (host inputs): the same block the host
+    builds for a tree."""
 
-    def __init__(self, engine: "DeviceEngine", slab: Slab, rows: int, keys: int, taps: tuple[int, ...], nodes: int,
-                 depth: int):
+    def __init__(self, engine: "DeviceEngine", slab: Slab, rows: int, keys: int, taps: tuple[int, ...], depth: int):
         super().__init__(engine.device, engine._graph_pool)
         self.engine, self.slab, self.rows, self.keys, self.taps = engine, slab, rows, keys, taps
-        self.nodes, self.depth = nodes, depth
+        self.nodes, self.depth = rows - 1, depth
         self._input("start", (1,), torch.int64)
         self._input("root", (1,), torch.int64)
-        self.tree = torch.zeros(5 * nodes + 1, dtype=torch.float64, device=engine.device)
+        # ``DeviceTree.packed``'s layout at ``nodes`` columns (padding past a tree's own columns
+        # keeps earlier values: nodes past the count, never read but as rows dropped after).
+        self.tree = torch.zeros(5 * self.nodes + 1, dtype=torch.float64, device=engine.device)
         self.logits: torch.Tensor | None = None
         self.argmax: torch.Tensor | None = None
         self.hidden: dict[int, torch.Tensor] = {}
@@ -287,6 +289,11 @@ class _TreeBlockPass(FixedShapeCall):
         self.logits, self.hidden = self.engine._layers_pass(self.slab, tokens, positions, slots, mask, keys, self.taps,
                                                             None)
         self.argmax = self.logits.argmax(-1)
+
+    def load(self, tree: DeviceTree) -> None:
+        """Copy ``tree`` in (on the device, in stream order: before its drafter's next call)."""
+        self.tree[:-1].view(5, self.nodes)[:, : tree.nodes].copy_(tree.packed[:-1].view(5, tree.nodes))
+        self.tree[-1:].copy_(tree.packed[-1:])
 
 
 class DeviceEngine(TargetEngine):
@@ -357,7 +364,7 @@ class DeviceEngine(TargetEngine):
         self._graph_pool = torch.cuda.graph_pool_handle() if (cuda if graphs is None else graphs) else None
         self.pool = SlabPool(c.num_layers, c, ROW_BUCKETS[-1], POOL_CAPACITY_MIN, self.dtype, self.device)
         self._passes: dict[tuple[int, int, int, tuple[int, ...]], _StaticPass] = {}
-        self._tree_passes: dict[tuple[int, int, int, tuple[int, ...], int, int], _TreeBlockPass] = {}
+        self._tree_passes: dict[tuple[int, int, int, tuple[int, ...], int], _TreeBlockPass] = {}
 
     def new_cache(self, capacity: int) -> StaticCache:
         """A cache for ``capacity`` positions, from the pool of caches no generation holds."""
@@ -382,25 +389,29 @@ class DeviceEngine(TargetEngine):
             raise ValueError("a block whose tree is on the device takes no mask, logit rows or prefill")
         if not 0 <= tokens[0] < self.config.vocab_size:
             raise ValueError(f"token ids must lie in [0, {self.config.vocab_size})")
-        if b.cache.length + 1 + b.tree.nodes > b.cache.capacity:
-            raise ValueError(f"cache capacity {b.cache.capacity} exceeded: {b.cache.length} cached + {1 + b.tree.nodes} new")
+        rows = pow2_at_least(b.tree.nodes + 1)  # the tree is padded to its row bucket
+        if b.cache.length + rows > b.cache.capacity:
+            raise ValueError(f"cache capacity {b.cache.capacity} exceeded: {b.cache.length} cached + {rows} new")
         return (int(tokens[0]),)
 
     def _run_tree(self, b: Block, root: int) -> ForwardOutput:
-        """A block whose tree is on the device (``_TreeBlockPass``), at its bucketed shape: the tree
-        comes to the host with the tapped rows and every row's argmax, in one wait. Rows past its
-        node count (padding) are left out of the output; they stay in the cache until compaction."""
+        """A block whose tree is on the device (``_TreeBlockPass``), at its bucketed shape (the
+        tree padded to fill it: one pass per bucket, whatever the tree's size): the tree comes to
+        the host with the tapped rows and every row's argmax, in one wait. Rows past its node
+        count (padding) are left out of the output; they stay in the cache until compaction."""
         cache, tree = b.cache, b.tree
-        slab, start, n = cache.slab, cache.length, tree.nodes + 1
-        rows, keys = pow2_at_least(n), min(pow2_at_least(start + n, KEY_BUCKET_MIN), slab.capacity)
+        slab, start = cache.slab, cache.length
+        rows = pow2_at_least(tree.nodes + 1)
+        keys = min(pow2_at_least(start + rows, KEY_BUCKET_MIN), slab.capacity)
         taps = tuple(sorted(set(b.taps)))
-        key = (id(slab), rows, keys, taps, tree.nodes, tree.depth)
+        key = (id(slab), rows, keys, taps, tree.depth)
         p = self._tree_passes.get(key)
         if p is None:
-            p = self._tree_passes[key] = _TreeBlockPass(self, slab, rows, keys, taps, tree.nodes, tree.depth)
+            p = self._tree_passes[key] = _TreeBlockPass(self, slab, rows, keys, taps, tree.depth)
         p.host("start")[0], p.host("root")[0] = start, root
-        p.tree.copy_(tree.packed)
+        p.load(tree)
         p.run_fixed()
+        n = rows
         cache.length += n
         *hidden, argmax, packed = _fetch([p.hidden[tap][:n] for tap in b.taps] + [p.argmax[:n], p.tree])
         cut = 1 + int(packed[-1])

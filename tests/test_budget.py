@@ -179,24 +179,32 @@ def test_auto_keeps_what_a_flat_then_steep_curve_pays_for():
 
 
 def test_a_size_fixed_before_drafting_follows_what_auto_would_keep():
-    """``nodes_ahead``: a fixed budget's size; under ``auto``, the drafter's own cut at first,
-    then what ``choose_after`` would have kept of the last tree, filled to its row bucket (7
-    nodes and the root: 8 rows), and the drafter's cut again once a tree is kept whole (on a
-    flat curve), so that the size can grow back."""
+    """``nodes_ahead``: a fixed budget's size; under ``auto``, none before a tree was judged (the
+    drafter must show one), then what it kept, filled to its row bucket (7 nodes and the root: 8
+    rows), one bucket more after a tree it would have kept whole (so the size can grow back),
+    unchanged by a tree it keeps nothing of or one offered free while drafting waits."""
     assert Budget(16).nodes_ahead() == 16
     b = Budget("auto", FLAT_THEN_STEEP)
     assert b.nodes_ahead() is None
-    b.choose_after(binary_tree(20, 0.9), 0.0)  # keeps 7 of 20
+    b.choose(binary_tree(20, 0.9), 0.0)  # keeps 7 of 20 (a tree seen before its pass)
     assert b.nodes_ahead() == 7
     b.choose_after(binary_tree(5, 0.9), 0.0)  # keeps 5 of 5
-    assert b.nodes_ahead() is None
-    flat = Budget("auto", curve([1, 64], [0.01, 0.01]))
-    flat.choose_after(binary_tree(12, 0.9), 0.0)
-    assert flat.nodes_ahead() is None
+    assert b.nodes_ahead() == 7
+    b.choose_after(binary_tree(7, 0.9), 0.0)  # keeps 7 of 7
+    assert b.nodes_ahead() == 15
+    b.choose_after(binary_tree(15, 0.9), 0.0)  # keeps 7 of 15
+    assert b.nodes_ahead() == 7
+    b.choose(binary_tree(20, 0.9), 0.0, free=True)
+    assert b.nodes_ahead() == 7
+    dear = Budget("auto", curve([1, 2, 64], [0.01, 0.012, 0.2]))  # a node costs a fifth of a step, more after
+    dear.choose(binary_tree(10, 0.9), 0.0)
+    ahead = dear.nodes_ahead()
+    dear.choose_after(binary_tree(10, 0.05), 0.0)  # keeps nothing
+    assert ahead and dear.nodes_ahead() == ahead
     steep = Budget("auto", curve([1, 2, 4, 8, 16], [0.01, 0.011, 0.013, 0.017, 0.5]))
     steep.choose_after(binary_tree(20, 0.9), 0.0)
-    assert 0 < len(steep.choose(binary_tree(20, 0.9), 0.0)) <= steep.nodes_ahead() < 20
-    assert steep.nodes_ahead() + 1 in (2, 4, 8, 16)
+    kept = len(steep.choose(binary_tree(20, 0.9), 0.0))
+    assert 0 < kept <= steep.nodes_ahead() < 20 and steep.nodes_ahead() + 1 in (2, 4, 8, 16)
 
 
 def test_auto_keeps_more_when_drafting_is_the_larger_cost():

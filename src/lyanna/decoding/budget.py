@@ -218,6 +218,11 @@ class Evidence:
     paid: bool = True  # whether the last tree judged beat plain decoding
 
 
+def _bucket(nodes: int) -> int:
+    """The most nodes that take the row bucket ``nodes`` and the root take (padded to a power of two)."""
+    return (1 << nodes.bit_length()) - 1
+
+
 class Budget:
     """Per-generation tree-size policy: a fixed node count, or ``auto`` from a latency curve."""
 
@@ -242,7 +247,7 @@ class Budget:
         self.slowdown = 1.0
         self._kept_depths: deque[int] = deque(maxlen=DEPTH_WINDOW)  # depth of each recent auto-sized tree
         self._judged = False  # whether ``choose`` saw a tree since the last ``observe``
-        self._ahead: int | None = None  # under ``auto``, the size of the next tree fixed before drafting
+        self._ahead: int | None = None  # under ``auto``, the size of a tree fixed before drafting (None: not yet)
 
     @property
     def correction(self) -> float:
@@ -299,22 +304,24 @@ class Budget:
                 self._skip_left, ev.wait = ev.wait, min(2 * ev.wait + 1, longest)
         chosen = tree.best(keep, closed)
         self._kept_depths.append(int(chosen.depths.max()) if len(chosen) else 0)
+        if keep and not free:
+            self._ahead = _bucket(keep)
         return chosen
 
     def nodes_ahead(self) -> int | None:
         """The size of a tree fixed before drafting (``Drafter.propose_sized``: a drafter on the
         target's device leaves its tree there, unseen until the pass): a fixed budget's; under
-        ``auto``, what ``choose_after`` found, None (the drafter's own cut) before any."""
+        ``auto``, as many nodes as it last kept, filled up to the row bucket they take anyway
+        (a power of two with the root), one bucket more after a tree it would have kept whole
+        (``choose_after``); None before ``auto`` has kept any: the tree must be seen first."""
         return self._ahead if self.spec == "auto" else int(self.spec)
 
     def choose_after(self, tree: DraftTree, draft_seconds: float) -> None:
-        """``choose``'s bookkeeping for a tree verified at the size fixed before drafting, and,
-        under ``auto``, the next such size: as many nodes as it would have kept of this tree,
-        filled up to the row bucket they take anyway (a power of two, with the root), or the
-        drafter's own cut when it would have kept every node (so the size can grow again)."""
+        """``choose``'s bookkeeping for a tree verified at the size fixed before drafting (and,
+        under ``auto``, the next such size)."""
         chosen = self.choose(tree, draft_seconds)
-        if self.spec == "auto" and len(chosen):
-            self._ahead = None if len(chosen) == len(tree) else (1 << len(chosen).bit_length()) - 1
+        if self.spec == "auto" and len(chosen) == len(tree) > 0:  # kept whole: the next may be larger
+            self._ahead = _bucket(len(tree) + 1)
 
     def limit_depth(self, room: int) -> int:
         """How deep to draft this round, at most ``room``: under ``auto``, one level deeper than

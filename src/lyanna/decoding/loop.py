@@ -206,8 +206,10 @@ def rounds(state: DecodeState, drafter: Drafter, budget: Budget | None = None,
         depth = tracker.max_new_tokens - len(tracker.tokens) - 1  # room left after the bonus token
         if budget is not None:
             depth = budget.limit_depth(depth)
-        if drafting:  # a drafter on the target's device may leave a tree of a size fixed now there (unseen)
-            tree = drafter.propose_sized(context, depth, None if budget is None else budget.nodes_ahead())
+        if drafting:  # a size fixed now lets a drafter on the target's device leave its tree there (unseen)
+            nodes = None if budget is None else budget.nodes_ahead()
+            sized = budget is None or nodes is not None
+            tree = drafter.propose_sized(context, depth, nodes) if sized else drafter.propose(context, depth)
         elif budget is not None:  # drafting waits: only what costs no draft pass, if the budget finds it pays
             tree = drafter.propose_free(context, depth)
         else:  # paused by the fallback with every tree verified whole: a plain step

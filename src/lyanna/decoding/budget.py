@@ -219,7 +219,8 @@ class Evidence:
 
 
 def _bucket(nodes: int) -> int:
-    """The most nodes that take the row bucket ``nodes`` and the root take (padded to a power of two)."""
+    """The most nodes whose block, with the root, fits the power-of-two row bucket that ``nodes``
+    nodes and the root are padded to (the device engine runs a tree at that bucket anyway)."""
     return (1 << nodes.bit_length()) - 1
 
 

@@ -7,9 +7,10 @@ the same candidates give the same tree: the best ``m`` by closed score (a node n
 its ancestors), ties to the shallower and then the earlier node, kept in tree order; a union keeps
 the first tree's nodes, then the second's that are new, a node of both with the higher score.
 
-Trees are padded arrays: ``[trees, n]`` tensors of parents (indices among the tree's nodes, -1
-under the root), scores (probabilities, float64), depths (1 under the root) and a ``valid`` mask;
-nodes are in topological order. Shapes never depend on data, so the code can be captured as a CUDA graph.
+Trees are padded arrays: ``[trees, n]`` tensors of tokens, parents (indices among the tree's
+nodes, -1 under the root), scores (probabilities, float64), depths (1 under the root), origins and
+a ``valid`` mask; nodes are in topological order. Shapes never depend on data, so the code can be
+captured as a CUDA graph.
 """
 from __future__ import annotations
 

@@ -277,6 +277,27 @@ def test_trees_sized_before_drafting_stay_on_the_device_under_every_budget(tiny,
             assert max(on_device) == budget
 
 
+@pytest.mark.parametrize("method", ["eagle-device", "lyanna-device"])
+def test_trees_left_on_the_device_serve_a_batch(tiny, method, monkeypatch):
+    """Continuous batching (what the server runs) with device heads: every sequence's tree reaches
+    its pass on the device and each result is the prompt's ``ar`` output alone."""
+    from lyanna.engines import device as device_module
+
+    d = _with_heads(Decoder(tiny, engine=DeviceEngine(tiny.config, tiny.weights, DEVICE), default_drafts=False), tiny)
+    trees = []
+    run_tree = device_module.DeviceEngine._run_tree
+    monkeypatch.setattr(device_module.DeviceEngine, "_run_tree", lambda self, b, *a: trees.append(id(b.cache)) or
+                        run_tree(self, b, *a))
+    prompts = [[1, 40, 41, 42, 40, 41, 42], [1, 100, 101], list(range(3, 60)), list(range(5, 30))]
+    req = GenerationRequest(max_new_tokens=24, eos_token_ids=())
+    alone = [d.generate(p, req).tokens for p in prompts]
+    for budget in (None, 4):
+        trees.clear()
+        out = d.generate_batch(prompts, req, method=method, max_batch=3, budget=budget)
+        assert [o.tokens for o in out] == alone, budget
+        assert len(set(trees)) >= 3 and sum(o.draft_tokens for o in out) > 0
+
+
 @pytest.fixture(scope="module")
 def device_small_decoder():
     target = small_vocab_target()

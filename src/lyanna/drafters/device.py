@@ -124,12 +124,11 @@ class _DraftTreesPass(_DraftPass):
         origin = torch.arange(raw.shape[0], device=h.device)[:, None].expand_as(ids)  # the re-sampled tree: 1
         valid = depths <= self.levels
         if self.leftover is None:  # the best ``nodes`` of the best ``max_nodes`` (``nodes`` <= ``max_nodes``)
-            kept = best(ids, parents, scores, depths, origin, valid, self.nodes, depth, joint=True)
-        else:
-            kept = best(ids, parents, scores, depths, origin, valid, self.max_nodes, depth, joint=True)
-            fused, valid = union(PaddedTrees(*(t[:1] for t in kept)), PaddedTrees(*(t[1:] for t in kept)), depth)
-            kept = best(*fused[:5], valid, self.nodes, depth, joint=True)
-        self.tree = packed(kept._replace(tokens=h._d2t[kept.tokens]))
+            self.tree = _packed_draft(h, ids, parents, scores, depths, origin, valid, self.nodes, depth)
+            return
+        kept = best(ids, parents, scores, depths, origin, valid, self.max_nodes, depth, joint=True)
+        fused, valid = union(PaddedTrees(*(t[:1] for t in kept)), PaddedTrees(*(t[1:] for t in kept)), depth)
+        self.tree = _packed_draft(h, *fused[:5], valid, self.nodes, depth)
 
 
 class _EagleTreePass(_CatchUpCall):
@@ -236,11 +235,23 @@ class _TreePass(FixedShapeCall):
         self.tree: torch.Tensor | None = None
 
     def _forward(self) -> None:
-        h = self.head
-        ids, parents, scores, depths = _grow(h, self.raw, self.root_info, self.topk, self.width)
-        kept = best(ids, parents, scores, depths, self.origin.expand_as(ids), torch.ones_like(ids, dtype=torch.bool),
-                    self.max_nodes, self.depth, joint=True)
-        self.tree = packed(kept._replace(tokens=h._d2t[kept.tokens]))
+        ids, parents, scores, depths = _grow(self.head, self.raw, self.root_info, self.topk, self.width)
+        self.tree = _packed_draft(self.head, ids, parents, scores, depths, self.origin.expand_as(ids),
+                                  torch.ones_like(ids, dtype=torch.bool), self.max_nodes, self.depth)
+
+
+def _packed_draft(head: "DeviceChainHead", ids: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor,
+                  depths: torch.Tensor, origin: torch.Tensor, valid: torch.Tensor, nodes: int,
+                  depth: int) -> torch.Tensor:
+    """The best ``nodes`` of token-info candidates (draft ids, joint probabilities), their ids
+    mapped to the target's, as ``device_tree.packed``."""
+    kept = best(ids, parents, scores, depths, origin, valid, nodes, depth, joint=True)
+    return packed(kept._replace(tokens=head._d2t[kept.tokens]))
+
+
+def _cut(max_nodes: int, nodes: int | None) -> int:
+    """A call's node count: the drafter's ``max_nodes``, or a budget's fewer ``nodes``."""
+    return max_nodes if nodes is None else min(nodes, max_nodes)
 
 
 def _chosen(packed: torch.Tensor, depth: int, ahead: bool) -> DraftTree | DeviceTree:
@@ -357,7 +368,7 @@ class DeviceDraftHead:
         left on the device, ``DeviceTree``, for the verification pass). The context is left at
         its committed pairs."""
         k = min(topk, self.config.vocab_size)
-        cut = max_nodes if nodes is None else min(nodes, max_nodes)
+        cut = _cut(max_nodes, nodes)
         spec = max(depth - 1, 0) * width  # speculative pairs' slots: ``width`` a level after the first
 
         def make(slab: Slab, rows: int, keys: int, base: int) -> _EagleTreePass:
@@ -469,7 +480,7 @@ class DeviceChainHead(DeviceDraftHead):
         if topk < 1 or width < 1:
             return self.draft(pc, ctx, depth), DraftTree.empty()
         k, resample = min(topk, self.d2t.size), leftover is not None
-        cut = max_nodes if nodes is None else min(nodes, max_nodes)
+        cut = _cut(max_nodes, nodes)
 
         def make(slab: Slab, rows: int, keys: int) -> _DraftTreesPass:
             key = (id(slab), rows, depth, keys, resample, k, width, max_nodes, cut)
@@ -501,4 +512,4 @@ class DeviceChainHead(DeviceDraftHead):
         p.host("origin")[:] = origin
         p.raw[0].copy_(raw)
         p.run_fixed()
-        return DraftTree.from_packed(p.tree.cpu().numpy())
+        return _chosen(p.tree, depth, ahead=False)

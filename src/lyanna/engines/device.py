@@ -411,9 +411,8 @@ class DeviceEngine(TargetEngine):
         p.host("start")[0], p.host("root")[0] = start, root
         p.load(tree)
         p.run_fixed()
-        n = rows
-        cache.length += n
-        *hidden, argmax, packed = _fetch([p.hidden[tap][:n] for tap in b.taps] + [p.argmax[:n], p.tree])
+        cache.length += rows
+        *hidden, argmax, packed = _fetch([p.hidden[tap][:rows] for tap in b.taps] + [p.argmax[:rows], p.tree])
         cut = 1 + int(packed[-1])
         return ForwardOutput(logits=_Logits(p.logits[:cut].clone(), argmax[:cut]),
                              hidden={tap: h[:cut] for tap, h in zip(b.taps, hidden)}, tree=packed)

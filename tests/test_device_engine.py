@@ -277,6 +277,37 @@ def test_trees_sized_before_drafting_stay_on_the_device_under_every_budget(tiny,
             assert max(on_device) == budget
 
 
+def test_a_device_trees_draft_time_counts_as_drafting_not_verification(tiny, monkeypatch):
+    """The pass that reads a tree left on the device also waits for the draft call's device
+    time (on a GPU the host launches the draft and goes on): the loop moves that time from the
+    pass to drafting, in the stats and for the budget. On CPU torch the call runs synchronously
+    (no device time to move); a draft taking longer than any pass moves the whole pass."""
+    from lyanna.decoding.budget import Budget
+    from lyanna.engines import device as device_module
+
+    d = _with_heads(Decoder(tiny, engine=DeviceEngine(tiny.config, tiny.weights, DEVICE), default_drafts=False), tiny)
+    req = GenerationRequest(max_new_tokens=24, eos_token_ids=())
+    prompt = list(range(3, 60))
+    observed: list[float] = []
+    observe = Budget.observe
+    monkeypatch.setattr(Budget, "observe", lambda self, tree, accepted, seconds=None:
+                        observed.append(seconds) or observe(self, tree, accepted, seconds))
+    drafted: list[float] = []
+    device_seconds = device_module.DeviceTree.device_seconds
+    monkeypatch.setattr(device_module.DeviceTree, "device_seconds", lambda self: drafted.append(device_seconds(self))
+                        or drafted[-1])
+    real = d.generate(prompt, req, method="lyanna-device", budget=4, fallback=False)
+    assert drafted and all(s > 0 for s in drafted) if DEVICE == "cuda" else drafted and not any(drafted)
+    assert min(observed) > 0
+    observed.clear()
+    drafted.clear()
+    monkeypatch.setattr(device_module.DeviceTree, "device_seconds", lambda self: drafted.append(1e6) or 1e6)
+    slow = d.generate(prompt, req, method="lyanna-device", budget=4, fallback=False)
+    assert slow.tokens == real.tokens
+    assert observed.count(0.0) == len(drafted) > len(observed) // 2  # (the last rounds, with no room to draft, verify no tree)
+    assert slow.extra["draft_seconds"] > slow.extra["verify_seconds"]
+
+
 @pytest.mark.parametrize("method", ["eagle-device", "lyanna-device"])
 def test_trees_left_on_the_device_serve_a_batch(tiny, method, monkeypatch):
     """Continuous batching (what the server runs) with device heads: every sequence's tree reaches
@@ -582,7 +613,7 @@ def test_fixed_shape_calls_issue_no_op_a_cuda_graph_cannot_capture(tiny, monkeyp
                 seen[self.name].add(str(func))
             return func(*args, **(kwargs or {}))
 
-    def watched(self):
+    def watched(self, timed=False):
         with Watch(type(self).__name__):
             self._forward()
 

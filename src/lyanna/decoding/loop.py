@@ -229,7 +229,9 @@ def rounds(state: DecodeState, drafter: Drafter, budget: Budget | None = None,
             tokens, positions, mask = _block(tree, root, start)
             out = yield Block(tokens, positions, cache, mask, taps=drafter.taps)
         t_pass = time.perf_counter() - t1
-        if on_device:  # the tree came back with the pass
+        if on_device:  # the tree came back with the pass, which also waited for the draft's device time: drafting's
+            waited = min(tree.device_seconds(), t_pass)
+            t1, t_pass = t1 + waited, t_pass - waited
             tree = DraftTree.from_packed(out.tree)
             tokens = np.concatenate([[root], tree.tokens])
             proposed = drafting and len(tree) > 0

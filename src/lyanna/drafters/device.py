@@ -254,12 +254,12 @@ def _cut(max_nodes: int, nodes: int | None) -> int:
     return max_nodes if nodes is None else min(nodes, max_nodes)
 
 
-def _chosen(packed: torch.Tensor, depth: int, ahead: bool) -> DraftTree | DeviceTree:
-    """A call's chosen tree (``device_tree.packed``, no deeper than ``depth``) on the host, or
-    (``ahead``) left on the device for the verification pass."""
+def _chosen(p: Any, depth: int, ahead: bool) -> DraftTree | DeviceTree:
+    """Call ``p``'s chosen tree (``p.tree``: ``device_tree.packed``, no deeper than ``depth``) on
+    the host, or (``ahead``) left on the device for the verification pass, with the call's timing."""
     if ahead:
-        return DeviceTree(packed, (packed.shape[0] - 1) // 5, depth)
-    return DraftTree.from_packed(packed.cpu().numpy())
+        return DeviceTree(p.tree, (p.tree.shape[0] - 1) // 5, depth, p.timing)
+    return DraftTree.from_packed(p.tree.cpu().numpy())
 
 
 class DeviceDraftHead:
@@ -382,22 +382,24 @@ class DeviceDraftHead:
             p.host("prefix")[:] = np.arange(keys) < base
             return p
 
-        p = self._catch_up_call(pc, ctx, width * depth + 1, spec, depth, make)
-        return _chosen(p.tree, depth, ahead)
+        p = self._catch_up_call(pc, ctx, width * depth + 1, spec, depth, make, timed=ahead)
+        return _chosen(p, depth, ahead)
 
-    def _catch_up_call(self, pc: PairContext, ctx: np.ndarray, extra: int, span: int, depth: int, make) -> Any:
+    def _catch_up_call(self, pc: PairContext, ctx: np.ndarray, extra: int, span: int, depth: int, make,
+                       timed: bool = False) -> Any:
         """Run the call ``make(slab, rows, keys, base)`` gives (one per shape, a CUDA graph on a GPU;
         it fills its own buffers past the catch-up) for this context: room for the pending pairs
         and ``extra`` speculative rows, the last ``CATCH_UP_ROWS`` pending pairs in the call (older
         ones filled first), attention over the committed pairs and ``span`` slots after them. The
-        context is left at its committed pairs, ``depth`` head passes counted."""
+        context is left at its committed pairs, ``depth`` head passes counted (``timed``: see
+        ``FixedShapeCall.run_fixed``)."""
         pending = self._pending(pc, ctx, extra)
         cache = pc.cache
         slab, base = cache.slab, int(pending[-1])  # the root pair sits in slot base - 1
         rows, keys = pow2_at_least(len(pending)), min(pow2_at_least(base + span, KEY_BUCKET_MIN), slab.capacity)
         p = make(slab, rows, keys, base)
         p.load(pc, ctx, pending)
-        p.run_fixed()
+        p.run_fixed(timed)
         cache.length = pc.base = base
         pc.passes += depth
         return p
@@ -443,7 +445,7 @@ class DeviceChainHead(DeviceDraftHead):
         row = self._ti_a[root]
         return row if self._informed is None or self._informed[root] else np.zeros_like(row)
 
-    def _drafted(self, pc: PairContext, ctx: np.ndarray, depth: int, make) -> _DraftPass:
+    def _drafted(self, pc: PairContext, ctx: np.ndarray, depth: int, make, timed: bool = False) -> _DraftPass:
         """Run the draft call ``make(slab, rows, keys)`` gives for this context's shape: the
         catch-up, the chain, the raw logits (``_catch_up_call``)."""
         def chained(slab: Slab, rows: int, keys: int, base: int) -> _DraftPass:
@@ -454,7 +456,7 @@ class DeviceChainHead(DeviceDraftHead):
             p.host("chain_mask")[:] = np.arange(keys)[None, :] <= chain_slots[:, None]
             return p
 
-        return self._catch_up_call(pc, ctx, depth, depth, depth, chained)
+        return self._catch_up_call(pc, ctx, depth, depth, depth, chained, timed)
 
     @torch.inference_mode()
     def draft(self, pc: PairContext, ctx: np.ndarray, depth: int) -> torch.Tensor:
@@ -494,8 +496,8 @@ class DeviceChainHead(DeviceDraftHead):
                 p.leftover[: leftover.shape[0]].copy_(leftover)
             return p
 
-        p = self._drafted(pc, ctx, depth, make)
-        return p.raw.clone(), _chosen(p.tree, depth, ahead)
+        p = self._drafted(pc, ctx, depth, make, timed=ahead)
+        return p.raw.clone(), _chosen(p, depth, ahead)
 
     @torch.inference_mode()
     def tree(self, raw: torch.Tensor, root: int, ti, topk: int, width: int, max_nodes: int, origin: int = 0) -> DraftTree:
@@ -512,4 +514,4 @@ class DeviceChainHead(DeviceDraftHead):
         p.host("origin")[:] = origin
         p.raw[0].copy_(raw)
         p.run_fixed()
-        return _chosen(p.tree, depth, ahead=False)
+        return _chosen(p, depth, ahead=False)

@@ -134,6 +134,7 @@ class FixedShapeCall:
         self._specs: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
         self._staged: tuple[torch.Tensor, torch.Tensor, dict[str, np.ndarray]] | None = None
         self._sent: Any = None  # the CUDA event after the last copy of the inputs, until the host waits for it
+        self.timing: tuple[Any, Any] | None = None  # CUDA events around the last timed run (``run_fixed``)
 
     def _input(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
         """Declare an input the host fills before each run (``self.<name>`` once allocated)."""
@@ -168,7 +169,20 @@ class FixedShapeCall:
     def _forward(self) -> None:
         raise NotImplementedError
 
-    def run_fixed(self) -> None:
+    def run_fixed(self, timed: bool = False) -> None:
+        """Run once; ``timed``: on CUDA, keep events around the computation (``timing``) for
+        ``device_seconds``, whose caller has waited for the run by then."""
+        self.timing = None
+        if timed and self.device.type == "cuda":
+            began, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            began.record()
+            self._run()
+            ended.record()
+            self.timing = (began, ended)
+        else:
+            self._run()
+
+    def _run(self) -> None:
         if self._specs:
             dev, host, _ = self._staging()
             dev.copy_(host, non_blocking=True)
@@ -230,11 +244,23 @@ class DeviceTree(NamedTuple):
     ``packed``, a float64 vector of five rows of ``nodes`` entries (tokens, parents, scores,
     origin, depths; nodes past the count are padding) and the node count (the drafter's
     ``device_tree.packed``); no node deeper than ``depth``. The tensor is the drafter's output
-    buffer: the pass copies it in, before the drafter's next call can overwrite it."""
+    buffer: the pass copies it in, before the drafter's next call can overwrite it. ``timing``:
+    the draft call's CUDA events (None where calls run synchronously)."""
 
     packed: torch.Tensor
     nodes: int
     depth: int
+    timing: tuple[Any, Any] | None = None
+
+    def device_seconds(self) -> float:
+        """The draft call's time on the device, once the pass that read the tree was waited for:
+        the host did not wait for the draft, the pass's wait did (0.0 where the call ran
+        synchronously: its time was the host's)."""
+        if self.timing is None:
+            return 0.0
+        began, ended = self.timing
+        ended.synchronize()
+        return began.elapsed_time(ended) / 1e3
 
 
 class _TreeBlockPass(FixedShapeCall):

@@ -56,15 +56,15 @@ def main() -> None:
         if torch.device(args.device).type == "cuda":
             torch.cuda.synchronize()
 
-    def marked(self) -> None:
+    def marked(self, timed: bool = False) -> None:
         if not timing["on"]:
             with record_function(MARK):
-                run_fixed(self)
+                run_fixed(self, timed)
             return
         name = type(self).__name__ + (f"[{self.rows}]" if isinstance(self, (device._StaticPass, device._TreeBlockPass)) else "")
         sync()
         start = time.perf_counter()
-        run_fixed(self)
+        run_fixed(self, timed)
         sync()
         timing["seconds"][name] += time.perf_counter() - start
 

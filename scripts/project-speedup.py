@@ -57,11 +57,11 @@ def main() -> None:
         run_fixed = device_module.FixedShapeCall.run_fixed
         cuda = engine.device.type == "cuda"
 
-        def timed(call) -> None:
+        def timed(call, *args) -> None:
             if cuda:
                 torch.cuda.synchronize(engine.device)
             t0 = time.perf_counter()
-            run_fixed(call)
+            run_fixed(call, *args)
             if cuda:
                 torch.cuda.synchronize(engine.device)
             calls[0] += 1

@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from lyanna.decoding import verify as verify_module
+from lyanna.decoding.verify import Verdict
 from lyanna.decoding.decoder import Decoder, GenerationRequest
+from lyanna.decoding.sampling import SamplingParams
 from lyanna.drafters.eagle import EagleDrafter
 from lyanna.drafters.head import DraftHead, PairContext
 from lyanna.drafters.tree import DraftTree
@@ -134,6 +136,101 @@ def test_a_tree_left_on_the_device_verifies_like_the_host_block_of_it(tiny):
         Transformer(tiny.config, tiny.weights).forward_batch([Block([1], [0], caches[1], tree=DeviceTree(padded, 1, 1))])
 
 
+def _sequential(tree: DraftTree, probs: np.ndarray, uniforms: np.ndarray) -> tuple[list[int], int]:
+    """``verify``'s sampling rule for deterministic children, written out with a given uniform
+    for each node (the host's generator draws them as it goes) and one for the bonus token."""
+    kids, node, path = tree.children(), -1, []
+    while True:
+        p = probs[node + 1].copy()
+        for c in kids.get(node, []):
+            x = tree.tokens[c]
+            if p[x] > 0 and uniforms[c] < p[x]:
+                path.append(c)
+                node = c
+                break
+            if p[x] > 0:
+                p[x] = 0.0
+                p /= p.sum()
+        else:
+            cdf = np.cumsum(p)
+            return path, int(min(np.searchsorted(cdf, uniforms[-1] * cdf[-1], side="right"), p.size - 1))
+
+
+def test_a_tree_on_the_device_is_verified_and_compacted_there_as_the_host_does(tiny):
+    """A block whose tree is on the device comes back verified (``ForwardOutput.kept``, ``bonus``):
+    greedy, the host verifier's path and bonus on the same logits; sampling (with top-k and
+    top-p), the sampling rule's with the same uniforms on the host's target distribution; the
+    cache compacted to root + path as the host's compaction leaves it, the taps of the kept rows
+    alone. Trees whose paths the target accepts to various depths (each chosen node's token set
+    to its parent's argmax, a level at a time), with padding; a block without its verification
+    leaves both to the host."""
+    from lyanna.decoding.loop import _block
+    from lyanna.decoding.sampling import target_probs
+    from lyanna.decoding.verify import followed, verify
+    from lyanna.drafters import device_tree
+    from lyanna.engines.base import Verification
+    from lyanna.engines.device import DeviceTree, pow2_at_least
+
+    e = DeviceEngine(tiny.config, tiny.weights, DEVICE)
+    top, vocab = tiny.config.num_layers, tiny.config.vocab_size
+    rng = np.random.default_rng(5)
+    lengths: dict[bool, list[int]] = {False: [], True: []}
+    for trial in range(10):
+        n, pad = 4 + 3 * trial, trial % 3
+        parents = np.array([-1] + [int(rng.integers(-1, i)) for i in range(1, n)])
+        tokens = rng.permutation(vocab)[:n]  # distinct, so siblings stay distinct
+        prompt = rng.integers(0, vocab, 20 + 5 * trial)
+        start, root = len(prompt), int(rng.integers(vocab))
+
+        def host_pass(tree: DraftTree, taps=()):
+            cache = e.new_cache(128)
+            e.forward(prompt, np.arange(start), cache)
+            t, pos, mask = _block(tree, root, start)
+            return e.forward_batch([Block(t, pos, cache, mask, taps=taps)])[0], cache
+
+        depths = DraftTree(tokens, parents).depths
+        for d in range(1, depths.max() + 1):  # most children at depth d: their parent's row's likeliest tokens
+            logits = np.asarray(host_pass(DraftTree(tokens, parents))[0].logits)
+            for parent in np.unique(parents[depths == d]):
+                if rng.random() < 0.8:
+                    kids = np.flatnonzero(parents == parent)
+                    tokens[kids] = rng.permutation(np.argsort(-logits[parent + 1], kind="stable")[: kids.size])
+        tree = DraftTree(tokens, parents, rng.random(n))
+        on_host, _ = host_pass(tree, taps=(1, top))
+        padded = device_tree.PaddedTrees(*(torch.as_tensor(np.concatenate([a, a[:pad]]))[None] for a in (
+            tree.tokens, tree.parents, tree.scores, tree.depths, tree.origin.astype(np.int64))), count=torch.tensor([[n]]))
+        on_tree = DeviceTree(device_tree.packed(padded).to(DEVICE), n + pad, int(tree.depths.max()))
+        # greedy; sampling at a low temperature (long paths) and with both filters; the host's
+        sampled = SamplingParams(temperature=(0.05, 0.8)[trial % 2], top_p=(1.0, 0.9)[trial % 2], top_k=(0, 5)[trial % 2])
+        for rule in (Verification(0.0), Verification(sampled.temperature, sampled.top_p, sampled.top_k,
+                                                         rng.random(n + pad + 1)), None):
+            if rule is None or rule.temperature == 0:
+                expected = verify(tree, np.asarray(on_host.logits), SamplingParams(), rng)
+            else:
+                path, bonus = _sequential(tree, target_probs(np.asarray(on_host.logits), sampled), rule.uniforms)
+                expected = Verdict(path, [int(tree.tokens[i]) for i in path] + [bonus])
+            keep = [0] + [1 + i for i in expected.path]
+            host_cache = host_pass(tree)[1]
+            host_cache.compact(start, keep)
+            cache = e.new_cache(128)
+            e.forward(prompt, np.arange(start), cache)
+            out = e.forward_batch([Block([root], [start], cache, taps=(1, top), tree=on_tree, verification=rule)])[0]
+            if rule is None:  # the host's to do
+                assert out.kept is None and cache.length == start + pow2_at_least(n + pad + 1)
+                cache.compact(start, keep)
+            else:
+                assert out.kept.tolist() == keep
+                assert followed(DraftTree.from_packed(out.tree), out.kept, out.bonus) == expected
+                for tap in (1, top):
+                    np.testing.assert_allclose(out.hidden[tap], on_host.hidden[tap][keep], rtol=1e-4, atol=1e-4)
+                lengths[rule.temperature > 0].append(len(expected.path))
+            assert cache.length == host_cache.length == start + len(keep)
+            torch.testing.assert_close(cache.slab.kv[..., : cache.length, :], host_cache.slab.kv[..., : cache.length, :],
+                                       rtol=1e-5, atol=1e-5)
+    for tried in lengths.values():  # short and long paths both tried, greedy and sampling
+        assert min(tried) <= 1 and max(tried) >= 3, lengths
+
+
 def test_pooled_caches_serve_later_generations_with_the_same_passes(tiny):
     """A dropped cache goes back to the pool: the next generation gets it, stale rows from the
     last one stay invisible (the same tokens), and no new fixed-shape pass (graph) is built."""
@@ -192,6 +289,24 @@ def test_gguf_blocks_load_dequantized_and_bad_settings_are_refused(tiny):
     assert DeviceEngine(tiny.config, tiny.weights, DEVICE, "bfloat16").name == f"device-{torch.device(DEVICE).type}-bfloat16"
 
 
+class DevicePeekingDrafter(PeekingDrafter):
+    """``PeekingDrafter``'s trees (the target's own likeliest tokens: most nodes accepted, the
+    rest with much of the mass) left on the device, as a device head leaves its trees: they are
+    verified in the target's pass."""
+
+    def propose_sized(self, context, max_depth, nodes):
+        from lyanna.drafters import device_tree
+        from lyanna.engines.device import DeviceTree
+
+        tree = self.propose(context, max_depth).prune_depth(max_depth)
+        if not len(tree) or nodes is not None:
+            return tree
+        padded = device_tree.PaddedTrees(*(torch.tensor(a)[None] for a in (
+            tree.tokens, tree.parents, tree.scores, tree.depths, tree.origin.astype(np.int64))),
+            count=torch.tensor([[len(tree)]]))
+        return DeviceTree(device_tree.packed(padded).to(DEVICE), len(tree), int(tree.depths.max()))
+
+
 def _with_heads(decoder, target):
     """An unfitted EAGLE head and a Lyanna head with random token information at the final-norm
     tap (layer 2 of these two-layer models): varied trees, some nodes accepted, most rejected."""
@@ -213,11 +328,13 @@ def _with_heads(decoder, target):
             decoder.add_drafter(name, LyannaDrafter(DeviceChainHead(decoder.engine, w), ti, taps=(2,), depth=3, topk=2, width=2,
                                                     suffix=suffix))
     decoder.add_drafter("peek", PeekingDrafter(decoder.engine))
+    if isinstance(decoder.engine, DeviceEngine):
+        decoder.add_drafter("peek-device", DevicePeekingDrafter(decoder.engine))
     return decoder
 
 
 @pytest.mark.parametrize("method", ["suffix", "eagle", "eagle-device", "lyanna", "lyanna-device", "lyanna-device+suffix",
-                                    "peek"])
+                                    "peek", "peek-device"])
 def test_greedy_on_the_device_equals_ar_there_and_the_numpy_engine(tiny, method):
     """Every method's greedy tokens are the device ``ar``'s, which are the numpy engine's; ``peek``
     makes sure accepted and rejected nodes both go through the static cache's compaction."""
@@ -231,9 +348,9 @@ def test_greedy_on_the_device_equals_ar_there_and_the_numpy_engine(tiny, method)
         got = device.generate(prompt, req, method=method, budget=None)
         assert got.tokens == ar.tokens, (method, prompt)
         tried, accepted = tried + got.draft_tokens, accepted + got.accepted_draft_tokens
-    if method in ("lyanna", "lyanna-device", "peek"):
+    if method in ("lyanna", "lyanna-device", "peek", "peek-device"):
         assert tried > accepted
-    if method == "peek":
+    if method in ("peek", "peek-device"):
         assert accepted > 0
 
 
@@ -335,7 +452,7 @@ def device_small_decoder():
     return _with_heads(Decoder(target, engine=DeviceEngine(target.config, target.weights, DEVICE), default_drafts=False), target)
 
 
-@pytest.mark.parametrize("method", ["ar", "eagle", "eagle-device", "lyanna", "lyanna-device", "peek"])
+@pytest.mark.parametrize("method", ["ar", "eagle", "eagle-device", "lyanna", "lyanna-device", "peek", "peek-device"])
 def test_device_sampled_output_has_the_target_joint_distribution(device_small_decoder, method):
     params, horizon = SAMPLING_GRID["t1"]
     s = sample_outputs(device_small_decoder, method, params, horizon, 600)
@@ -345,11 +462,18 @@ def test_device_sampled_output_has_the_target_joint_distribution(device_small_de
 
 
 def test_device_path_fails_a_wrong_acceptance_rule(device_small_decoder, monkeypatch):
-    """The control: the same statistic rejects a broken verifier on the device path."""
+    """The control: the same statistic rejects a broken verifier on the device path, the host's
+    (a tree that crosses) and the pass's (a device head's tree, verified where it is: the bonus
+    token drawn without setting its rejected siblings to zero)."""
+    from lyanna.engines import device_verify
+
     params, horizon = SAMPLING_GRID["t1"]
-    monkeypatch.setattr(verify_module, "_deterministic_step", no_residual)
-    s = sample_outputs(device_small_decoder, "peek", params, horizon, 600)
-    assert chi2_pvalue(s.counts, exact_joint(device_small_decoder.engine, params, horizon)) < ALPHA
+    joint = exact_joint(device_small_decoder.engine, params, horizon)
+    with monkeypatch.context() as m:
+        m.setattr(verify_module, "_deterministic_step", no_residual)
+        assert chi2_pvalue(sample_outputs(device_small_decoder, "peek", params, horizon, 600).counts, joint) < ALPHA
+    monkeypatch.setattr(device_verify, "residual", lambda row, tokens, rejected: row)
+    assert chi2_pvalue(sample_outputs(device_small_decoder, "peek-device", params, horizon, 600).counts, joint) < ALPHA
 
 
 def _lyanna_head(tiny, seed: int, varied: bool = False, layers: int = 1):
@@ -622,6 +746,8 @@ def test_fixed_shape_calls_issue_no_op_a_cuda_graph_cannot_capture(tiny, monkeyp
     req = GenerationRequest(max_new_tokens=12, eos_token_ids=())
     for method in ("ar", "eagle-device", "lyanna-device"):
         d.generate(list(range(3, 30)), req, method=method, budget=None)
+    sampled = GenerationRequest(max_new_tokens=12, eos_token_ids=(), sampling=SamplingParams(0.8, top_p=0.9, top_k=5, seed=0))
+    d.generate(list(range(3, 30)), sampled, method="lyanna-device", budget=None)  # the pass verifying by sampling
     lyanna = d.drafters["lyanna-device"].fork()  # the draft and the tree alone, as other policies call them
     lyanna.start(list(range(3, 30)), {2: np.zeros((27, tiny.config.hidden_size), np.float32)})
     raw = lyanna.chain(list(range(3, 30)), 3)

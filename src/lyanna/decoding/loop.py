@@ -18,11 +18,11 @@ import numpy as np
 
 from ..drafters.base import Drafter
 from ..drafters.tree import DraftTree
-from ..engines.base import Block, Cache, ForwardOutput, TargetEngine
+from ..engines.base import Block, Cache, ForwardOutput, TargetEngine, Verification
 from .budget import Budget
 from .sampling import SamplingParams, next_token
 from .stopping import OutputTracker
-from .verify import Verdict, verify
+from .verify import Verdict, followed, verify
 
 T = TypeVar("T")
 
@@ -224,7 +224,10 @@ def rounds(state: DecodeState, drafter: Drafter, budget: Budget | None = None,
         t1 = time.perf_counter()
         start = cache.length
         if on_device:
-            out = yield Block([root], [start], cache, taps=drafter.taps, tree=tree)
+            p = state.params  # the pass verifies too: random numbers drawn here, one a node and the bonus token's
+            uniforms = None if p.greedy else state.rng.random(tree.nodes + 1)
+            out = yield Block([root], [start], cache, taps=drafter.taps, tree=tree,
+                              verification=Verification(p.temperature, p.top_p, p.top_k, uniforms))
         else:
             tokens, positions, mask = _block(tree, root, start)
             out = yield Block(tokens, positions, cache, mask, taps=drafter.taps)
@@ -238,18 +241,22 @@ def rounds(state: DecodeState, drafter: Drafter, budget: Budget | None = None,
             if len(tree) and budget is not None:
                 budget.choose_after(tree, t1 - t0)
         state.target_passes += 1
-        verdict = verify(tree, out.logits, state.params, state.rng)
+        if out.kept is None:
+            verdict = verify(tree, out.logits, state.params, state.rng)
+        else:  # verified where it ran, the cache compacted there
+            verdict = followed(tree, out.kept, out.bonus)
         taken = tracker.extend(verdict.tokens)
         context += verdict.tokens[:taken]
         keep = [0] + [1 + i for i in verdict.path]
-        if len(tree) or on_device:  # drop the rejected nodes and padding (a lone root has nothing to drop)
+        if out.kept is None and (len(tree) or on_device):  # drop the rejected nodes and padding (a lone root has none)
             cache.compact(start, keep)
         t2 = time.perf_counter()
         if budget is not None:
             budget.observe(tree, len(verdict.path), t_pass)
         stats.record(tree, verdict, min(len(verdict.path), taken))
         if not tracker.finished:
-            drafter.commit(tokens[keep].tolist(), {k: v[keep] for k, v in out.hidden.items()})
+            hidden = out.hidden if out.kept is not None else {k: v[keep] for k, v in out.hidden.items()}
+            drafter.commit(tokens[keep].tolist(), hidden)
             root = verdict.tokens[-1]
         t3 = time.perf_counter()
         if proposed and fallback is not None and not fallback.keep_drafting(t3 - t0, taken):

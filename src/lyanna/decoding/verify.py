@@ -57,6 +57,13 @@ def _sampled_step(p: np.ndarray, q: np.ndarray, candidates: list[int], rng: np.r
     return None, p
 
 
+def followed(tree: DraftTree, kept: np.ndarray, bonus: int) -> Verdict:
+    """The verdict of a path an engine verified where it ran (``ForwardOutput.kept``: the root's
+    row, then ``1 +`` each accepted node; ``bonus``, the target's token after them)."""
+    path = [int(k) - 1 for k in kept[1:]]
+    return Verdict(path, [int(tree.tokens[i]) for i in path] + [int(bonus)])
+
+
 def verify(tree: DraftTree, logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> Verdict:
     """Decide the accepted path and the bonus token.
 

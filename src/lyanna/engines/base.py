@@ -3,7 +3,7 @@ return logits and tapped hidden states, keep the accepted cache rows."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence
+from typing import Any, NamedTuple, Protocol, Sequence
 
 import numpy as np
 
@@ -20,6 +20,17 @@ def compaction(start: int, length: int, keep: Sequence[int] | np.ndarray) -> np.
     if keep.size and (keep.min() < 0 or keep.max() >= block or np.unique(keep).size != keep.size):
         raise ValueError(f"compact keep indices {keep.tolist()} invalid for a block of {block}")
     return keep
+
+
+class Verification(NamedTuple):
+    """The loop's verification rule for a tree its engine verifies in the pass: the sampling
+    settings (``temperature`` 0: greedy) and, when sampling, uniforms drawn ahead, one for each
+    of the tree's nodes and one for the bonus token (so the pass reads no random state)."""
+
+    temperature: float
+    top_p: float = 1.0
+    top_k: int = 0
+    uniforms: np.ndarray | None = None
 
 
 class DeviceLogits(Protocol):
@@ -42,6 +53,11 @@ class ForwardOutput:
     # with the pass's outputs (the drafter's packed form); the rows above are the root's and its
     # nodes'. None for every other block.
     tree: np.ndarray | None = None
+    # A tree block its engine verified where it ran (``Block.verification``): the rows the cache
+    # kept, the root's (0) then the accepted nodes' (1 + node), root to leaf (``hidden`` holds
+    # those rows alone), and the target's token after them. None: the loop verifies and compacts.
+    kept: np.ndarray | None = None
+    bonus: int | None = None
 
 
 class Cache(Protocol):
@@ -146,6 +162,9 @@ class Block:
     # block is the root (``tokens``, at ``positions``) and the tree's nodes, which the engine of
     # that device reads where they are, so that no copy waits between drafting and verifying.
     tree: Any = None
+    # How to verify that tree in the pass itself, compacting the cache there too
+    # (``ForwardOutput.kept``); None: the loop verifies and compacts.
+    verification: Verification | None = None
 
     @property
     def rows(self) -> int:

@@ -30,6 +30,7 @@ import torch
 from ..errors import LyannaError
 from .base import Block, ForwardOutput, TargetEngine, block_inputs, compaction
 from .config import ModelConfig, rope_inv_freq
+from .device_verify import follow
 from .loading import Target, load_target
 from .quant import QuantMatrix
 from .torch_layers import DecoderLayer, PackedLayer, cached_layer, rms_norm, rotation
@@ -268,20 +269,30 @@ class _TreeBlockPass(FixedShapeCall):
     root and ``rows - 1`` tree rows (a tree of fewer nodes is padded), attention over ``keys``
     slots, ancestors up to ``depth``. Its tokens, positions, slots and mask are formed here from
     the tree (``load``) and the block's start and root (host inputs): the same block the host
-    builds for a tree."""
+    builds for a tree. ``rule`` ``"greedy"`` or ``"sampling"``: the pass also verifies the tree
+    (``device_verify.follow``; sampling's settings and random numbers are inputs) and compacts
+    the cache to root + accepted path; None: it leaves both to the host."""
 
-    def __init__(self, engine: "DeviceEngine", slab: Slab, rows: int, keys: int, taps: tuple[int, ...], depth: int):
+    def __init__(self, engine: "DeviceEngine", slab: Slab, rows: int, keys: int, taps: tuple[int, ...], depth: int,
+                 rule: str | None):
         super().__init__(engine.device, engine._graph_pool)
         self.engine, self.slab, self.rows, self.keys, self.taps = engine, slab, rows, keys, taps
-        self.nodes, self.depth = rows - 1, depth
+        self.nodes, self.depth, self.rule = rows - 1, depth, rule
         self._input("start", (1,), torch.int64)
         self._input("root", (1,), torch.int64)
+        if rule == "sampling":
+            for name in ("temperature", "top_p"):
+                self._input(name, (1,), torch.float64)
+            self._input("top_k", (1,), torch.int64)
+            self._input("uniforms", (rows,), torch.float64)  # one a node, then the bonus token's
         # ``DeviceTree.packed``'s layout at ``nodes`` columns (padding past a tree's own columns
         # keeps earlier values: nodes past the count, never read but as rows dropped after).
         self.tree = torch.zeros(5 * self.nodes + 1, dtype=torch.float64, device=engine.device)
         self.logits: torch.Tensor | None = None
         self.argmax: torch.Tensor | None = None
         self.hidden: dict[int, torch.Tensor] = {}
+        self.kept: torch.Tensor | None = None  # the path's length, the bonus token, the rows kept (padded)
+        self.kept_hidden: dict[int, torch.Tensor] = {}  # the tapped rows of those rows
 
     def _forward(self) -> None:
         m, rows, keys, dev = self.nodes, self.rows, self.keys, self.device
@@ -315,6 +326,19 @@ class _TreeBlockPass(FixedShapeCall):
         self.logits, self.hidden = self.engine._layers_pass(self.slab, tokens, positions, slots, mask, keys, self.taps,
                                                             None)
         self.argmax = self.logits.argmax(-1)
+        if self.rule is not None:
+            self._follow(tokens[1 : m + 1], parents, depths[1:], valid)
+
+    def _follow(self, tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, valid: torch.Tensor) -> None:
+        """Verify (``device_verify.follow``), then move rows ``start + keep`` to ``start + 0..``
+        (``keep`` padded with self-copies past the path, so the shape stays fixed)."""
+        levels = min(self.depth, self.nodes)  # the deepest a path can be
+        sampling = None if self.rule == "greedy" else (self.temperature, self.top_p, self.top_k, self.uniforms)
+        path = follow(tokens, parents, depths, valid, self.logits[: self.nodes + 1], self.argmax, levels, sampling)
+        kv = self.slab.kv
+        kv.index_copy_(3, self.start + torch.arange(levels + 1, device=self.device), kv.index_select(3, self.start + path.keep))
+        self.kept = torch.cat([path.count, path.bonus, path.keep])
+        self.kept_hidden = {tap: h[path.keep] for tap, h in self.hidden.items()}
 
     def load(self, tree: DeviceTree) -> None:
         """Copy ``tree`` in (on the device, in stream order: before its drafter's next call)."""
@@ -415,6 +439,9 @@ class DeviceEngine(TargetEngine):
             raise ValueError("a block whose tree is on the device takes no mask, logit rows or prefill")
         if not 0 <= tokens[0] < self.config.vocab_size:
             raise ValueError(f"token ids must lie in [0, {self.config.vocab_size})")
+        rule = b.verification
+        if rule is not None and rule.temperature > 0 and np.shape(rule.uniforms) != (b.tree.nodes + 1,):
+            raise ValueError(f"sampling verification needs {b.tree.nodes + 1} uniforms (one a node, the bonus token's)")
         rows = pow2_at_least(b.tree.nodes + 1)  # the tree is padded to its row bucket
         if b.cache.length + rows > b.cache.capacity:
             raise ValueError(f"cache capacity {b.cache.capacity} exceeded: {b.cache.length} cached + {rows} new")
@@ -424,24 +451,39 @@ class DeviceEngine(TargetEngine):
         """A block whose tree is on the device (``_TreeBlockPass``), at its bucketed shape (the
         tree padded to fill it: one pass per bucket, whatever the tree's size): the tree comes to
         the host with the tapped rows and every row's argmax, in one wait. Rows past its node
-        count (padding) are left out of the output; they stay in the cache until compaction."""
-        cache, tree = b.cache, b.tree
+        count (padding) are left out of the output; they stay in the cache until compaction.
+        A block with its ``verification`` is verified and compacted in the pass: only the kept
+        rows' taps come, with the kept rows and the bonus token (``ForwardOutput.kept``)."""
+        cache, tree, rule = b.cache, b.tree, b.verification
         slab, start = cache.slab, cache.length
         rows = pow2_at_least(tree.nodes + 1)
         keys = min(pow2_at_least(start + rows, KEY_BUCKET_MIN), slab.capacity)
         taps = tuple(sorted(set(b.taps)))
-        key = (id(slab), rows, keys, taps, tree.depth)
+        mode = None if rule is None else "greedy" if rule.temperature == 0 else "sampling"
+        key = (id(slab), rows, keys, taps, tree.depth, mode)
         p = self._tree_passes.get(key)
         if p is None:
-            p = self._tree_passes[key] = _TreeBlockPass(self, slab, rows, keys, taps, tree.depth)
+            p = self._tree_passes[key] = _TreeBlockPass(self, slab, rows, keys, taps, tree.depth, mode)
         p.host("start")[0], p.host("root")[0] = start, root
+        if mode == "sampling":
+            p.host("temperature")[0], p.host("top_p")[0], p.host("top_k")[0] = rule.temperature, rule.top_p, rule.top_k
+            uniforms = p.host("uniforms")
+            uniforms[:], uniforms[: tree.nodes], uniforms[-1] = 1.0, rule.uniforms[:-1], rule.uniforms[-1]  # padding: never
         p.load(tree)
         p.run_fixed()
-        cache.length += rows
-        *hidden, argmax, packed = _fetch([p.hidden[tap][:rows] for tap in b.taps] + [p.argmax[:rows], p.tree])
+        if mode is None:
+            *hidden, argmax, packed = _fetch([p.hidden[tap][:rows] for tap in b.taps] + [p.argmax[:rows], p.tree])
+            cache.length += rows
+            kept = bonus = None
+        else:  # verified and compacted in the pass: only the kept rows' taps cross
+            *hidden, argmax, packed, path = _fetch([p.kept_hidden[tap] for tap in b.taps] + [p.argmax[:rows], p.tree, p.kept])
+            kept, bonus = path[2 : 3 + int(path[0])], int(path[1])
+            cache.length = start + kept.size
         cut = 1 + int(packed[-1])
+        rows_out = cut if kept is None else kept.size
         return ForwardOutput(logits=_Logits(p.logits[:cut].clone(), argmax[:cut]),
-                             hidden={tap: h[:cut] for tap, h in zip(b.taps, hidden)}, tree=packed)
+                             hidden={tap: h[:rows_out] for tap, h in zip(b.taps, hidden)}, tree=packed, kept=kept,
+                             bonus=bonus)
 
     def _run(self, b: Block, tokens: np.ndarray, positions: np.ndarray, within: np.ndarray | None) -> ForwardOutput:
         n, cache = tokens.shape[0], b.cache

@@ -260,8 +260,10 @@ def test_logits_left_on_the_device_read_like_host_logits():
 
 
 def test_cuda_graphs_give_the_same_tokens(tiny):
-    """Captured and replayed, or run eagerly: the same greedy tokens for a drafter whose trees
-    vary in size (so several row buckets are captured)."""
+    """Captured and replayed, or run eagerly: the same greedy tokens for drafters whose trees
+    vary in size (so several row buckets are captured), host drafters' and device heads' (their
+    draft calls and tree passes captured too), and the same sampled tokens for a seed (the pass
+    verifying by sampling)."""
     if not DEVICE.startswith("cuda"):
         with pytest.raises(LyannaError, match="CUDA"):
             DeviceEngine(tiny.config, tiny.weights, DEVICE, graphs=True)
@@ -271,9 +273,13 @@ def test_cuda_graphs_give_the_same_tokens(tiny):
         e = DeviceEngine(tiny.config, tiny.weights, DEVICE, graphs=graphs)
         d = _with_heads(Decoder(tiny, engine=e, default_drafts=False), tiny)
         req = GenerationRequest(max_new_tokens=32, eos_token_ids=())
-        outs.append([d.generate(p, req, method=m, budget=None).tokens
-                     for m in ("ar", "peek", "lyanna") for p in ([1, 40, 41, 42, 40, 41, 42], list(range(3, 60)))])
-        assert all(p.graph is not None for p in e._passes.values()) == graphs
+        sampled = GenerationRequest(max_new_tokens=32, eos_token_ids=(), sampling=SamplingParams(0.8, top_p=0.95, seed=3))
+        outs.append([d.generate(p, r, method=m, budget=None).tokens
+                     for m, r in (("ar", req), ("peek", req), ("lyanna", req), ("lyanna-device", req), ("eagle-device", req),
+                                  ("lyanna-device", sampled), ("peek-device", sampled))
+                     for p in ([1, 40, 41, 42, 40, 41, 42], list(range(3, 60)))])
+        calls = [*e._passes.values(), *e._tree_passes.values()]
+        assert len(e._tree_passes) >= 2 and all(p.graph is not None for p in calls) == graphs
     assert outs[0] == outs[1]
 
 

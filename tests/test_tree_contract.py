@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import ast
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -21,6 +20,7 @@ from lyanna.drafters.eagle import DECODE_DEFAULTS as EAGLE_DEFAULTS
 from lyanna.drafters.registry import arch_providing
 from lyanna.drafters.suffix import SUFFIX_ACCEPTANCE, SuffixDrafter
 from lyanna.drafters.tree import DraftTree
+from lyanna.engines.base import ForwardOutput
 from lyanna.engines.transformer import KVCache
 from lyanna.errors import LyannaError
 from lyanna.training.fit import init_eagle_head
@@ -353,7 +353,7 @@ class PathTarget:
         cache.k[0, 0, start:start + n, 0] = tokens
         cache.length = start + n
         logits = np.stack([self.logits_after(prefix + tuple(tokens[mask[i]].tolist())) for i in range(n)])
-        return SimpleNamespace(logits=logits, hidden={})
+        return ForwardOutput(logits=logits)
 
     def forward_batch(self, blocks):
         return [self.forward(b.tokens, b.positions, b.cache, b.block_mask, b.logit_rows, b.taps) for b in blocks]

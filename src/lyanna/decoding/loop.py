@@ -2,7 +2,8 @@
 
 A round: the drafter proposes a tree that continues the committed context (whose last token,
 the root, is not in the target's cache yet); the target runs root + tree in one pass; the
-verifier picks the accepted path and the bonus token; the output tracker commits them (cutting
+verifier picks the accepted path and the bonus token (a tree left on the target's device is
+verified in the pass, by the same rules); the output tracker commits them (cutting
 at EOS, stop strings, ``max_new_tokens``); the target cache keeps only root + accepted path; and
 the drafter is told what was committed, with the target hidden states it asked for. With an empty
 tree a round is exactly one autoregressive step.
@@ -224,10 +225,10 @@ def rounds(state: DecodeState, drafter: Drafter, budget: Budget | None = None,
         t1 = time.perf_counter()
         start = cache.length
         if on_device:
-            p = state.params  # the pass verifies too: random numbers drawn here, one a node and the bonus token's
-            uniforms = None if p.greedy else state.rng.random(tree.nodes + 1)
+            params = state.params  # the pass verifies too: random numbers drawn here, one a node and the bonus token's
+            uniforms = None if params.greedy else state.rng.random(tree.nodes + 1)
             out = yield Block([root], [start], cache, taps=drafter.taps, tree=tree,
-                              verification=Verification(p.temperature, p.top_p, p.top_k, uniforms))
+                              verification=Verification(params.temperature, params.top_p, params.top_k, uniforms))
         else:
             tokens, positions, mask = _block(tree, root, start)
             out = yield Block(tokens, positions, cache, mask, taps=drafter.taps)

@@ -249,7 +249,7 @@ def rounds(state: DecodeState, drafter: Drafter, budget: Budget | None = None,
         taken = tracker.extend(verdict.tokens)
         context += verdict.tokens[:taken]
         keep = [0] + [1 + i for i in verdict.path]
-        if out.kept is None and (len(tree) or on_device):  # drop the rejected nodes and padding (a lone root has none)
+        if out.kept is None and len(tree):  # drop the rejected nodes (a lone root has none; a device tree's pass did)
             cache.compact(start, keep)
         t2 = time.perf_counter()
         if budget is not None:

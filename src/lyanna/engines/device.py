@@ -467,8 +467,8 @@ class DeviceEngine(TargetEngine):
         p.host("start")[0], p.host("root")[0] = start, root
         if mode == "sampling":
             p.host("temperature")[0], p.host("top_p")[0], p.host("top_k")[0] = rule.temperature, rule.top_p, rule.top_k
-            uniforms = p.host("uniforms")
-            uniforms[:], uniforms[: tree.nodes], uniforms[-1] = 1.0, rule.uniforms[:-1], rule.uniforms[-1]  # padding: never
+            uniforms = p.host("uniforms")  # past the tree's nodes: padding nodes', never read (they are not valid)
+            uniforms[: tree.nodes], uniforms[-1] = rule.uniforms[:-1], rule.uniforms[-1]
         p.load(tree)
         p.run_fixed()
         if mode is None:

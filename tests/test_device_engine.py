@@ -16,7 +16,7 @@ from lyanna.decoding.verify import Verdict
 from lyanna.decoding.decoder import Decoder, GenerationRequest
 from lyanna.decoding.sampling import SamplingParams
 from lyanna.drafters.eagle import EagleDrafter
-from lyanna.drafters.head import DraftHead, PairContext
+from lyanna.drafters.head import DraftHead
 from lyanna.drafters.tree import DraftTree
 from lyanna.drafters.checkpoint import save_head
 from lyanna.drafters.device import DeviceChainHead, DeviceDraftHead
@@ -221,8 +221,9 @@ def test_a_tree_on_the_device_is_verified_and_compacted_there_as_the_host_does(t
             else:
                 assert out.kept.tolist() == keep
                 assert followed(DraftTree.from_packed(out.tree), out.kept, out.bonus) == expected
-                for tap in (1, top):
-                    np.testing.assert_allclose(out.hidden[tap], on_host.hidden[tap][keep], rtol=1e-4, atol=1e-4)
+                for tap in (1, top):  # left on the device, for the drafter's next call
+                    assert isinstance(out.hidden[tap], torch.Tensor) and out.hidden[tap].device == e.device
+                    np.testing.assert_allclose(out.hidden[tap].float().cpu(), on_host.hidden[tap][keep], rtol=1e-4, atol=1e-4)
                 lengths[rule.temperature > 0].append(len(expected.path))
             assert cache.length == host_cache.length == start + len(keep)
             torch.testing.assert_close(cache.slab.kv[..., : cache.length, :], host_cache.slab.kv[..., : cache.length, :],
@@ -637,17 +638,18 @@ def test_checkpoints_load_their_device_heads_on_the_device_engine(tiny, tmp_path
 def test_fixed_shape_draft_equals_the_host_heads_draft(tiny, layers):
     """The device head's draft in one fixed-shape call (catch-up padded to a bucket, the chain, raw
     logits) gives the host head's raw logits and leaves its context where the host's is left:
-    a new prompt's pairs (more than one call takes), then a round with a few pending pairs; for a
-    head of one decoder layer and of two."""
+    a new prompt's pairs (more than one call takes), then a round with a few pending pairs (whose
+    features the device head is handed on the device, as a pass verified there hands them); for
+    a head of one decoder layer and of two."""
     e, w = _lyanna_head(tiny, seed=4, layers=layers)
     hidden = np.random.default_rng(6).standard_normal((40, tiny.config.hidden_size)).astype(np.float32)
     ctx = np.arange(30, 71)
     states = []
-    for head in (ChainHead(e, w), DeviceChainHead(e, w)):
-        pc, raws = PairContext(head, (2,)), []
+    for head, rows in ((ChainHead(e, w), np.asarray), (DeviceChainHead(e, w), lambda r: torch.from_numpy(r).to(DEVICE))):
+        pc, raws = head.context((2,)), []
         pc.start({2: hidden[:20]})
         raws.append(head.draft(pc, ctx[:21], 4))  # 20 pairs pending: more than a fixed catch-up takes
-        pc.commit({2: hidden[20:23]})
+        pc.commit({2: rows(hidden[20:23])})
         raws.append(head.draft(pc, ctx[:24], 3))  # 3 pending: padded to 4 rows
         raws.append(head.draft(pc, ctx[:24], 1))  # the same context again, no chain step
         states.append((raws, pc.cache.length, pc.base, pc.passes))
@@ -669,7 +671,7 @@ def test_a_rounds_drafting_in_one_call_equals_the_host_heads(tiny, fallback):
     ctx = np.arange(30, 71)
     rounds = []
     for head, rows in ((ChainHead(e, w), np.asarray), (DeviceChainHead(e, w), lambda r: torch.from_numpy(r).to(DEVICE))):
-        pc = PairContext(head, (2,))
+        pc = head.context((2,))
         pc.start({2: hidden[:20]})
         raw, fresh = head.draft_trees(pc, ctx[:21], 4, None, ti, 3, 2, 12)
         pc.commit({2: hidden[20:22]})

@@ -41,18 +41,18 @@ HEAD_POOL_MIN = 1024
 class _CatchUpCall(FixedShapeCall):
     """A head's call that starts with a fixed-shape catch-up on one head-cache slab: ``rows``
     pending pairs (the root last, padding after it) through the head's layer, attention over
-    ``keys`` slots under host-built masks; ``_root`` gives the head's prediction after the root."""
+    ``keys`` slots under host-built masks, each pair's feature read from the slab's committed
+    features (``DevicePairContext``); ``_root`` gives the head's prediction after the root."""
 
     def __init__(self, head: "DeviceDraftHead", slab: Slab, rows: int, keys: int, pool: Any):
         super().__init__(head.device, pool)
         self.head, self.slab, self.keys, self.rows = head, slab, keys, rows
-        self._input("features", (rows, head.config.hidden_size), torch.float32)  # cast to the head's dtype inside
-        for name in ("tokens", "positions", "slots"):
+        for name in ("features", "tokens", "positions", "slots"):  # ``features``: rows of ``slab.features``
             self._input(name, (rows,), torch.int64)
         self._input("mask", (rows, keys), torch.bool)
         self._input("root", (1,), torch.int64)
 
-    def load(self, pc: PairContext, ctx: np.ndarray, pending: np.ndarray) -> None:
+    def load(self, ctx: np.ndarray, pending: np.ndarray) -> None:
         """The pending pairs' inputs (pair ``p``: the feature after token ``p - 1`` and token
         ``p``, at position ``p``, in slot ``p - 1``, seeing its own slot and those before)."""
         n = len(pending)
@@ -61,7 +61,7 @@ class _CatchUpCall(FixedShapeCall):
         mask[n:] = False
         mask[n:, 0] = True  # padding rows read slot 0 and are dropped
         feats, tokens, positions, slots = (self.host(name) for name in ("features", "tokens", "positions", "slots"))
-        feats[:n], feats[n:] = pc.features[pending - 1], 0.0
+        feats[:n], feats[n:] = pending - 1, self.slab.capacity  # a scratch row (zeros) for padding
         tokens[:n], tokens[n:] = ctx[pending], 0
         positions[:n], positions[n:] = pending, 0
         slots[:n], slots[n:] = pending - 1, self.slab.capacity + np.arange(self.rows - n)
@@ -71,7 +71,7 @@ class _CatchUpCall(FixedShapeCall):
         """``rot``: RoPE's (cos, sin) whose first rows are the pending pairs' (None: made here)."""
         h, n = self.head, self.rows
         cos, sin = h.rotation(self.positions) if rot is None else (rot[0][:n], rot[1][:n])
-        x = h.fc(torch.cat([self.features.to(h.dtype), h._embed[self.tokens]], dim=-1))
+        x = h.fc(torch.cat([self.slab.features[self.features].to(h.dtype), h._embed[self.tokens]], dim=-1))
         return h.layer_at(x, cos, sin, self.slots, self.mask, self.slab, self.keys).index_select(0, self.root)
 
 
@@ -262,6 +262,33 @@ def _chosen(p: Any, depth: int, ahead: bool) -> DraftTree | DeviceTree:
     return DraftTree.from_packed(p.tree.cpu().numpy())
 
 
+class DevicePairContext(PairContext):
+    """``PairContext`` whose committed features stay on the device, in its head cache's slab
+    (``Slab.features``, row ``i`` the feature after token ``i``, the row pair ``i + 1`` reads):
+    a round verified in the target's pass hands over its kept rows' taps there, and the head's
+    next catch-up reads them without a copy to the host and back."""
+
+    @property
+    def features(self) -> torch.Tensor:
+        return self.cache.slab.features[: self._count]
+
+    def commit(self, hidden: dict[int, Any]) -> None:
+        """``hidden``: each tap's rows, on the host or on the device."""
+        head = self.head
+        rows = [torch.as_tensor(hidden[t]).to(head.device, torch.float32) for t in self.taps]
+        rows = rows[0] if len(rows) == 1 else torch.cat(rows, dim=-1) @ head.taps_fc.T
+        need = self._count + rows.shape[0]
+        self._room(need)
+        self.cache.slab.features[self._count : need] = rows
+        self._count = need
+
+    def _room(self, need: int) -> None:
+        old = self.cache
+        super()._room(need)
+        if self.cache is not old:
+            self.cache.slab.features[: self._count] = old.slab.features[: self._count]
+
+
 class DeviceDraftHead:
     """The fusion layer and the head's decoder layers in torch, on the engine's device and in its
     dtype; the embedding and LM head are the engine's own tensors."""
@@ -283,14 +310,16 @@ class DeviceDraftHead:
             layer.to(self.device, self.dtype).eval().requires_grad_(False)
             with torch.no_grad():
                 self.layers.append(PackedLayer(layer, c))
-        # Several taps' rows are projected on the host, where ``PairContext`` keeps the features.
-        self.taps_fc = np.ascontiguousarray(weights["taps_fc.weight"], np.float32) if "taps_fc.weight" in weights else None
+        # Several taps' rows are projected to one feature as they are committed (fp32, as the host's).
+        self.taps_fc = self._weight(weights, "taps_fc.weight").to(self.device) if "taps_fc.weight" in weights else None
         self._embed = engine._embed
         self._lm_head = engine._lm_head
         self._inv_freq = engine._inv_freq
         self._graph_pool = engine._graph_pool  # None: no graphs (CPU, or --no-cuda-graphs)
-        # Each layer's keys and values a cache, ``CATCH_UP_ROWS`` scratch slots for a catch-up's padding.
-        self._pool = SlabPool(len(self.layers), c, CATCH_UP_ROWS, HEAD_POOL_MIN, self.dtype, self.device)
+        # Each layer's keys and values a cache and the committed features, ``CATCH_UP_ROWS`` scratch
+        # slots for a catch-up's padding.
+        self._pool = SlabPool(len(self.layers), c, CATCH_UP_ROWS, HEAD_POOL_MIN, self.dtype, self.device,
+                              features=c.hidden_size)
         self._eagles: dict[tuple[int, ...], _EagleTreePass] = {}
 
     @staticmethod
@@ -305,8 +334,12 @@ class DeviceDraftHead:
         ``PairContext`` grows by copying slices), from the pool of caches no context holds."""
         return self._pool.cache(capacity)
 
+    def context(self, taps: Sequence[int]) -> "DevicePairContext":
+        """A new generation's view of the committed context, its features on the device."""
+        return DevicePairContext(self, taps)
+
     def _rows(self, a: np.ndarray | torch.Tensor) -> torch.Tensor:
-        """Feature rows on the device in the head's dtype (committed ones come from the host)."""
+        """Feature rows on the device in the head's dtype."""
         t = a if isinstance(a, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(a, np.float32))
         return t.to(self.device, self.dtype)
 
@@ -355,7 +388,7 @@ class DeviceDraftHead:
         pending = pc.reserve(ctx, extra)
         if len(pending) > CATCH_UP_ROWS:
             old = pending[:-1]
-            self.fill(pc.features[old - 1], ctx[old], old, pc.cache)
+            self.fill(pc.features[torch.as_tensor(old - 1, device=self.device)], ctx[old], old, pc.cache)
             pending = pending[-1:]
         return pending
 
@@ -398,7 +431,7 @@ class DeviceDraftHead:
         slab, base = cache.slab, int(pending[-1])  # the root pair sits in slot base - 1
         rows, keys = pow2_at_least(len(pending)), min(pow2_at_least(base + span, KEY_BUCKET_MIN), slab.capacity)
         p = make(slab, rows, keys, base)
-        p.load(pc, ctx, pending)
+        p.load(ctx, pending)
         p.run_fixed(timed)
         cache.length = pc.base = base
         pc.passes += depth

@@ -21,7 +21,7 @@ from ..engines.loading import Target
 from ..errors import LyannaError
 from .base import Drafter
 from .checkpoint import decode_settings, head_taps, load_head
-from .head import DraftHead, PairContext
+from .head import DraftHead
 from .registry import register
 from .tree import DraftTree
 
@@ -46,7 +46,7 @@ class EagleDrafter(Drafter):
         self.head, self.tap = head, tap
         self.taps = (tap,)
         self.depth, self.topk, self.width, self.max_nodes = depth, topk, width, max_nodes
-        self.context = PairContext(head, self.taps)
+        self.context = head.context(self.taps)
 
     @classmethod
     def build(cls, target: Target, engine: TargetEngine, checkpoint: Path | None = None) -> dict[str, Drafter]:

@@ -61,6 +61,10 @@ class DraftHead:
         c = self.config
         return KVCache(len(self.layers), c.num_kv_heads, c.head_dim, capacity)
 
+    def context(self, taps: Sequence[int]) -> "PairContext":
+        """A new generation's view of the committed context (``PairContext``)."""
+        return PairContext(self, taps)
+
     def _fuse(self, features: np.ndarray, tokens: np.ndarray) -> np.ndarray:
         return linear(np.concatenate([features, self.embed[tokens]], axis=-1), self.fc_w) + self.fc_b
 
@@ -176,14 +180,17 @@ class PairContext:
         them; return those pairs' positions (the root's last). A root fed already (a repeated
         proposal for the same context) is fed again."""
         self.cache.length = min(self.cache.length, len(ctx) - 2)
-        need = len(ctx) + extra
+        self._room(len(ctx) + extra)
+        return np.arange(self.cache.length + 1, len(ctx))
+
+    def _room(self, need: int) -> None:
+        """A cache of at least ``need`` positions (doubling), the fed pairs moved over."""
         if need > self.cache.capacity:
             bigger = self.head.new_cache(max(need, 2 * self.cache.capacity))
             bigger.k[:, :, : self.cache.length] = self.cache.k[:, :, : self.cache.length]
             bigger.v[:, :, : self.cache.length] = self.cache.v[:, :, : self.cache.length]
             bigger.length = self.cache.length
             self.cache = bigger
-        return np.arange(self.cache.length + 1, len(ctx))
 
     def catch_up(self, ctx: np.ndarray, extra: int) -> np.ndarray:
         """Feed every committed pair not fed yet, the root (``ctx[-1]``) last, and return the

@@ -250,7 +250,7 @@ class LyannaDrafter(Drafter):
         self.head, self.ti, self.taps = head, ti, tuple(taps)
         self.depth, self.topk, self.width, self.max_nodes = depth, topk, width, max_nodes
         self.policy, self.reuse_min_expected = policy, reuse_min_expected
-        self.context = PairContext(head, self.taps)
+        self.context = head.context(self.taps)
         self.suffix = SuffixDrafter() if suffix else None
         self._chain: np.ndarray | None = None  # raw-logit rows the last tree was built from
         self._leftover: np.ndarray | None = None  # rows still valid after the next root

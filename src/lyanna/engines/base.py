@@ -48,7 +48,10 @@ class DeviceLogits(Protocol):
 @dataclass
 class ForwardOutput:
     logits: np.ndarray | DeviceLogits  # [rows, vocab] for the requested rows
-    hidden: dict[int, np.ndarray] = field(default_factory=dict)  # tap -> [n, hidden_size]
+    # tap -> [n, hidden_size]: host arrays, but for a block verified where it ran (``kept``):
+    # there, a device's rows stay on it, valid until the next pass on the cache (the loop hands
+    # them to the drafter at once; a draft head on that device keeps them there).
+    hidden: dict[int, Any] = field(default_factory=dict)
     # A block whose tree was left on the device (``Block.tree``): that tree, copied to the host
     # with the pass's outputs (the drafter's packed form); the rows above are the root's and its
     # nodes'. None for every other block.

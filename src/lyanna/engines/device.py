@@ -61,10 +61,16 @@ class Slab:
     head dim]`` as the two halves of one tensor (so that compaction moves both in one gather):
     slots past ``capacity`` take the padding rows of a fixed-shape call."""
 
-    def __init__(self, shape: tuple[int, ...], capacity: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, shape: tuple[int, ...], capacity: int, dtype: torch.dtype, device: torch.device,
+                 features: int = 0):
+        """``features``: a draft head's slab also keeps ``[capacity + scratch, features]`` fp32
+        rows for the committed tokens' target features (``drafters.device.DevicePairContext``;
+        scratch rows stay zero), pooled with its keys and values so that graphs reading them serve
+        later generations too."""
         self.kv = torch.zeros((2, *shape), dtype=dtype, device=device)
         self.k, self.v = self.kv[0], self.kv[1]
         self.capacity = capacity
+        self.features = torch.zeros((shape[2], features), dtype=torch.float32, device=device) if features else None
 
 
 class SlabPool:
@@ -73,9 +79,10 @@ class SlabPool:
     with the fixed-shape calls (CUDA graphs) captured on it."""
 
     def __init__(self, layers: int, c: ModelConfig, scratch: int, smallest: int, dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, features: int = 0):
+        """``features``: see ``Slab``."""
         self.layers, self.config, self.scratch, self.smallest = layers, c, scratch, smallest
-        self.dtype, self.device = dtype, device
+        self.dtype, self.device, self.features = dtype, device, features
         self._free: dict[int, list[Slab]] = {}  # pooled capacity -> slabs no cache holds
 
     def cache(self, capacity: int) -> "StaticCache":
@@ -85,7 +92,7 @@ class SlabPool:
         free = self._free.setdefault(pooled, [])
         c = self.config
         slab = free.pop() if free else Slab((self.layers, c.num_kv_heads, pooled + self.scratch, c.head_dim), pooled,
-                                            self.dtype, self.device)
+                                            self.dtype, self.device, self.features)
         return StaticCache(slab, capacity, free.append)
 
     @property
@@ -293,6 +300,7 @@ class _TreeBlockPass(FixedShapeCall):
         self.hidden: dict[int, torch.Tensor] = {}
         self.kept: torch.Tensor | None = None  # the path's length, the bonus token, the rows kept (padded)
         self.kept_hidden: dict[int, torch.Tensor] = {}  # the tapped rows of those rows
+        self.result: torch.Tensor | None = None  # ``tree`` then ``kept`` (float64)
 
     def _forward(self) -> None:
         m, rows, keys, dev = self.nodes, self.rows, self.keys, self.device
@@ -339,6 +347,7 @@ class _TreeBlockPass(FixedShapeCall):
         kv.index_copy_(3, self.start + torch.arange(levels + 1, device=self.device), kv.index_select(3, self.start + path.keep))
         self.kept = torch.cat([path.count, path.bonus, path.keep])
         self.kept_hidden = {tap: h[path.keep] for tap, h in self.hidden.items()}
+        self.result = torch.cat([self.tree, self.kept.double()])  # what crosses to the host, in one copy
 
     def load(self, tree: DeviceTree) -> None:
         """Copy ``tree`` in (on the device, in stream order: before its drafter's next call)."""
@@ -452,8 +461,10 @@ class DeviceEngine(TargetEngine):
         tree padded to fill it: one pass per bucket, whatever the tree's size): the tree comes to
         the host with the tapped rows and every row's argmax, in one wait. Rows past its node
         count (padding) are left out of the output; they stay in the cache until compaction.
-        A block with its ``verification`` is verified and compacted in the pass: only the kept
-        rows' taps come, with the kept rows and the bonus token (``ForwardOutput.kept``)."""
+        A block with its ``verification`` is verified and compacted in the pass: the tree, the
+        kept rows and the bonus token (``ForwardOutput.kept``) cross in one small copy, while
+        the kept rows' taps stay on the device for the drafter's next call and the logits are
+        the pass's own buffer (both valid until the next pass on this cache)."""
         cache, tree, rule = b.cache, b.tree, b.verification
         slab, start = cache.slab, cache.length
         rows = pow2_at_least(tree.nodes + 1)
@@ -474,15 +485,15 @@ class DeviceEngine(TargetEngine):
         if mode is None:
             *hidden, argmax, packed = _fetch([p.hidden[tap][:rows] for tap in b.taps] + [p.argmax[:rows], p.tree])
             cache.length += rows
-            kept = bonus = None
-        else:  # verified and compacted in the pass: only the kept rows' taps cross
-            *hidden, argmax, packed, path = _fetch([p.kept_hidden[tap] for tap in b.taps] + [p.argmax[:rows], p.tree, p.kept])
-            kept, bonus = path[2 : 3 + int(path[0])], int(path[1])
-            cache.length = start + kept.size
-        cut = 1 + int(packed[-1])
-        rows_out = cut if kept is None else kept.size
-        return ForwardOutput(logits=_Logits(p.logits[:cut].clone(), argmax[:cut]),
-                             hidden={tap: h[:rows_out] for tap, h in zip(b.taps, hidden)}, tree=packed, kept=kept,
+            cut = 1 + int(packed[-1])
+            return ForwardOutput(logits=_Logits(p.logits[:cut].clone(), argmax[:cut]),
+                                 hidden={tap: h[:cut] for tap, h in zip(b.taps, hidden)}, tree=packed)
+        result = _fetch([p.result])[0]  # verified and compacted in the pass
+        packed, path = result[: p.tree.shape[0]], result[p.tree.shape[0] :].astype(np.int64)
+        kept, bonus = path[2 : 3 + int(path[0])], int(path[1])
+        cache.length = start + kept.size
+        return ForwardOutput(logits=_Logits(p.logits[: 1 + int(packed[-1])]),
+                             hidden={tap: p.kept_hidden[tap][: kept.size] for tap in b.taps}, tree=packed, kept=kept,
                              bonus=bonus)
 
     def _run(self, b: Block, tokens: np.ndarray, positions: np.ndarray, within: np.ndarray | None) -> ForwardOutput:

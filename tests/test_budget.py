@@ -644,3 +644,17 @@ def test_auto_budget_drafts_one_level_deeper_than_it_kept_lately():
     fixed = Budget(4)
     fixed.choose(binary_tree(20, 0.9), 0.0)
     assert fixed.limit_depth(100) == 4 and fixed.limit_depth(3) == 3  # 4 nodes are never deeper than 4
+
+
+def test_a_shared_pass_verifies_only_trees_that_clearly_beat_plain_decoding(monkeypatch):
+    """Beside 7 other sequences on a curve still flat, unlikely drafts add a few % to the pass's
+    tokens: alone such a tree is verified (it costs nothing), in a shared pass it is not (it would
+    spread latency for no throughput) unless it beats plain decoding by ``SHARED_MARGIN``; likely
+    drafts are verified in both."""
+    flat = curve([1, 16, 64], [0.01, 0.01, 0.05])
+    unlikely, likely = binary_tree(20, 0.02), binary_tree(20, 0.9)
+    assert len(Budget("auto", flat).choose(unlikely, 0.0)) > 0
+    assert len(Budget("auto", flat, load=lambda: (7, 7)).choose(unlikely, 0.0)) == 0
+    assert len(Budget("auto", flat, load=lambda: (7, 7)).choose(likely, 0.0)) > 0
+    monkeypatch.setattr(budget_module, "SHARED_MARGIN", 0.0)  # the margin is what drops it
+    assert len(Budget("auto", flat, load=lambda: (7, 7)).choose(unlikely, 0.0)) > 0

@@ -1,0 +1,106 @@
+"""The load test's 8 clients without the host's noise: each method serves the same requests in a
+closed loop of ``--max-batch`` sequences (``Decoder.generate_batch``: a request joins as one
+leaves, as the server's batch does), and every pass is also priced at the latency curve for its
+rows, so a request's latency has a simulated twin that does not move with the host's speed.
+
+On a shared 2-core host the same `ar` row of `scripts/loadtest-batching.sh` ranges over a third;
+this runs in seconds and repeats to the row: the tool for comparing budget rules under load. What
+it leaves out: drafting time (a head's draft is not priced) and the server's HTTP and streaming.
+
+    python scripts/simulate-load.py --out docs/bench/simulated-load.json
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--methods", default="ar,suffix,lyanna,lyanna+suffix")
+    ap.add_argument("--requests", type=int, default=24)
+    ap.add_argument("--max-new-tokens", type=int, default=192)
+    ap.add_argument("--max-batch", type=int, default=8)
+    ap.add_argument("--prefill-chunk", type=int, default=None, help="as `lyanna serve --prefill-chunk` (default: its default)")
+    ap.add_argument("--shared-margin", type=float, default=None,
+                    help="replace budget.SHARED_MARGIN for this run (to compare margins)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+
+    from lyanna.cli import DEFAULT_PREFILL_CHUNK
+    from lyanna.decoding import batching, budget
+    from lyanna.decoding.decoder import Decoder, GenerationRequest
+    from lyanna.engines.loading import load_target
+    from lyanna.measure.bench import load_questions, machine_info
+
+    if args.shared_margin is not None:
+        budget.SHARED_MARGIN = args.shared_margin
+    chunk = DEFAULT_PREFILL_CHUNK if args.prefill_chunk is None else args.prefill_chunk
+    decoder = Decoder(load_target(args.model), prefill_chunk=chunk)
+    curve = decoder.latency_curve()
+    prompts = [decoder.encode(q.prompt) for q in load_questions()][: args.requests]
+    clock = {"wall": 0.0, "sim": 0.0, "passes": 0, "rows": 0}
+    began: dict = {}
+    ended: dict = {}
+    step, admit = batching.BatchScheduler.step, batching.BatchScheduler.admit
+
+    def timed_admit(self, key, steps, method):
+        began[key] = (clock["wall"], clock["sim"])
+        return admit(self, key, steps, method)
+
+    def timed_step(self):
+        rows = sum(f.block.rows for f in self.active.values())
+        t0 = time.perf_counter()
+        done = step(self)
+        clock["wall"] += time.perf_counter() - t0
+        clock["sim"] += float(curve(rows))
+        clock["passes"] += 1
+        clock["rows"] += rows
+        for key, _ in done:
+            ended[key] = (clock["wall"], clock["sim"])
+        return done
+
+    batching.BatchScheduler.step, batching.BatchScheduler.admit = timed_step, timed_admit
+    methods = args.methods.split(",")
+    for method in methods:  # warm-up: heads loaded, kernels compiled
+        decoder.generate_batch(prompts[:2], GenerationRequest(max_new_tokens=16), method=method, max_batch=2)
+    rows = []
+    for method in methods:
+        clock.update(wall=0.0, sim=0.0, passes=0, rows=0)
+        began.clear()
+        ended.clear()
+        results = decoder.generate_batch(prompts, GenerationRequest(max_new_tokens=args.max_new_tokens),
+                                         method=method, max_batch=args.max_batch)
+        tokens = sum(r.new_tokens for r in results)
+        wall = [ended[k][0] - began[k][0] for k in began]
+        sim = [ended[k][1] - began[k][1] for k in began]
+        rows.append({"method": method, "tokens": tokens, "passes": clock["passes"],
+                     "rows_per_pass": round(clock["rows"] / clock["passes"], 2),
+                     "simulated_tokens_per_s": round(tokens / clock["sim"], 1),
+                     "simulated_latency_p50_s": round(statistics.median(sim), 3),
+                     "simulated_latency_p95_s": round(float(np.percentile(sim, 95)), 3),
+                     "wall_tokens_per_s": round(tokens / clock["wall"], 1),
+                     "wall_latency_p50_s": round(statistics.median(wall), 3)})
+        r = rows[-1]
+        print(f"{method}: simulated {r['simulated_tokens_per_s']} tokens/s, latency p50 {r['simulated_latency_p50_s']} s, "
+              f"p95 {r['simulated_latency_p95_s']} s ({r['passes']} passes of {r['rows_per_pass']} rows); "
+              f"wall {r['wall_tokens_per_s']} tokens/s, p50 {r['wall_latency_p50_s']} s")
+    report = {"model": args.model, "machine": machine_info(), "shared_margin": budget.SHARED_MARGIN,
+              "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+              "command": "python scripts/simulate-load.py " + " ".join(
+                  f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None),
+              "rows": rows}
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

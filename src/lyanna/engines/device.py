@@ -298,9 +298,10 @@ class _TreeBlockPass(FixedShapeCall):
         self.logits: torch.Tensor | None = None
         self.argmax: torch.Tensor | None = None
         self.hidden: dict[int, torch.Tensor] = {}
-        self.kept: torch.Tensor | None = None  # the path's length, the bonus token, the rows kept (padded)
-        self.kept_hidden: dict[int, torch.Tensor] = {}  # the tapped rows of those rows
-        self.result: torch.Tensor | None = None  # ``tree`` then ``kept`` (float64)
+        # What crosses to the host, in one copy (float64): ``tree``, the path's length, the bonus
+        # token, the rows kept (padded); and the tapped rows of those rows, which stay.
+        self.result: torch.Tensor | None = None
+        self.kept_hidden: dict[int, torch.Tensor] = {}
 
     def _forward(self) -> None:
         m, rows, keys, dev = self.nodes, self.rows, self.keys, self.device
@@ -345,9 +346,8 @@ class _TreeBlockPass(FixedShapeCall):
         path = follow(tokens, parents, depths, valid, self.logits[: self.nodes + 1], self.argmax, levels, sampling)
         kv = self.slab.kv
         kv.index_copy_(3, self.start + torch.arange(levels + 1, device=self.device), kv.index_select(3, self.start + path.keep))
-        self.kept = torch.cat([path.count, path.bonus, path.keep])
+        self.result = torch.cat([self.tree, path.count.double(), path.bonus.double(), path.keep.double()])
         self.kept_hidden = {tap: h[path.keep] for tap, h in self.hidden.items()}
-        self.result = torch.cat([self.tree, self.kept.double()])  # what crosses to the host, in one copy
 
     def load(self, tree: DeviceTree) -> None:
         """Copy ``tree`` in (on the device, in stream order: before its drafter's next call)."""

@@ -16,7 +16,6 @@ device time) and outside them (the host's own work: the gap a GPU waits through)
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import json
 from pathlib import Path
 
@@ -42,7 +41,7 @@ def main() -> None:
 
     from lyanna.decoding.decoder import Decoder, GenerationRequest
     from lyanna.engines import device
-    from lyanna.measure.bench import load_questions, machine_info, split_budget
+    from lyanna.measure.bench import load_questions, script_record, split_budget
 
     import time
     from collections import defaultdict
@@ -115,10 +114,7 @@ def main() -> None:
         print(f"{spec}: {rows[-1]['ops_outside_per_round']} operations a round outside the fixed-shape calls, "
               f"{rows[-1]['ops_inside_per_round']} inside {rows[-1]['fixed_shape_calls_per_round']} calls ({rounds} rounds); "
               f"ms a round inside {rows[-1]['ms_per_round_inside']}, outside {rows[-1]['ms_per_round_outside']}")
-    report = {"model": args.model, "engine": engine.name, "machine": machine_info(),
-              "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-              "command": "python scripts/count-device-ops.py " + " ".join(
-                  f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None),
+    report = {"model": args.model, "engine": engine.name, **script_record("count-device-ops.py", vars(args)),
               "rows": rows}
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")

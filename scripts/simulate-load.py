@@ -5,14 +5,14 @@ rows, so a request's latency has a simulated twin that does not move with the ho
 
 On a shared 2-core host the same `ar` row of `scripts/loadtest-batching.sh` ranges over a third;
 this runs in seconds and repeats to the row: the tool for comparing budget rules under load. What
-it leaves out: drafting time (a head's draft is not priced) and the server's HTTP and streaming.
+it leaves out: drafting time (a head's draft is not priced, only counted) and the server's HTTP
+and streaming.
 
     python scripts/simulate-load.py --out docs/bench/simulated-load.json
 """
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import json
 import statistics
 import time
@@ -38,7 +38,7 @@ def main() -> None:
     from lyanna.decoding import batching, budget
     from lyanna.decoding.decoder import Decoder, GenerationRequest
     from lyanna.engines.loading import load_target
-    from lyanna.measure.bench import load_questions, machine_info
+    from lyanna.measure.bench import load_questions, script_record
 
     if args.shared_margin is not None:
         budget.SHARED_MARGIN = args.shared_margin
@@ -87,16 +87,17 @@ def main() -> None:
                      "simulated_latency_p50_s": round(statistics.median(sim), 3),
                      "simulated_latency_p95_s": round(float(np.percentile(sim, 95)), 3),
                      "wall_tokens_per_s": round(tokens / clock["wall"], 1),
-                     "wall_latency_p50_s": round(statistics.median(wall), 3)})
+                     "wall_latency_p50_s": round(statistics.median(wall), 3),
+                     # What the simulation does not price: the drafters' passes and their wall seconds.
+                     "draft_passes": sum(r.extra.get("draft_passes", 0) for r in results),
+                     "draft_seconds": round(sum(r.extra.get("draft_seconds", 0.0) for r in results), 3)})
         r = rows[-1]
         print(f"{method}: simulated {r['simulated_tokens_per_s']} tokens/s, latency p50 {r['simulated_latency_p50_s']} s, "
               f"p95 {r['simulated_latency_p95_s']} s ({r['passes']} passes of {r['rows_per_pass']} rows); "
-              f"wall {r['wall_tokens_per_s']} tokens/s, p50 {r['wall_latency_p50_s']} s")
-    report = {"model": args.model, "machine": machine_info(), "shared_margin": budget.SHARED_MARGIN,
-              "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-              "command": "python scripts/simulate-load.py " + " ".join(
-                  f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None),
-              "rows": rows}
+              f"wall {r['wall_tokens_per_s']} tokens/s, p50 {r['wall_latency_p50_s']} s; "
+              f"{r['draft_passes']} draft passes, {r['draft_seconds']} s drafting")
+    report = {"model": args.model, **script_record("simulate-load.py", vars(args)),
+              "shared_margin": budget.SHARED_MARGIN, "rows": rows}
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
         print(f"wrote {args.out}")

@@ -85,6 +85,14 @@ def machine_info() -> dict[str, Any]:
     }
 
 
+def script_record(script: str, options: dict[str, Any]) -> dict[str, Any]:
+    """Where a measuring script in ``scripts/`` ran, for its JSON: the machine, the date (UTC) and
+    its command line with every option it ran with (``options``: its parsed arguments' ``vars``)."""
+    return {"machine": machine_info(), "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "command": f"python scripts/{script} " + " ".join(
+                f"--{k.replace('_', '-')} {v}" for k, v in options.items() if v is not None)}
+
+
 Runner = Callable[[list[int], int], GenerationResult]
 
 

@@ -334,7 +334,8 @@ class _TreeBlockPass(FixedShapeCall):
         mask = torch.cat([mask, (key == 0)[None, :].expand(pad, keys)])  # padding rows read slot 0 and are dropped
         self.logits, self.hidden = self.engine._layers_pass(self.slab, tokens, positions, slots, mask, keys, self.taps,
                                                             None)
-        self.argmax = self.logits.argmax(-1)
+        # Every row's argmax: the host's (no rule) or greedy verification's; sampling reads none.
+        self.argmax = None if self.rule == "sampling" else self.logits.argmax(-1)
         if self.rule is not None:
             self._follow(tokens[1 : m + 1], parents, depths[1:], valid)
 

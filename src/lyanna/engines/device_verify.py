@@ -54,10 +54,10 @@ def residual(row: torch.Tensor, tokens: torch.Tensor, rejected: torch.Tensor) ->
 
 
 def follow(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, valid: torch.Tensor,
-           logits: torch.Tensor, argmax: torch.Tensor, levels: int, sampling: tuple | None) -> Followed:
+           logits: torch.Tensor, argmax: torch.Tensor | None, levels: int, sampling: tuple | None) -> Followed:
     """The accepted path of a tree of ``m`` node columns (``tokens``, ``parents`` (-1 under the
     root), ``depths`` and ``valid``, each ``[m]``; no path deeper than ``levels``) under the
-    pass's ``[1 + m, vocab]`` ``logits`` (row 0 the root's) and their ``argmax``: greedy, or
+    pass's ``[1 + m, vocab]`` ``logits`` (row 0 the root's) and (greedy only) their ``argmax``: greedy, or
     (``sampling``: ``(temperature, top_p, top_k, uniforms)``, ``uniforms`` ``[m + 1]``) by the
     sampling rules."""
     m, dev = tokens.shape[0], tokens.device

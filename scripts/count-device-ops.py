@@ -9,7 +9,9 @@ same operations); prefill is left out by subtracting a one-token generation. The
 (without the profiler) gives, per round, the milliseconds inside each kind of fixed-shape call
 (the target's pass by its row bucket: ``_StaticPass[16]``, or ``_TreeBlockPass[16]`` for a tree
 the drafter left on the device; on CUDA synchronized before and after, so a call's time is its
-device time) and outside them (the host's own work: the gap a GPU waits through).
+device time) and outside them (the host's own work: the gap a GPU waits through, unless the round
+is launched ahead of it). Two plain runs give a round's time end to end, with rounds launched
+ahead of the host's reading and read one by one (``DeviceEngine.pipelines``).
 
     python scripts/count-device-ops.py --out docs/bench/device-ops.json
 """
@@ -101,6 +103,17 @@ def main() -> None:
         return {"timed_rounds": rounds, "tokens_per_round": round(r.new_tokens / rounds, 3), "ms_per_round_inside": ms,
                 "ms_per_round_outside": round(1000 * (r.seconds - r.prefill_seconds - inside) / rounds, 3)}
 
+    def wall(method: str, budget) -> dict:
+        """Milliseconds a round end to end (nothing synchronized, no profiler), with rounds
+        launched ahead of the host's reading (the engine's default) and read one by one."""
+        out = {}
+        for ahead, key in ((True, "ms_per_round_wall"), (False, "ms_per_round_wall_read_one_by_one")):
+            engine.pipelines = ahead
+            r = decoder.generate(ids, GenerationRequest(max_new_tokens=args.max_new_tokens * 2), method=method, budget=budget)
+            out[key] = round(1000 * (r.seconds - r.prefill_seconds) / r.extra["rounds"], 3)
+        engine.pipelines = True
+        return out
+
     rows = []
     for spec in args.methods.split(","):
         method, budget = split_budget(spec, "auto")
@@ -110,10 +123,12 @@ def main() -> None:
         rounds = max(1, r - r1)
         rows.append({"method": spec, "rounds": rounds, "ops_outside_per_round": round((o - o1) / rounds, 1),
                      "ops_inside_per_round": round((i - i1) / rounds, 1),
-                     "fixed_shape_calls_per_round": round((c - c1) / rounds, 2), **timed(method, budget)})
+                     "fixed_shape_calls_per_round": round((c - c1) / rounds, 2), **timed(method, budget),
+                     **wall(method, budget)})
         print(f"{spec}: {rows[-1]['ops_outside_per_round']} operations a round outside the fixed-shape calls, "
               f"{rows[-1]['ops_inside_per_round']} inside {rows[-1]['fixed_shape_calls_per_round']} calls ({rounds} rounds); "
-              f"ms a round inside {rows[-1]['ms_per_round_inside']}, outside {rows[-1]['ms_per_round_outside']}")
+              f"ms a round inside {rows[-1]['ms_per_round_inside']}, outside {rows[-1]['ms_per_round_outside']}; "
+              f"end to end {rows[-1]['ms_per_round_wall']} (read one by one {rows[-1]['ms_per_round_wall_read_one_by_one']})")
     report = {"model": args.model, "engine": engine.name, **script_record("count-device-ops.py", vars(args)),
               "rows": rows}
     if args.out:

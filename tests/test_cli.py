@@ -71,6 +71,8 @@ def test_bad_arguments_exit_2(capsys, args, needle):
         (["bench", "--methods", "ar", "--limit", "1", "--repeats", "2", "--temperature", "0.7"], "greedy decoding only"),
         (["--weights", "gguf", "generate", "hi"], "not a .gguf file"),
         (["--backend", "torch", "--weights", "gguf", "generate", "hi"], "numpy-backend engine"),
+        (["--no-pipeline", "generate", "hi"], "add --backend torch"),
+        (["--backend", "hf", "--no-pipeline", "generate", "hi"], "options of --backend torch"),
     ],
 )
 def test_bad_values_give_one_line_error(capsys, tiny_model_dir, args, needle):

@@ -401,15 +401,19 @@ def test_trees_sized_before_drafting_stay_on_the_device_under_every_budget(tiny,
             assert max(on_device) == budget
 
 
-def test_a_device_trees_draft_time_counts_as_drafting_not_verification(tiny, monkeypatch):
+@pytest.mark.parametrize("ahead", [False, True])
+def test_a_device_trees_draft_time_counts_as_drafting_not_verification(tiny, ahead, monkeypatch):
     """The pass that reads a tree left on the device also waits for the draft call's device
     time (on a GPU the host launches the draft and goes on): the loop moves that time from the
     pass to drafting, in the stats and for the budget. On CPU torch the call runs synchronously
-    (no device time to move); a draft taking longer than any pass moves the whole pass."""
+    (no device time to move); a draft taking longer than any pass moves the whole pass. Rounds
+    launched ahead (``DeviceEngine.pipelines``) take each call's own device time instead: the
+    pass keeps its time, drafting gets the draft's."""
     from lyanna.decoding.budget import Budget
     from lyanna.engines import device as device_module
 
-    d = _with_heads(Decoder(tiny, engine=DeviceEngine(tiny.config, tiny.weights, DEVICE), default_drafts=False), tiny)
+    e = DeviceEngine(tiny.config, tiny.weights, DEVICE, pipelines=ahead)
+    d = _with_heads(Decoder(tiny, engine=e, default_drafts=False), tiny)
     req = GenerationRequest(max_new_tokens=24, eos_token_ids=())
     prompt = list(range(3, 60))
     observed: list[float] = []
@@ -428,7 +432,10 @@ def test_a_device_trees_draft_time_counts_as_drafting_not_verification(tiny, mon
     monkeypatch.setattr(device_module.DeviceTree, "device_seconds", lambda self: drafted.append(1e6) or 1e6)
     slow = d.generate(prompt, req, method="lyanna-device", budget=4, fallback=False)
     assert slow.tokens == real.tokens
-    assert observed.count(0.0) == len(drafted) > len(observed) // 2  # (the last rounds, with no room to draft, verify no tree)
+    if ahead:
+        assert min(observed) > 0 and len(drafted) > len(observed) // 2
+    else:
+        assert observed.count(0.0) == len(drafted) > len(observed) // 2  # (the last rounds, with no room to draft, verify no tree)
     assert slow.extra["draft_seconds"] > slow.extra["verify_seconds"]
 
 
@@ -691,6 +698,112 @@ def test_a_rounds_drafting_in_one_call_equals_the_host_heads(tiny, fallback):
             np.testing.assert_allclose(np.asarray(b.cpu()), a, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("resample", [True, False])
+def test_a_draft_after_an_unread_pass_equals_the_draft_after_reading_it(tiny, resample):
+    """``draft_trees_after`` (the round after a verified pass the host has not read, its inputs
+    formed on the device from what the pass left there) gives the draft the host makes after
+    reading that pass and committing its kept rows (``draft_trees`` with the leftover rows past
+    the accepted ones): the same raw rows and tree, for paths of every length (the pass's tree is
+    the target's own greedy chain with a wrong token at one level), and the context it leaves
+    counts the same features once settled."""
+    from lyanna.drafters import device_tree
+    from lyanna.engines.base import Verification
+    from lyanna.engines.device import DeviceTree
+
+    e, w = _lyanna_head(tiny, seed=9, varied=True)
+    vocab, taps, depth = tiny.config.vocab_size, (2,), 3
+    ti = TokenInfo(w["ti.a"], w["ti.b"], np.arange(0, vocab, 3), "lowrank")
+    head = DeviceChainHead(e, w)
+    numpy_target = Transformer(tiny.config, tiny.weights)
+    prompt = list(range(3, 40))
+    for count in range(depth + 1):
+        cache = e.new_cache(128)
+        pre = e.forward(prompt, np.arange(len(prompt)), cache, logit_rows=[-1], taps=taps)
+        ctx = prompt + [int(np.argmax(pre.logits[-1]))]
+        greedy = []  # the target's greedy continuation after the root
+        for _ in range(depth + 1):
+            seq = ctx + greedy
+            greedy.append(int(np.argmax(numpy_target.forward(seq, np.arange(len(seq)), numpy_target.new_cache(len(seq))).logits[-1])))
+        path = greedy[:depth]
+        if count < depth:
+            path[count] = (path[count] + 1) % vocab  # rejected there
+        contexts = [head.context(taps), head.context(taps)]
+        for pc in contexts:
+            pc.start({t: pre.hidden[t] for t in taps})
+            chain, _ = head.draft_trees(pc, np.array(ctx), depth, None, ti, 2, 2, 8, ahead=True)
+        padded = device_tree.PaddedTrees(*(torch.as_tensor(np.asarray(a))[None] for a in (
+            path, [-1, 0, 1], [0.9, 0.8, 0.7], [1, 2, 3], [0, 0, 0])), count=torch.tensor([[depth]]))
+        pending = e.forward_batch([Block([ctx[-1]], [len(ctx) - 1], cache, taps=taps, ahead=True,
+                                         tree=DeviceTree(device_tree.packed(padded).to(DEVICE), depth, depth),
+                                         verification=Verification(0.0))])[0]
+        raw_ahead, tree_ahead = head.draft_trees_after(contexts[0], pending, len(ctx), chain, depth, resample, ti, 2, 2,
+                                                       8, None)
+        out = pending.collect()
+        assert len(out.kept) == count + 1 and cache.length == len(ctx) + count
+        after = ctx + greedy[: count + 1]  # the accepted tokens and the bonus token (the greedy one there)
+        assert out.bonus == greedy[count]
+        contexts[1].commit(out.hidden)
+        leftover = chain[count + 1 :] if resample and count + 1 < depth else None
+        raw, tree = head.draft_trees(contexts[1], np.array(after), depth, leftover, ti, 2, 2, 8, ahead=True)
+        contexts[0].settle(count + 1)
+        np.testing.assert_allclose(np.asarray(raw_ahead.cpu()), np.asarray(raw.cpu()), rtol=1e-4, atol=1e-4)
+        got, want = (DraftTree.from_packed(t.packed.cpu().numpy()) for t in (tree_ahead, tree))
+        np.testing.assert_array_equal(got.tokens, want.tokens)
+        np.testing.assert_array_equal(got.parents, want.parents)
+        np.testing.assert_array_equal(got.origin, want.origin)
+        np.testing.assert_allclose(got.scores, want.scores, rtol=1e-4)
+        if resample and leftover is not None:
+            assert 1 in want.origin  # the leftover rows took part
+        a, b = contexts
+        assert (a.cache.length, a.base, a._count, a.passes) == (b.cache.length, b.base, b._count, b.passes)
+        torch.testing.assert_close(a.features, b.features)
+
+
+@pytest.mark.parametrize("budget", [None, 4, "auto"])
+def test_rounds_launched_ahead_give_the_rounds_read_one_by_one(tiny, budget, monkeypatch):
+    """A device head's rounds launched before the last one is read (the draft and pass formed on
+    the device from its outcome) give the same outputs as rounds read one at a time, greedy and
+    seeded sampling, and they do run ahead. Under a fixed budget they verify the same trees,
+    round by round, but for the last rounds (a round launched ahead leaves room for every level
+    of the one before it, so its tree may be shallower there); under ``auto`` the trees may
+    differ, sized a round later."""
+    from lyanna.decoding import loop
+    from lyanna.decoding.budget import LatencyCurve
+
+    depth, n = 3, 32  # the head's depth (``_with_heads``), the tokens generated
+    rounds: list[tuple] = []
+    real_followed = loop.followed
+    monkeypatch.setattr(loop, "followed", lambda tree, kept, bonus: rounds.append(
+        (tree.tokens.tolist(), tree.parents.tolist(), kept.tolist(), bonus)) or real_followed(tree, kept, bonus))
+    follows = []
+    real_forward = DeviceEngine.forward_batch
+    monkeypatch.setattr(DeviceEngine, "forward_batch", lambda self, blocks: follows.extend(
+        b.follows is not None for b in blocks) or real_forward(self, blocks))
+    for params in (SamplingParams(), SamplingParams(temperature=0.8, seed=5)):
+        runs = []
+        for ahead in (False, True):
+            e = DeviceEngine(tiny.config, tiny.weights, DEVICE, pipelines=ahead)  # a decoder whose budget starts afresh
+            d = _with_heads(Decoder(tiny, engine=e, default_drafts=False), tiny)
+            d._curve = LatencyCurve((1, 2, 4, 8, 16), (0.01, 0.0101, 0.0102, 0.0103, 0.5), "test-model", "test machine", 256)
+            follows.clear()
+            outputs, trees = [], []
+            for prompt in ([1, 40, 41, 42, 40, 41, 42], list(range(3, 60))):
+                rounds.clear()
+                outputs.append(d.generate(prompt, GenerationRequest(max_new_tokens=n, sampling=params, eos_token_ids=()),
+                                          method="lyanna-device", budget=budget, fallback=budget == "auto").tokens)
+                before = 1 + np.cumsum([0] + [len(kept) for _, _, kept, _ in rounds])  # tokens committed before each
+                trees.append([r for r, b in zip(rounds, before) if b + 2 * (depth + 1) <= n])
+            runs.append((outputs, trees, sum(follows)))
+        (sync, sync_trees, none), (ahead, ahead_trees, chained) = runs
+        # Sampled outputs draw one number a node: with other trees (the last rounds'; auto's sized
+        # a round later) they draw other numbers from there on.
+        cut = n if params.greedy else 0 if budget == "auto" else n - 2 * (depth + 1)
+        assert [t[:cut] for t in ahead] == [t[:cut] for t in sync] and none == 0
+        assert chained >= (1 if budget == "auto" else 6), chained  # (auto drafts little with this unfitted head)
+        if budget != "auto":
+            assert ahead_trees == sync_trees
+
+
 @pytest.mark.parametrize("layers", [1, 2])
 def test_device_eagle_trees_equal_the_host_eagle_trees(tiny, layers):
     """EAGLE-2's tree grown on the device in one fixed-shape call (frontier, ancestor masks,
@@ -747,10 +860,11 @@ def test_fixed_shape_calls_issue_no_op_a_cuda_graph_cannot_capture(tiny, monkeyp
 
     def watched(self, timed=False):
         with Watch(type(self).__name__):
-            self._forward()
+            self._run()  # the inputs' copy, then the call (eager: not on a GPU)
 
     monkeypatch.setattr(FixedShapeCall, "run_fixed", watched)
-    d = _with_heads(Decoder(tiny, engine=DeviceEngine(tiny.config, tiny.weights, DEVICE), default_drafts=False), tiny)
+    e = DeviceEngine(tiny.config, tiny.weights, DEVICE, pipelines=True)  # rounds launched ahead too, as on a GPU
+    d = _with_heads(Decoder(tiny, engine=e, default_drafts=False), tiny)
     req = GenerationRequest(max_new_tokens=12, eos_token_ids=())
     for method in ("ar", "eagle-device", "lyanna-device"):
         d.generate(list(range(3, 30)), req, method=method, budget=None)

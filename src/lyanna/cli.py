@@ -105,6 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-cuda-graphs", action="store_true",
                         help="torch backend on CUDA: run decoding blocks eagerly instead of replaying captured CUDA "
                              "graphs (the same tokens, slower; for comparison)")
+    parser.add_argument("--no-pipeline", action="store_true",
+                        help="torch backend on CUDA: read every round's outcome before launching the next (by "
+                             "default a round whose tree the pass verifies on the device is followed there by the "
+                             "next one while the host reads it; the same greedy tokens, for comparison)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate a reply to one prompt (streamed)")
@@ -216,14 +220,17 @@ def _decoder(args: argparse.Namespace):
 
         if args.backend == "torch":
             target, engine = load_device_target(args.model, args.device or "cpu", args.dtype or "float32",
-                                                graphs=False if args.no_cuda_graphs else None)
-        elif args.no_cuda_graphs:
-            raise LyannaError("--no-cuda-graphs is an option of --backend torch (the hf backend never captures graphs)")
+                                                graphs=False if args.no_cuda_graphs else None,
+                                                pipelines=False if args.no_pipeline else None)
+        elif args.no_cuda_graphs or args.no_pipeline:
+            raise LyannaError("--no-cuda-graphs and --no-pipeline are options of --backend torch (the hf backend "
+                              "never captures graphs or launches a round ahead)")
         else:
             target, engine = load_torch_target(args.model, args.device or "cpu", args.dtype or "float32")
         decoder = Decoder(target, engine=engine, prefix_cache_tokens=cache_tokens, prefill_chunk=chunk)
-    elif args.device or args.dtype or args.no_cuda_graphs:
-        raise LyannaError("--device, --dtype and --no-cuda-graphs choose how the torch backend runs: add --backend torch")
+    elif args.device or args.dtype or args.no_cuda_graphs or args.no_pipeline:
+        raise LyannaError("--device, --dtype, --no-cuda-graphs and --no-pipeline choose how the torch backend runs: "
+                          "add --backend torch")
     else:
         decoder = Decoder(load_target(args.model, weight_format=args.weights), prefix_cache_tokens=cache_tokens,
                           prefill_chunk=chunk)

@@ -42,6 +42,10 @@ class DecodeState:
     last_logits: np.ndarray  # target logits after the cached context
     prefill_hidden: dict[int, np.ndarray] = field(default_factory=dict)  # taps over the prompt
     target_passes: int = 0
+    # Whether a pass that verifies a tree left on the device may return before its outcome is
+    # read (``Block.ahead``): the engine keeps one (``TargetEngine.pipelines``) and the sequence
+    # runs alone (in a batch every sequence's outcome is read each pass).
+    ahead: bool = False
 
 
 @dataclass
@@ -186,6 +190,31 @@ def decode(state: DecodeState, drafter: Drafter, budget: Budget | None = None,
     return run_alone(rounds(state, drafter, budget, fallback), state.engine)
 
 
+@dataclass
+class _Launched:
+    """A round on its way: its tree (a ``DeviceTree`` until the pass brings it back), whether it
+    was drafted (not a free tree), whether the fallback judges it (a drafted tree, even one the
+    budget cut to nothing; None: known once a tree left on the device is back), its block's
+    start, and its times so far (drafting began, the pass was launched, the launch returned)."""
+
+    tree: Any
+    drafting: bool
+    proposed: bool | None
+    start: int
+    t0: float
+    t1: float
+    t2: float
+    out: Any = None  # the pass's output, or a pending one (``Block.ahead``)
+
+
+def _verification(state: DecodeState, tree: Any) -> Verification:
+    """The rule a pass verifies a tree left on the device by: random numbers drawn here, one a
+    node and the bonus token's."""
+    params = state.params
+    uniforms = None if params.greedy else state.rng.random(tree.nodes + 1)
+    return Verification(params.temperature, params.top_p, params.top_k, uniforms)
+
+
 def rounds(state: DecodeState, drafter: Drafter, budget: Budget | None = None,
            fallback: Fallback | None = None) -> Forwards:
     """The decode loop, as a generator that yields each round's verification block and is sent
@@ -193,7 +222,12 @@ def rounds(state: DecodeState, drafter: Drafter, budget: Budget | None = None,
     ``budget`` trims each proposed tree (None: verify it whole); ``fallback`` pauses drafting
     while it does not pay. While the budget or the fallback makes drafting wait, a budget still
     weighs the drafter's free tree (``Drafter.propose_free``). The drafter is told every commit,
-    paused or not, so it can draft again at any round. Returns the rounds' statistics."""
+    paused or not, so it can draft again at any round. Where the state allows it (``DecodeState.
+    ahead``), a round whose tree the pass verifies on the device is launched without waiting for
+    its outcome, and the next round is drafted and launched from that outcome on the device
+    (``Drafter.propose_after``) before the host reads it: the host's reading of a round overlaps
+    the device's next one, and the budget and fallback decide a round from what they knew a
+    round earlier. Returns the rounds' statistics."""
     cache, tracker = state.cache, state.tracker
     stats = RoundStats()
     drafter.start(state.prompt_ids, state.prefill_hidden)
@@ -201,9 +235,84 @@ def rounds(state: DecodeState, drafter: Drafter, budget: Budget | None = None,
     root = next_token(state.last_logits, state.params, state.rng)
     tracker.extend([root])
     context = [*state.prompt_ids, root]  # prompt + committed tokens, grown in place
+    read = time.perf_counter()  # when the host last read a round's outcome
+    pending: _Launched | None = None  # a round launched ahead whose outcome is still on the device
+
+    def finish(r: _Launched, handed_over: bool) -> None:
+        """Read round ``r``'s outcome: verdict, commit, what the budget and fallback learn.
+        ``handed_over``: the drafter took its kept rows on the device already (``settle``)."""
+        nonlocal root, read
+        began = time.perf_counter()
+        tree, out, synchronous = r.tree, r.out, isinstance(r.out, ForwardOutput)
+        on_device = not isinstance(tree, DraftTree)
+        drafted, t_pass = r.t1 - r.t0, r.t2 - r.t1  # the host's times
+        if synchronous:  # the pass that read a tree left on the device also waited for the draft's device time
+            waited = min(tree.device_seconds(), t_pass) if on_device else 0.0
+            drafted, t_pass = drafted + waited, t_pass - waited
+        else:  # launched ahead: wait for it now; the device's own times where it keeps them
+            out = out.collect()
+            drafted, t_pass = tree.device_seconds() or drafted, r.out.device_seconds() or t_pass
+        if on_device:  # the tree came back with the pass
+            tree = DraftTree.from_packed(out.tree)
+            if len(tree) and budget is not None:
+                budget.choose_after(tree, drafted)
+        proposed = r.drafting and len(tree) > 0 if r.proposed is None else r.proposed
+        state.target_passes += 1
+        if out.kept is None:
+            verdict = verify(tree, out.logits, state.params, state.rng)
+        else:  # verified where it ran, the cache compacted there
+            verdict = followed(tree, out.kept, out.bonus)
+        taken = tracker.extend(verdict.tokens)
+        context.extend(verdict.tokens[:taken])
+        keep = [0] + [1 + i for i in verdict.path]
+        if out.kept is None and len(tree):  # drop the rejected nodes (a lone root has none; a device tree's pass did)
+            cache.compact(r.start, keep)
+        t2 = time.perf_counter()
+        if budget is not None:
+            budget.observe(tree, len(verdict.path), t_pass)
+        stats.record(tree, verdict, min(len(verdict.path), taken))
+        if not tracker.finished:
+            tokens = np.concatenate([[root], tree.tokens])[keep].tolist()
+            if handed_over:
+                drafter.settle(tokens)
+            else:
+                hidden = out.hidden if out.kept is not None else {k: v[keep] for k, v in out.hidden.items()}
+                drafter.commit(tokens, hidden)
+            root = verdict.tokens[-1]
+        t3 = time.perf_counter()
+        # A round launched ahead took, as far as the host can tell, the time since the last read.
+        seconds = t3 - r.t0 if synchronous else t3 - read
+        if proposed and fallback is not None and not fallback.keep_drafting(seconds, taken):
+            if stats.fell_back_after_tokens is None:
+                stats.fell_back_after_tokens = len(tracker.tokens)
+            stats.fallback_pauses += 1
+        stats.draft_seconds += drafted
+        stats.verify_seconds += t_pass + (t2 - began)
+        stats.other_seconds += t3 - t2
+        read = t3
+
     while not tracker.finished:
         t0 = time.perf_counter()
         drafting = (fallback is None or fallback.wants_drafts()) and (budget is None or budget.wants_drafts())
+        if pending is not None:  # the last round's outcome is still on the device
+            room = tracker.max_new_tokens - len(tracker.tokens) - 1 - (pending.out.levels + 1)  # if it keeps every level
+            depth = room if budget is None else budget.limit_depth(room)
+            nodes = None if budget is None else budget.nodes_ahead()
+            tree = None
+            if drafting and depth >= 1 and (budget is None or nodes is not None):
+                tree = drafter.propose_after(pending.out, context, depth, nodes)
+            if tree is not None:
+                t1 = time.perf_counter()
+                out = yield Block((), (), cache, taps=drafter.taps, tree=tree, verification=_verification(state, tree),
+                                  ahead=True, follows=pending.out)
+                launched = _Launched(tree, drafting, None, -1, t0, t1, time.perf_counter(), out)
+                finish(pending, handed_over=True)  # while the device runs the round just launched
+                pending = launched
+                continue
+            finish(pending, handed_over=False)  # read it first; this round starts from its outcome
+            pending = None
+            if tracker.finished:
+                break
         depth = tracker.max_new_tokens - len(tracker.tokens) - 1  # room left after the bonus token
         if budget is not None:
             depth = budget.limit_depth(depth)
@@ -217,6 +326,7 @@ def rounds(state: DecodeState, drafter: Drafter, budget: Budget | None = None,
             drafter.skip()
             tree = DraftTree.empty()
         on_device = not isinstance(tree, DraftTree)  # cut to size and left on the device: known after the pass
+        proposed = None
         if not on_device:
             tree = tree.prune_depth(depth)
             proposed = drafting and len(tree) > 0  # judged by the fallback even when the budget keeps nothing
@@ -225,47 +335,15 @@ def rounds(state: DecodeState, drafter: Drafter, budget: Budget | None = None,
         t1 = time.perf_counter()
         start = cache.length
         if on_device:
-            params = state.params  # the pass verifies too: random numbers drawn here, one a node and the bonus token's
-            uniforms = None if params.greedy else state.rng.random(tree.nodes + 1)
             out = yield Block([root], [start], cache, taps=drafter.taps, tree=tree,
-                              verification=Verification(params.temperature, params.top_p, params.top_k, uniforms))
+                              verification=_verification(state, tree), ahead=state.ahead)
         else:
             tokens, positions, mask = _block(tree, root, start)
             out = yield Block(tokens, positions, cache, mask, taps=drafter.taps)
-        t_pass = time.perf_counter() - t1
-        if on_device:  # the tree came back with the pass, which also waited for the draft's device time: drafting's
-            waited = min(tree.device_seconds(), t_pass)
-            t1, t_pass = t1 + waited, t_pass - waited
-            tree = DraftTree.from_packed(out.tree)
-            tokens = np.concatenate([[root], tree.tokens])
-            proposed = drafting and len(tree) > 0
-            if len(tree) and budget is not None:
-                budget.choose_after(tree, t1 - t0)
-        state.target_passes += 1
-        if out.kept is None:
-            verdict = verify(tree, out.logits, state.params, state.rng)
-        else:  # verified where it ran, the cache compacted there
-            verdict = followed(tree, out.kept, out.bonus)
-        taken = tracker.extend(verdict.tokens)
-        context += verdict.tokens[:taken]
-        keep = [0] + [1 + i for i in verdict.path]
-        if out.kept is None and len(tree):  # drop the rejected nodes (a lone root has none; a device tree's pass did)
-            cache.compact(start, keep)
-        t2 = time.perf_counter()
-        if budget is not None:
-            budget.observe(tree, len(verdict.path), t_pass)
-        stats.record(tree, verdict, min(len(verdict.path), taken))
-        if not tracker.finished:
-            hidden = out.hidden if out.kept is not None else {k: v[keep] for k, v in out.hidden.items()}
-            drafter.commit(tokens[keep].tolist(), hidden)
-            root = verdict.tokens[-1]
-        t3 = time.perf_counter()
-        if proposed and fallback is not None and not fallback.keep_drafting(t3 - t0, taken):
-            if stats.fell_back_after_tokens is None:
-                stats.fell_back_after_tokens = len(tracker.tokens)
-            stats.fallback_pauses += 1
-        stats.draft_seconds += t1 - t0
-        stats.verify_seconds += t2 - t1
-        stats.other_seconds += t3 - t2
+        launched = _Launched(tree, drafting, proposed, start, t0, t1, time.perf_counter(), out)
+        if isinstance(out, ForwardOutput):
+            finish(launched, handed_over=False)
+        else:  # left on the device: the next round may start from it there
+            pending = launched
     stats.draft_passes = drafter.passes - passes_before
     return stats

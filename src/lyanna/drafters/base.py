@@ -66,10 +66,24 @@ class Drafter(ABC):
         verifying. The default proposes on the host, where the budget cuts the tree it sees."""
         return self.propose(context, max_depth)
 
+    def propose_after(self, pending: Any, context: Sequence[int], max_depth: int,
+                      nodes: int | None) -> "DeviceTree | None":
+        """A tree for the round after one whose pass the host has not read yet (``pending``: an
+        ``engines.device.PendingPass``, verified on the device; ``context`` still ends at that
+        round's root), drafted on the device from what that pass left there, so the host reads
+        one round while the device runs the next; ``max_depth`` and ``nodes`` as for
+        ``propose_sized``. None, the default: the loop reads the pending round first."""
+        return None
+
     @abstractmethod
     def commit(self, tokens: Sequence[int], hidden: dict[int, np.ndarray]) -> None:
         """Tokens just written to the target cache (root + accepted path) and their hidden rows
         (one per token)."""
+
+    def settle(self, tokens: Sequence[int]) -> None:
+        """``commit`` of a round whose kept rows ``propose_after`` took on the device already:
+        the host's count of them. Only a drafter whose ``propose_after`` gave a tree is told."""
+        raise NotImplementedError(f"{type(self).__name__} drafts no round ahead, so it settles none")
 
     def fork(self) -> "Drafter | None":
         """The same drafter (weights, settings) with fresh per-generation state, so several

@@ -21,7 +21,8 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from ..engines.device import KEY_BUCKET_MIN, DeviceTree, FixedShapeCall, Slab, SlabPool, StaticCache, pow2_at_least
+from ..engines.device import (HANDOFF_BONUS, HANDOFF_COUNT, HANDOFF_TOKENS, KEY_BUCKET_MIN, DeviceTree, FixedShapeCall,
+                              PendingPass, Slab, SlabPool, StaticCache, pow2_at_least)
 from ..engines.torch_layers import DecoderLayer, PackedLayer, cached_layer, rms_norm, rotation
 from ..errors import LyannaError
 from .checkpoint import head_layer_count, layer_prefixes
@@ -104,19 +105,53 @@ class _DraftTreesPass(_DraftPass):
     and, with ``resample`` (the last chain's rows still valid, in ``leftover``'s first rows, their
     count in ``levels``), the tree re-sampled from them, both under the same root, grown together
     (``_grow``) and fused (``device_tree.union``), each tree cut to ``max_nodes`` before: ``tree``,
-    the round's best ``nodes`` (``device_tree.packed``)."""
+    the round's best ``nodes`` (``device_tree.packed``). ``handoff``: the call follows a target
+    pass the host has not read (``engines.device.PendingPass``) and forms its catch-up, chain and
+    root inputs from what that pass left there (``_follow``)."""
 
     def __init__(self, head: "DeviceChainHead", slab: Slab, rows: int, depth: int, keys: int, resample: bool,
-                 topk: int, width: int, max_nodes: int, nodes: int, pool: Any):
+                 topk: int, width: int, max_nodes: int, nodes: int, pool: Any, handoff: torch.Tensor | None = None):
         super().__init__(head, slab, rows, depth, keys, pool)
         self.topk, self.width, self.max_nodes, self.nodes = topk, width, max_nodes, nodes
         trees = 2 if resample else 1
         self.leftover = torch.zeros((depth, head.d2t.size), dtype=torch.float32, device=head.device) if resample else None
         self._input("root_info", (trees, 1, head._ti_b.shape[0]), torch.float32)
         self._input("levels", (trees, 1), torch.int64)  # each tree's levels of valid rows
+        self.handoff = handoff
+        if handoff is not None:
+            self._input("length", (1,), torch.int64)  # the context's length before the pass followed
+            self._input("last_depth", (1,), torch.int64)  # the chain rows the last draft left
         self.tree: torch.Tensor | None = None
 
+    def _follow(self) -> None:
+        """The inputs ``load`` and the host would give once the pass followed is read: its
+        ``count`` accepted tokens and bonus token are the pending pairs after the context's
+        ``length`` (their features handed over already, ``DevicePairContext.hand_over``), the
+        bonus token the root; the leftover chain rows are those past them."""
+        h, rows, dev = self.head, self.rows, self.device
+        hand, cap = self.handoff, self.slab.capacity
+        count, bonus = hand[HANDOFF_COUNT : HANDOFF_COUNT + 1], hand[HANDOFF_BONUS : HANDOFF_BONUS + 1]
+        i = torch.arange(rows, device=dev)
+        live = i <= count  # the path's tokens and the bonus token; padding after
+        pair = self.length + i
+        key = torch.arange(self.keys, device=dev)
+        self.features.copy_(torch.where(live, pair - 1, cap))
+        self.tokens.copy_(torch.where(live, hand[HANDOFF_TOKENS : HANDOFF_TOKENS + rows], 0))
+        self.positions.copy_(torch.where(live, pair, 0))
+        self.slots.copy_(torch.where(live, pair - 1, cap + i - count - 1))
+        self.mask.copy_(torch.where(live[:, None], key[None, :] < pair[:, None], (key == 0)[None, :]))
+        self.root.copy_(count)
+        chain = self.length + count + torch.arange(self.depth - 1, device=dev)  # after the root pair's slot
+        self.chain_slots.copy_(chain)
+        self.chain_positions.copy_(chain + 1)
+        self.chain_mask.copy_(key[None, :] <= chain[:, None])
+        self.root_info.copy_(h.ti_full[bonus].expand_as(self.root_info))
+        if self.leftover is not None:
+            self.levels[1:].copy_((self.last_depth - count - 1).clamp(0, self.depth).view(1, 1))
+
     def _forward(self) -> None:
+        if self.handoff is not None:
+            self._follow()
         super()._forward()
         h, depth = self.head, self.depth
         raw = self.raw[None] if self.leftover is None else torch.stack([self.raw, self.leftover])
@@ -287,6 +322,22 @@ class DevicePairContext(PairContext):
         super()._room(need)
         if self.cache is not old:
             self.cache.slab.features[: self._count] = old.slab.features[: self._count]
+
+    def hand_over(self, hidden: dict[int, Any], rows: int, need: int) -> None:
+        """``commit`` of a round whose outcome the host has not read: its first ``rows`` kept rows
+        (root and every level a path may reach; the rows past the path are overwritten later)
+        written after the committed features, uncounted until ``settle``; ``need``: positions to
+        make room for first."""
+        self._room(need)
+        rows_on = [hidden[t][:rows] for t in self.taps]
+        feats = rows_on[0].float() if len(rows_on) == 1 else torch.cat(rows_on, dim=-1).float() @ self.head.taps_fc.T
+        self.cache.slab.features[self._count : self._count + rows] = feats
+
+    def settle(self, n: int) -> None:
+        """Count ``n`` rows ``hand_over`` wrote, the head fed up to them (its draft followed the
+        round on the device)."""
+        self._count += n
+        self.cache.length = self.base = self._count
 
 
 class DeviceDraftHead:
@@ -459,6 +510,9 @@ class DeviceChainHead(DeviceDraftHead):
         # cold parent under fallback "none"): what a tree's frontier reads. One tensor, refilled
         # in place for another ``TokenInfo``, so that captured trees read the current one.
         self.ti_rows = torch.zeros((d2t.size, self._ti_a.shape[1]), dtype=torch.float32, device=self.device)
+        # The same over the whole vocabulary: a round drafted after a pass the host has not read
+        # finds its root's row there (the root is that pass's bonus token).
+        self.ti_full = torch.zeros(self._ti_a.shape, dtype=torch.float32, device=self.device)
         self._ti_of: Any = None
         self._informed: np.ndarray | None = None
         self._drafts: dict[tuple[int, int, int, int], _DraftPass] = {}
@@ -469,11 +523,12 @@ class DeviceChainHead(DeviceDraftHead):
         """``ti`` made current (``ti_rows``) and ``root``'s own ``A`` row ([rank], on the host:
         zero where it gets no token information)."""
         if self._ti_of is not ti:
-            rows = self._ti_a[self.d2t]
+            full = self._ti_a
             self._informed = None if ti.fallback == "lowrank" else ti.row_of >= 0  # None: every parent gets TI
             if self._informed is not None:
-                rows = rows * self._informed[self.d2t, None]
-            self.ti_rows.copy_(torch.from_numpy(rows))
+                full = full * self._informed[:, None]
+            self.ti_full.copy_(torch.from_numpy(full))
+            self.ti_rows.copy_(self.ti_full[self._d2t])
             self._ti_of = ti
         row = self._ti_a[root]
         return row if self._informed is None or self._informed[root] else np.zeros_like(row)
@@ -531,6 +586,41 @@ class DeviceChainHead(DeviceDraftHead):
 
         p = self._drafted(pc, ctx, depth, make, timed=ahead)
         return p.raw.clone(), _chosen(p, depth, ahead)
+
+    @torch.inference_mode()
+    def draft_trees_after(self, pc: "DevicePairContext", pending: PendingPass, length: int, chain: torch.Tensor,
+                          depth: int, resample: bool, ti, topk: int, width: int, max_nodes: int,
+                          nodes: int | None) -> tuple[torch.Tensor, DeviceTree] | None:
+        """``draft_trees`` (left on the device) for the round after ``pending``, a target pass the
+        host has not read, from what it left on the device: its kept rows' features handed over
+        (``DevicePairContext.hand_over``), its accepted tokens and bonus token the pending pairs
+        and root, the last draft's ``chain`` rows past them the leftover (``resample``). One call
+        at a shape fixed by what the pass may have kept (a path through every level).
+        ``length``: the context's length before that pass. None where that shape does not fit a
+        catch-up (more levels than ``CATCH_UP_ROWS``) or the head was not fed up to that pass's
+        root by the last draft: the host reads the pass first."""
+        levels = pending.levels
+        if topk < 1 or width < 1 or levels + 1 > CATCH_UP_ROWS or pc.cache.length != length - 1:
+            return None
+        k, cut = min(topk, self.d2t.size), _cut(max_nodes, nodes)
+        rows, target = pow2_at_least(levels + 1), pending.cache.slab
+        pc.hand_over(pending.kept_hidden, levels + 1, length + levels + 1 + depth)
+        slab = pc.cache.slab
+        keys = min(pow2_at_least(length + levels + depth, KEY_BUCKET_MIN), slab.capacity)
+        key = (id(slab), rows, depth, keys, resample, k, width, max_nodes, cut, id(target))
+        p = self._draft_trees.get(key)
+        if p is None:
+            p = self._draft_trees[key] = _DraftTreesPass(self, slab, rows, depth, keys, resample, k, width, max_nodes,
+                                                          cut, self._graph_pool, handoff=target.handoff)
+        self._token_info(ti, 0)  # the table current (the root's row is read on the device)
+        p.host("length")[0], p.host("last_depth")[0] = length, chain.shape[0]
+        p.host("levels")[:] = [[depth]] + ([[0]] if resample else [])  # the second: from the pass, on the device
+        if resample:  # the chain's rows past the pass's kept tokens (clamped: those past the chain are not read)
+            past = torch.arange(1, depth + 1, device=self.device) + target.handoff[HANDOFF_COUNT]
+            p.leftover.copy_(chain.index_select(0, past.clamp(max=chain.shape[0] - 1)))
+        p.run_fixed(timed=True)
+        pc.passes += depth
+        return p.raw.clone(), _chosen(p, depth, ahead=True)
 
     @torch.inference_mode()
     def tree(self, raw: torch.Tensor, root: int, ti, topk: int, width: int, max_nodes: int, origin: int = 0) -> DraftTree:

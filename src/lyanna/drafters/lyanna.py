@@ -22,7 +22,7 @@ sampling, re-sampling after a rejection, and verification fusion.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 from numba import njit
@@ -297,6 +297,27 @@ class LyannaDrafter(Drafter):
         self.context.commit(hidden)
         if self._chain is not None:
             self._leftover = self._chain[len(tokens):]
+
+    def propose_after(self, pending: Any, context: Sequence[int], max_depth: int,
+                      nodes: int | None) -> "DeviceTree | None":
+        """A device head's next round drafted from the pending pass's outcome on the device
+        (``DeviceChainHead.draft_trees_after``), for trees left there as ``propose_sized``'s
+        are; the last round's chain gives the leftover rows (policy ``fuse``)."""
+        depth = min(self.depth, max_depth)
+        if (isinstance(self.head, ChainHead) or self.suffix is not None or self.policy == "reuse" or nodes == 0
+                or depth < 1 or self._chain is None):
+            return None
+        drafted = self.head.draft_trees_after(self.context, pending, len(context), self._chain, depth,
+                                              self.policy == "fuse", self.ti, self.topk, self.width, self.max_nodes,
+                                              nodes)
+        if drafted is None:
+            return None
+        self._chain, tree = drafted
+        return tree
+
+    def settle(self, tokens: Sequence[int]) -> None:
+        """The head's draft after that round took its rows and its leftover chain rows already."""
+        self.context.settle(len(tokens))
 
     def chain(self, context: Sequence[int], depth: int) -> np.ndarray:
         """Raw logits ``l_1..l_depth`` after ``context`` (its last token is the root)."""

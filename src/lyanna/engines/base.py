@@ -168,8 +168,16 @@ class Block:
     # How to verify that tree in the pass itself, compacting the cache there too
     # (``ForwardOutput.kept``); None: the loop verifies and compacts.
     verification: Verification | None = None
+    # Such a block only: return before the host has its outcome (``engines.device.PendingPass``,
+    # whose ``collect`` gives the ``ForwardOutput``), so the next round can start meanwhile.
+    ahead: bool = False
+    # The pending pass (``ahead``) on the same cache this block continues on the device: the
+    # root is that pass's bonus token, after its kept rows (``tokens``/``positions`` unused).
+    # Only the cache's last pass, every pass before it read (the cache's length is its start).
+    follows: Any = None
 
     @property
     def rows(self) -> int:
         """The block's rows in the pass (a tree left on the device counts its padded nodes)."""
-        return len(self.tokens) + (0 if self.tree is None else self.tree.nodes)
+        roots = 1 if self.follows is not None else len(self.tokens)
+        return roots + (0 if self.tree is None else self.tree.nodes)

@@ -49,6 +49,11 @@ KEY_BUCKET_MIN = 256
 POOL_CAPACITY_MIN = 512
 # Byte alignment of each input in a fixed-shape call's one block (the widest input type, int64).
 STAGING_ALIGN = 8
+# What a pass that verified its tree leaves on its cache's slab (``Slab.handoff``, int64) for the
+# next round's draft and pass to read where they run, while the host still waits for the copy:
+# the next block's start, the path's length, the bonus token, then the tokens committed after
+# the root (the path's, then the bonus token).
+HANDOFF_START, HANDOFF_COUNT, HANDOFF_BONUS, HANDOFF_TOKENS = 0, 1, 2, 3
 
 
 def pow2_at_least(n: int, smallest: int = 1) -> int:
@@ -71,6 +76,7 @@ class Slab:
         self.k, self.v = self.kv[0], self.kv[1]
         self.capacity = capacity
         self.features = torch.zeros((shape[2], features), dtype=torch.float32, device=device) if features else None
+        self.handoff = torch.zeros(HANDOFF_TOKENS + ROW_BUCKETS[-1], dtype=torch.int64, device=device)
 
 
 class SlabPool:
@@ -264,11 +270,16 @@ class DeviceTree(NamedTuple):
         """The draft call's time on the device, once the pass that read the tree was waited for:
         the host did not wait for the draft, the pass's wait did (0.0 where the call ran
         synchronously: its time was the host's)."""
-        if self.timing is None:
-            return 0.0
-        began, ended = self.timing
-        ended.synchronize()
-        return began.elapsed_time(ended) / 1e3
+        return _elapsed(self.timing)
+
+
+def _elapsed(timing: tuple[Any, Any] | None) -> float:
+    """Seconds between a run's CUDA events (``FixedShapeCall.timing``), waited for; 0.0 without."""
+    if timing is None:
+        return 0.0
+    began, ended = timing
+    ended.synchronize()
+    return began.elapsed_time(ended) / 1e3
 
 
 class _TreeBlockPass(FixedShapeCall):
@@ -278,15 +289,18 @@ class _TreeBlockPass(FixedShapeCall):
     the tree (``load``) and the block's start and root (host inputs): the same block the host
     builds for a tree. ``rule`` ``"greedy"`` or ``"sampling"``: the pass also verifies the tree
     (``device_verify.follow``; sampling's settings and random numbers are inputs) and compacts
-    the cache to root + accepted path; None: it leaves both to the host."""
+    the cache to root + accepted path, leaving what the next round needs in ``Slab.handoff``;
+    None: it leaves both to the host. ``chained``: the block's start and root are the last
+    verified pass's (its ``Slab.handoff``), not host inputs."""
 
     def __init__(self, engine: "DeviceEngine", slab: Slab, rows: int, keys: int, taps: tuple[int, ...], depth: int,
-                 rule: str | None):
+                 rule: str | None, chained: bool = False):
         super().__init__(engine.device, engine._graph_pool)
         self.engine, self.slab, self.rows, self.keys, self.taps = engine, slab, rows, keys, taps
-        self.nodes, self.depth, self.rule = rows - 1, depth, rule
-        self._input("start", (1,), torch.int64)
-        self._input("root", (1,), torch.int64)
+        self.nodes, self.depth, self.rule, self.chained = rows - 1, depth, rule, chained
+        if not chained:
+            self._input("start", (1,), torch.int64)
+            self._input("root", (1,), torch.int64)
         if rule == "sampling":
             for name in ("temperature", "top_p"):
                 self._input(name, (1,), torch.float64)
@@ -298,21 +312,26 @@ class _TreeBlockPass(FixedShapeCall):
         self.logits: torch.Tensor | None = None
         self.argmax: torch.Tensor | None = None
         self.hidden: dict[int, torch.Tensor] = {}
-        # What crosses to the host, in one copy (float64): ``tree``, the path's length, the bonus
-        # token, the rows kept (padded); and the tapped rows of those rows, which stay.
+        # What crosses to the host, in one copy (float64): ``tree``, the block's start, the path's
+        # length, the bonus token, the rows kept (padded); and the tapped rows of those rows, which stay.
         self.result: torch.Tensor | None = None
         self.kept_hidden: dict[int, torch.Tensor] = {}
 
     def _forward(self) -> None:
         m, rows, keys, dev = self.nodes, self.rows, self.keys, self.device
-        start, count = self.start, self.tree[-1:].long()
+        if self.chained:  # read before this pass leaves its own
+            start = self.slab.handoff[HANDOFF_START : HANDOFF_START + 1].clone()
+            root = self.slab.handoff[HANDOFF_BONUS : HANDOFF_BONUS + 1].clone()
+        else:
+            start, root = self.start, self.root
+        count = self.tree[-1:].long()
         tree = self.tree[:-1].view(5, m)
         at = torch.arange(m, device=dev)
         valid = at < count
         parents = tree[1].long()
         depths = torch.cat([torch.zeros_like(start), torch.where(valid, tree[4].long(), 1)])  # the root's is 0
         pad = rows - m - 1
-        tokens = torch.cat([self.root, torch.where(valid, tree[0].long(), 0), torch.zeros(pad, dtype=torch.int64, device=dev)])
+        tokens = torch.cat([root, torch.where(valid, tree[0].long(), 0), torch.zeros(pad, dtype=torch.int64, device=dev)])
         positions = torch.cat([start + depths, torch.zeros(pad, dtype=torch.int64, device=dev)])
         slots = torch.cat([start + torch.arange(m + 1, device=dev), self.slab.capacity + torch.arange(pad, device=dev)])
         # Ancestors, a level more each time round: seen[i, j], node j is node i or above it.
@@ -337,23 +356,74 @@ class _TreeBlockPass(FixedShapeCall):
         # Every row's argmax: the host's (no rule) or greedy verification's; sampling reads none.
         self.argmax = None if self.rule == "sampling" else self.logits.argmax(-1)
         if self.rule is not None:
-            self._follow(tokens[1 : m + 1], parents, depths[1:], valid)
+            self._follow(start, tokens[1 : m + 1], parents, depths[1:], valid)
 
-    def _follow(self, tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, valid: torch.Tensor) -> None:
+    @property
+    def levels(self) -> int:
+        """The deepest a path can be."""
+        return min(self.depth, self.nodes)
+
+    def _follow(self, start: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor,
+                valid: torch.Tensor) -> None:
         """Verify (``device_verify.follow``), then move rows ``start + keep`` to ``start + 0..``
-        (``keep`` padded with self-copies past the path, so the shape stays fixed)."""
-        levels = min(self.depth, self.nodes)  # the deepest a path can be
+        (``keep`` padded with self-copies past the path, so the shape stays fixed), and leave the
+        next round's start, root and new tokens in ``Slab.handoff``."""
+        levels, dev = self.levels, self.device
         sampling = None if self.rule == "greedy" else (self.temperature, self.top_p, self.top_k, self.uniforms)
         path = follow(tokens, parents, depths, valid, self.logits[: self.nodes + 1], self.argmax, levels, sampling)
         kv = self.slab.kv
-        kv.index_copy_(3, self.start + torch.arange(levels + 1, device=self.device), kv.index_select(3, self.start + path.keep))
-        self.result = torch.cat([self.tree, path.count.double(), path.bonus.double(), path.keep.double()])
+        kv.index_copy_(3, start + torch.arange(levels + 1, device=dev), kv.index_select(3, start + path.keep))
+        self.result = torch.cat([self.tree, start.double(), path.count.double(), path.bonus.double(), path.keep.double()])
         self.kept_hidden = {tap: h[path.keep] for tap, h in self.hidden.items()}
+        at = torch.arange(levels + 1, device=dev)
+        after = torch.cat([tokens[(path.keep[1:] - 1).clamp(min=0)], path.bonus])  # the path's tokens, padded
+        hand = self.slab.handoff
+        hand[: HANDOFF_TOKENS + levels + 1] = torch.cat([start + path.count + 1, path.count, path.bonus,
+                                                         torch.where(at == path.count, path.bonus, after)])
 
     def load(self, tree: DeviceTree) -> None:
         """Copy ``tree`` in (on the device, in stream order: before its drafter's next call)."""
         self.tree[:-1].view(5, self.nodes)[:, : tree.nodes].copy_(tree.packed[:-1].view(5, tree.nodes))
         self.tree[-1:].copy_(tree.packed[-1:])
+
+
+class PendingPass:
+    """A tree pass verified on the device whose outcome the host has not read yet (``Block.ahead``):
+    its one small result is on its way to host memory (pinned, not waited for), and the next round
+    may already follow it there (``Block.follows``, reading ``Slab.handoff``); ``collect`` waits
+    for the copy and gives the ``ForwardOutput``. ``kept_hidden``: the kept rows' taps (``levels +
+    1`` rows, the path's first), on the device until the next pass on the cache."""
+
+    def __init__(self, p: _TreeBlockPass, cache: StaticCache, taps: tuple[int, ...]):
+        self.cache, self.levels = cache, p.levels
+        self.kept_hidden, self.timing = p.kept_hidden, p.timing
+        self._taps, self._logits, self._width = taps, p.logits, p.tree.shape[0]
+        cuda = p.result.device.type == "cuda"
+        self._result = torch.empty(p.result.shape, dtype=torch.float64, pin_memory=cuda)
+        self._result.copy_(p.result, non_blocking=cuda)
+        self._copied = None
+        if cuda:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        self._out: ForwardOutput | None = None
+
+    def device_seconds(self) -> float:
+        """The pass's time on the device once collected (0.0 where it ran synchronously)."""
+        return _elapsed(self.timing)
+
+    def collect(self) -> ForwardOutput:
+        """Wait for the result; the cache's length is then the pass's."""
+        if self._out is None:
+            if self._copied is not None:
+                self._copied.synchronize()
+            result = self._result.numpy()
+            packed, start, path = result[: self._width], int(result[self._width]), result[self._width + 1 :].astype(np.int64)
+            kept, bonus = path[2 : 3 + int(path[0])], int(path[1])
+            self.cache.length = start + kept.size
+            self._out = ForwardOutput(logits=_Logits(self._logits[: 1 + int(packed[-1])]),
+                                      hidden={tap: self.kept_hidden[tap][: kept.size] for tap in self._taps},
+                                      tree=packed, kept=kept, bonus=bonus)
+        return self._out
 
 
 class DeviceEngine(TargetEngine):
@@ -362,10 +432,14 @@ class DeviceEngine(TargetEngine):
     heads_on_device = True  # draft heads that have a device twin run beside it (``drafters.device``)
 
     def __init__(self, config: ModelConfig, weights: dict[str, Any], device: str = "cpu", dtype: str = "float32",
-                 graphs: bool | None = None):
+                 graphs: bool | None = None, pipelines: bool | None = None):
         """``weights``: Hugging Face names to fp32 arrays or GGUF blocks (``loading.load_target``).
         ``graphs``: capture decoding blocks as CUDA graphs (default: on a CUDA device; the same
-        tokens either way, see the module docstring)."""
+        tokens either way, see the module docstring). ``pipelines``: a sequence decoding alone
+        may launch the round after a verified pass before the host reads its outcome
+        (``Block.ahead``, ``PendingPass``); False: every round is read before the next. Default:
+        on a CUDA device, where the device runs while the host reads (elsewhere each call runs
+        as it is made, so launching ahead overlaps nothing)."""
         if dtype not in DTYPES:
             raise LyannaError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
         try:
@@ -377,6 +451,7 @@ class DeviceEngine(TargetEngine):
         self.config = c = config
         self.dtype = getattr(torch, dtype)
         self.name = f"device-{self.device.type}-{dtype}"
+        self.pipelines = self.device.type == "cuda" if pipelines is None else pipelines
 
         def fetch(name: str) -> Any:
             try:
@@ -438,26 +513,36 @@ class DeviceEngine(TargetEngine):
         with torch.inference_mode():
             return [self._run_tree(*p) if p[0].tree is not None else self._run(*p) for p in prepared]
 
-    def _tree_inputs(self, b: Block) -> tuple[int]:
-        """A block whose tree is on the device, checked as ``block_inputs`` checks others: its root."""
-        tokens, positions = np.asarray(b.tokens, np.int64).reshape(-1), np.asarray(b.positions, np.int64).reshape(-1)
+    def _tree_inputs(self, b: Block) -> tuple[int | None, int]:
+        """A block whose tree is on the device, checked as ``block_inputs`` checks others: its
+        root (None: the bonus token of the pass it follows, on the device) and its start (the
+        most it can be, for a block that follows a pass whose outcome the host has not read)."""
         if not isinstance(b.tree, DeviceTree):
             raise ValueError(f"a block's tree on the device must be a DeviceTree, got {type(b.tree).__name__}")
-        if tokens.shape != (1,) or positions.tolist() != [b.cache.length]:
-            raise ValueError("a block whose tree is on the device holds its root alone, at the cache's length")
         if b.prefill or b.block_mask is not None or b.logit_rows is not None:
             raise ValueError("a block whose tree is on the device takes no mask, logit rows or prefill")
-        if not 0 <= tokens[0] < self.config.vocab_size:
-            raise ValueError(f"token ids must lie in [0, {self.config.vocab_size})")
         rule = b.verification
+        if (b.ahead or b.follows is not None) and rule is None:
+            raise ValueError("only a block verified in its pass can be left uncollected or follow one that is")
         if rule is not None and rule.temperature > 0 and np.shape(rule.uniforms) != (b.tree.nodes + 1,):
             raise ValueError(f"sampling verification needs {b.tree.nodes + 1} uniforms (one a node, the bonus token's)")
+        if b.follows is not None:  # the pass it follows starts at the cache's length (the host read the one before)
+            if not isinstance(b.follows, PendingPass) or b.follows.cache is not b.cache:
+                raise ValueError("a block follows a pass left uncollected on its own cache")
+            root, start = None, b.cache.length + b.follows.levels + 1
+        else:
+            tokens, positions = np.asarray(b.tokens, np.int64).reshape(-1), np.asarray(b.positions, np.int64).reshape(-1)
+            if tokens.shape != (1,) or positions.tolist() != [b.cache.length]:
+                raise ValueError("a block whose tree is on the device holds its root alone, at the cache's length")
+            if not 0 <= tokens[0] < self.config.vocab_size:
+                raise ValueError(f"token ids must lie in [0, {self.config.vocab_size})")
+            root, start = int(tokens[0]), b.cache.length
         rows = pow2_at_least(b.tree.nodes + 1)  # the tree is padded to its row bucket
-        if b.cache.length + rows > b.cache.capacity:
-            raise ValueError(f"cache capacity {b.cache.capacity} exceeded: {b.cache.length} cached + {rows} new")
-        return (int(tokens[0]),)
+        if start + rows > b.cache.capacity:
+            raise ValueError(f"cache capacity {b.cache.capacity} exceeded: {start} cached + {rows} new")
+        return root, start
 
-    def _run_tree(self, b: Block, root: int) -> ForwardOutput:
+    def _run_tree(self, b: Block, root: int | None, start: int) -> "ForwardOutput | PendingPass":
         """A block whose tree is on the device (``_TreeBlockPass``), at its bucketed shape (the
         tree padded to fill it: one pass per bucket, whatever the tree's size): the tree comes to
         the host with the tapped rows and every row's argmax, in one wait. Rows past its node
@@ -465,37 +550,36 @@ class DeviceEngine(TargetEngine):
         A block with its ``verification`` is verified and compacted in the pass: the tree, the
         kept rows and the bonus token (``ForwardOutput.kept``) cross in one small copy, while
         the kept rows' taps stay on the device for the drafter's next call and the logits are
-        the pass's own buffer (both valid until the next pass on this cache)."""
+        the pass's own buffer (both valid until the next pass on this cache); with ``ahead``
+        that copy is not waited for (``PendingPass``). ``start``: the block's, or the most it
+        can be (``follows``: attention reads enough keys for it)."""
         cache, tree, rule = b.cache, b.tree, b.verification
-        slab, start = cache.slab, cache.length
+        slab = cache.slab
         rows = pow2_at_least(tree.nodes + 1)
         keys = min(pow2_at_least(start + rows, KEY_BUCKET_MIN), slab.capacity)
         taps = tuple(sorted(set(b.taps)))
         mode = None if rule is None else "greedy" if rule.temperature == 0 else "sampling"
-        key = (id(slab), rows, keys, taps, tree.depth, mode)
+        chained = b.follows is not None
+        key = (id(slab), rows, keys, taps, tree.depth, mode, chained)
         p = self._tree_passes.get(key)
         if p is None:
-            p = self._tree_passes[key] = _TreeBlockPass(self, slab, rows, keys, taps, tree.depth, mode)
-        p.host("start")[0], p.host("root")[0] = start, root
+            p = self._tree_passes[key] = _TreeBlockPass(self, slab, rows, keys, taps, tree.depth, mode, chained)
+        if not chained:
+            p.host("start")[0], p.host("root")[0] = start, root
         if mode == "sampling":
             p.host("temperature")[0], p.host("top_p")[0], p.host("top_k")[0] = rule.temperature, rule.top_p, rule.top_k
             uniforms = p.host("uniforms")  # past the tree's nodes: padding nodes', never read (they are not valid)
             uniforms[: tree.nodes], uniforms[-1] = rule.uniforms[:-1], rule.uniforms[-1]
         p.load(tree)
-        p.run_fixed()
+        p.run_fixed(timed=b.ahead)
         if mode is None:
             *hidden, argmax, packed = _fetch([p.hidden[tap][:rows] for tap in b.taps] + [p.argmax[:rows], p.tree])
             cache.length += rows
             cut = 1 + int(packed[-1])
             return ForwardOutput(logits=_Logits(p.logits[:cut].clone(), argmax[:cut]),
                                  hidden={tap: h[:cut] for tap, h in zip(b.taps, hidden)}, tree=packed)
-        result = _fetch([p.result])[0]  # verified and compacted in the pass
-        packed, path = result[: p.tree.shape[0]], result[p.tree.shape[0] :].astype(np.int64)
-        kept, bonus = path[2 : 3 + int(path[0])], int(path[1])
-        cache.length = start + kept.size
-        return ForwardOutput(logits=_Logits(p.logits[: 1 + int(packed[-1])]),
-                             hidden={tap: p.kept_hidden[tap][: kept.size] for tap in b.taps}, tree=packed, kept=kept,
-                             bonus=bonus)
+        pending = PendingPass(p, cache, tuple(b.taps))
+        return pending if b.ahead else pending.collect()
 
     def _run(self, b: Block, tokens: np.ndarray, positions: np.ndarray, within: np.ndarray | None) -> ForwardOutput:
         n, cache = tokens.shape[0], b.cache
@@ -633,7 +717,7 @@ def device_engine_of(engine: Any, graphs: bool | None = None) -> DeviceEngine | 
 
 
 def load_device_target(name_or_path: str, device: str = "cpu", dtype: str = "float32",
-                       graphs: bool | None = None) -> tuple[Target, DeviceEngine]:
+                       graphs: bool | None = None, pipelines: bool | None = None) -> tuple[Target, DeviceEngine]:
     """A target (config, tokenizer, fp32 host weights for the drafters) and its device engine."""
     target = load_target(name_or_path, weight_format="fp32")
-    return target, DeviceEngine(target.config, target.weights, device, dtype, graphs)
+    return target, DeviceEngine(target.config, target.weights, device, dtype, graphs, pipelines)

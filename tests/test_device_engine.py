@@ -475,6 +475,17 @@ def test_device_sampled_output_has_the_target_joint_distribution(device_small_de
     assert chi2_pvalue(s.counts, exact_joint(device_small_decoder.engine, params, horizon)) > ALPHA
 
 
+def test_plain_steps_launched_ahead_sample_the_target_joint_distribution():
+    """``ar``'s rounds launched ahead (each next token sampled in the pass, as a tree's bonus
+    token is) keep the target's joint distribution."""
+    target = small_vocab_target()
+    decoder = Decoder(target, engine=DeviceEngine(target.config, target.weights, DEVICE, pipelines=True),
+                      default_drafts=False)
+    params, horizon = SAMPLING_GRID["t0.6-topk3"]
+    s = sample_outputs(decoder, "ar", params, horizon, 600)
+    assert chi2_pvalue(s.counts, exact_joint(decoder.engine, params, horizon)) > ALPHA
+
+
 def test_device_path_fails_a_wrong_acceptance_rule(device_small_decoder, monkeypatch):
     """The control: the same statistic rejects a broken verifier on the device path, the host's
     (a tree that crosses) and the pass's (a device head's tree, verified where it is: the bonus
@@ -698,14 +709,14 @@ def test_a_rounds_drafting_in_one_call_equals_the_host_heads(tiny, fallback):
             np.testing.assert_allclose(np.asarray(b.cpu()), a, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("resample", [True, False])
-def test_a_draft_after_an_unread_pass_equals_the_draft_after_reading_it(tiny, resample):
-    """``draft_trees_after`` (the round after a verified pass the host has not read, its inputs
-    formed on the device from what the pass left there) gives the draft the host makes after
-    reading that pass and committing its kept rows (``draft_trees`` with the leftover rows past
-    the accepted ones): the same raw rows and tree, for paths of every length (the pass's tree is
-    the target's own greedy chain with a wrong token at one level), and the context it leaves
-    counts the same features once settled."""
+@pytest.mark.parametrize("kind", ["lyanna", "lyanna-noresample", "eagle"])
+def test_a_draft_after_an_unread_pass_equals_the_draft_after_reading_it(tiny, kind):
+    """A head's call for the round after a verified pass the host has not read (its inputs formed
+    on the device from what the pass left there: ``draft_trees_after``, ``eagle_tree_after``)
+    gives the draft the host makes after reading that pass and committing its kept rows (for
+    ``lyanna``, with the leftover rows past the accepted ones): the same tree (and raw rows),
+    for paths of every length (the pass's tree is the target's own greedy chain with a wrong
+    token at one level), and the context it leaves counts the same features once settled."""
     from lyanna.drafters import device_tree
     from lyanna.engines.base import Verification
     from lyanna.engines.device import DeviceTree
@@ -713,7 +724,16 @@ def test_a_draft_after_an_unread_pass_equals_the_draft_after_reading_it(tiny, re
     e, w = _lyanna_head(tiny, seed=9, varied=True)
     vocab, taps, depth = tiny.config.vocab_size, (2,), 3
     ti = TokenInfo(w["ti.a"], w["ti.b"], np.arange(0, vocab, 3), "lowrank")
-    head = DeviceChainHead(e, w)
+    resample = kind == "lyanna"
+    if kind == "eagle":
+        head = DeviceDraftHead(e, init_eagle_head(e, tiny.weights).numpy_weights())
+        draft = lambda pc, ctx, leftover: (None, head.eagle_tree(pc, np.array(ctx), depth, 2, 2, 8, ahead=True))
+        after = lambda pc, pending, length, chain: (None, head.eagle_tree_after(pc, pending, length, depth, 2, 2, 8))
+    else:
+        head = DeviceChainHead(e, w)
+        draft = lambda pc, ctx, leftover: head.draft_trees(pc, np.array(ctx), depth, leftover, ti, 2, 2, 8, ahead=True)
+        after = lambda pc, pending, length, chain: head.draft_trees_after(pc, pending, length, chain, depth, resample,
+                                                                          ti, 2, 2, 8, None)
     numpy_target = Transformer(tiny.config, tiny.weights)
     prompt = list(range(3, 40))
     for count in range(depth + 1):
@@ -730,40 +750,40 @@ def test_a_draft_after_an_unread_pass_equals_the_draft_after_reading_it(tiny, re
         contexts = [head.context(taps), head.context(taps)]
         for pc in contexts:
             pc.start({t: pre.hidden[t] for t in taps})
-            chain, _ = head.draft_trees(pc, np.array(ctx), depth, None, ti, 2, 2, 8, ahead=True)
+            chain, _ = draft(pc, ctx, None)
         padded = device_tree.PaddedTrees(*(torch.as_tensor(np.asarray(a))[None] for a in (
             path, [-1, 0, 1], [0.9, 0.8, 0.7], [1, 2, 3], [0, 0, 0])), count=torch.tensor([[depth]]))
         pending = e.forward_batch([Block([ctx[-1]], [len(ctx) - 1], cache, taps=taps, ahead=True,
                                          tree=DeviceTree(device_tree.packed(padded).to(DEVICE), depth, depth),
                                          verification=Verification(0.0))])[0]
-        raw_ahead, tree_ahead = head.draft_trees_after(contexts[0], pending, len(ctx), chain, depth, resample, ti, 2, 2,
-                                                       8, None)
+        raw_ahead, tree_ahead = after(contexts[0], pending, len(ctx), chain)
         out = pending.collect()
         assert len(out.kept) == count + 1 and cache.length == len(ctx) + count
-        after = ctx + greedy[: count + 1]  # the accepted tokens and the bonus token (the greedy one there)
         assert out.bonus == greedy[count]
         contexts[1].commit(out.hidden)
         leftover = chain[count + 1 :] if resample and count + 1 < depth else None
-        raw, tree = head.draft_trees(contexts[1], np.array(after), depth, leftover, ti, 2, 2, 8, ahead=True)
+        raw, tree = draft(contexts[1], ctx + greedy[: count + 1], leftover)  # the accepted tokens, the bonus token
         contexts[0].settle(count + 1)
-        np.testing.assert_allclose(np.asarray(raw_ahead.cpu()), np.asarray(raw.cpu()), rtol=1e-4, atol=1e-4)
+        if raw is not None:
+            np.testing.assert_allclose(np.asarray(raw_ahead.cpu()), np.asarray(raw.cpu()), rtol=1e-4, atol=1e-4)
         got, want = (DraftTree.from_packed(t.packed.cpu().numpy()) for t in (tree_ahead, tree))
         np.testing.assert_array_equal(got.tokens, want.tokens)
         np.testing.assert_array_equal(got.parents, want.parents)
         np.testing.assert_array_equal(got.origin, want.origin)
         np.testing.assert_allclose(got.scores, want.scores, rtol=1e-4)
-        if resample and leftover is not None:
+        if leftover is not None:
             assert 1 in want.origin  # the leftover rows took part
         a, b = contexts
         assert (a.cache.length, a.base, a._count, a.passes) == (b.cache.length, b.base, b._count, b.passes)
         torch.testing.assert_close(a.features, b.features)
 
 
-@pytest.mark.parametrize("budget", [None, 4, "auto"])
-def test_rounds_launched_ahead_give_the_rounds_read_one_by_one(tiny, budget, monkeypatch):
+@pytest.mark.parametrize("method,budget", [("lyanna-device", None), ("lyanna-device", 4), ("lyanna-device", "auto"),
+                                           ("eagle-device", None), ("eagle-device", 4), ("ar", "auto")])
+def test_rounds_launched_ahead_give_the_rounds_read_one_by_one(tiny, method, budget, monkeypatch):
     """A device head's rounds launched before the last one is read (the draft and pass formed on
-    the device from its outcome) give the same outputs as rounds read one at a time, greedy and
-    seeded sampling, and they do run ahead. Under a fixed budget they verify the same trees,
+    the device from its outcome; ``ar``'s plain steps, the next token picked in the pass) give the
+    same outputs as rounds read one at a time, greedy and seeded sampling, and they do run ahead. Under a fixed budget they verify the same trees,
     round by round, but for the last rounds (a round launched ahead leaves room for every level
     of the one before it, so its tree may be shallower there); under ``auto`` the trees may
     differ, sized a round later."""
@@ -790,16 +810,17 @@ def test_rounds_launched_ahead_give_the_rounds_read_one_by_one(tiny, budget, mon
             for prompt in ([1, 40, 41, 42, 40, 41, 42], list(range(3, 60))):
                 rounds.clear()
                 outputs.append(d.generate(prompt, GenerationRequest(max_new_tokens=n, sampling=params, eos_token_ids=()),
-                                          method="lyanna-device", budget=budget, fallback=budget == "auto").tokens)
+                                          method=method, budget=budget, fallback=budget == "auto").tokens)
                 before = 1 + np.cumsum([0] + [len(kept) for _, _, kept, _ in rounds])  # tokens committed before each
                 trees.append([r for r, b in zip(rounds, before) if b + 2 * (depth + 1) <= n])
             runs.append((outputs, trees, sum(follows)))
         (sync, sync_trees, none), (ahead, ahead_trees, chained) = runs
         # Sampled outputs draw one number a node: with other trees (the last rounds'; auto's sized
-        # a round later) they draw other numbers from there on.
-        cut = n if params.greedy else 0 if budget == "auto" else n - 2 * (depth + 1)
+        # a round later) they draw other numbers from there on; ``ar``'s, picked in the pass when
+        # launched ahead, draw theirs as a tree's bonus token does.
+        cut = n if params.greedy else 0 if budget == "auto" or method == "ar" else n - 2 * (depth + 1)
         assert [t[:cut] for t in ahead] == [t[:cut] for t in sync] and none == 0
-        assert chained >= (1 if budget == "auto" else 6), chained  # (auto drafts little with this unfitted head)
+        assert chained >= (1 if method != "ar" and budget == "auto" else 6), chained  # (auto drafts little here)
         if budget != "auto":
             assert ahead_trees == sync_trees
 

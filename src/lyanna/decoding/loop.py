@@ -207,11 +207,11 @@ class _Launched:
     out: Any = None  # the pass's output, or a pending one (``Block.ahead``)
 
 
-def _verification(state: DecodeState, tree: Any) -> Verification:
-    """The rule a pass verifies a tree left on the device by: random numbers drawn here, one a
-    node and the bonus token's."""
+def _verification(state: DecodeState, nodes: int) -> Verification:
+    """The rule a pass verifies a tree of ``nodes`` left on the device by (none: a plain step):
+    random numbers drawn here, one a node and the bonus token's."""
     params = state.params
-    uniforms = None if params.greedy else state.rng.random(tree.nodes + 1)
+    uniforms = None if params.greedy else state.rng.random(nodes + 1)
     return Verification(params.temperature, params.top_p, params.top_k, uniforms)
 
 
@@ -251,7 +251,7 @@ def rounds(state: DecodeState, drafter: Drafter, budget: Budget | None = None,
             drafted, t_pass = drafted + waited, t_pass - waited
         else:  # launched ahead: wait for it now; the device's own times where it keeps them
             out = out.collect()
-            drafted, t_pass = tree.device_seconds() or drafted, r.out.device_seconds() or t_pass
+            drafted, t_pass = (on_device and tree.device_seconds()) or drafted, r.out.device_seconds() or t_pass
         if on_device:  # the tree came back with the pass
             tree = DraftTree.from_packed(out.tree)
             if len(tree) and budget is not None:
@@ -298,14 +298,16 @@ def rounds(state: DecodeState, drafter: Drafter, budget: Budget | None = None,
             room = tracker.max_new_tokens - len(tracker.tokens) - 1 - (pending.out.levels + 1)  # if it keeps every level
             depth = room if budget is None else budget.limit_depth(room)
             nodes = None if budget is None else budget.nodes_ahead()
-            tree = None
-            if drafting and depth >= 1 and (budget is None or nodes is not None):
+            tree = DraftTree.empty() if drafter.plain else None  # a plain step follows as it is
+            if drafting and depth >= 1 and (budget is None or nodes is not None) and not drafter.plain:
                 tree = drafter.propose_after(pending.out, context, depth, nodes)
             if tree is not None:
                 t1 = time.perf_counter()
-                out = yield Block((), (), cache, taps=drafter.taps, tree=tree, verification=_verification(state, tree),
-                                  ahead=True, follows=pending.out)
-                launched = _Launched(tree, drafting, None, -1, t0, t1, time.perf_counter(), out)
+                on_device = not isinstance(tree, DraftTree)
+                out = yield Block((), (), cache, taps=drafter.taps, tree=tree if on_device else None,
+                                  verification=_verification(state, tree.nodes if on_device else 0), ahead=True,
+                                  follows=pending.out)
+                launched = _Launched(tree, drafting, None if on_device else False, -1, t0, t1, time.perf_counter(), out)
                 finish(pending, handed_over=True)  # while the device runs the round just launched
                 pending = launched
                 continue
@@ -336,7 +338,9 @@ def rounds(state: DecodeState, drafter: Drafter, budget: Budget | None = None,
         start = cache.length
         if on_device:
             out = yield Block([root], [start], cache, taps=drafter.taps, tree=tree,
-                              verification=_verification(state, tree), ahead=state.ahead)
+                              verification=_verification(state, tree.nodes), ahead=state.ahead)
+        elif drafter.plain and state.ahead:  # a plain step the pass verifies, so that the next can follow it
+            out = yield Block([root], [start], cache, taps=drafter.taps, verification=_verification(state, 0), ahead=True)
         else:
             tokens, positions, mask = _block(tree, root, start)
             out = yield Block(tokens, positions, cache, mask, taps=drafter.taps)

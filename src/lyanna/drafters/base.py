@@ -41,6 +41,9 @@ class Drafter(ABC):
     TRAINING: ClassVar[str | None] = None
 
     taps: tuple[int, ...] = ()  # target hidden-state taps it consumes
+    # Whether it never proposes anything (``ar``): every round a plain step, which the loop may
+    # launch before it has read the round before (``DecodeState.ahead``).
+    plain: ClassVar[bool] = False
     passes: int = 0  # draft-model forward passes so far (0 for a model-free drafter), for statistics
 
     @classmethod
@@ -118,6 +121,8 @@ def fork(drafter: Drafter) -> Drafter:
 class NoDrafter(Drafter):
     """The drafter of ``ar``: it proposes nothing, so every round is one plain decoding step."""
 
+    plain = True
+
     def fork(self) -> "NoDrafter":
         return self  # stateless
 
@@ -128,4 +133,7 @@ class NoDrafter(Drafter):
         return DraftTree.empty()
 
     def commit(self, tokens: Sequence[int], hidden: dict[int, np.ndarray]) -> None:
+        pass
+
+    def settle(self, tokens: Sequence[int]) -> None:
         pass

@@ -43,15 +43,41 @@ class _CatchUpCall(FixedShapeCall):
     """A head's call that starts with a fixed-shape catch-up on one head-cache slab: ``rows``
     pending pairs (the root last, padding after it) through the head's layer, attention over
     ``keys`` slots under host-built masks, each pair's feature read from the slab's committed
-    features (``DevicePairContext``); ``_root`` gives the head's prediction after the root."""
+    features (``DevicePairContext``); ``_root`` gives the head's prediction after the root.
+    ``handoff``: the call follows a target pass the host has not read (``engines.device.
+    PendingPass``) and forms its inputs from what that pass left there (``_follow``)."""
 
-    def __init__(self, head: "DeviceDraftHead", slab: Slab, rows: int, keys: int, pool: Any):
+    def __init__(self, head: "DeviceDraftHead", slab: Slab, rows: int, keys: int, pool: Any,
+                 handoff: torch.Tensor | None = None):
         super().__init__(head.device, pool)
         self.head, self.slab, self.keys, self.rows = head, slab, keys, rows
         for name in ("features", "tokens", "positions", "slots"):  # ``features``: rows of ``slab.features``
             self._input(name, (rows,), torch.int64)
         self._input("mask", (rows, keys), torch.bool)
         self._input("root", (1,), torch.int64)
+        self.handoff = handoff
+        if handoff is not None:
+            self._input("length", (1,), torch.int64)  # the context's length before the pass followed
+
+    def _follow(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``load``'s inputs as the host would give them once the pass followed is read: its
+        ``count`` accepted tokens and bonus token are the pending pairs after the context's
+        ``length`` (their features handed over already, ``DevicePairContext.hand_over``), the
+        bonus token the root. Returns ``count``, the bonus token and the key slots' indices."""
+        rows, dev = self.rows, self.device
+        hand, cap = self.handoff, self.slab.capacity
+        count, bonus = hand[HANDOFF_COUNT : HANDOFF_COUNT + 1], hand[HANDOFF_BONUS : HANDOFF_BONUS + 1]
+        i = torch.arange(rows, device=dev)
+        live = i <= count  # the path's tokens and the bonus token; padding after
+        pair = self.length + i
+        key = torch.arange(self.keys, device=dev)
+        self.features.copy_(torch.where(live, pair - 1, cap))
+        self.tokens.copy_(torch.where(live, hand[HANDOFF_TOKENS : HANDOFF_TOKENS + rows], 0))
+        self.positions.copy_(torch.where(live, pair, 0))
+        self.slots.copy_(torch.where(live, pair - 1, cap + i - count - 1))
+        self.mask.copy_(torch.where(live[:, None], key[None, :] < pair[:, None], (key == 0)[None, :]))
+        self.root.copy_(count)
+        return count, bonus, key
 
     def load(self, ctx: np.ndarray, pending: np.ndarray) -> None:
         """The pending pairs' inputs (pair ``p``: the feature after token ``p - 1`` and token
@@ -80,8 +106,9 @@ class _DraftPass(_CatchUpCall):
     """Lyanna's draft at one fixed shape: the catch-up, ``depth - 1`` chain steps, the raw logits.
     Captured as one CUDA graph where the engine captures its own."""
 
-    def __init__(self, head: "DeviceChainHead", slab: Slab, rows: int, depth: int, keys: int, pool: Any):
-        super().__init__(head, slab, rows, keys, pool)
+    def __init__(self, head: "DeviceChainHead", slab: Slab, rows: int, depth: int, keys: int, pool: Any,
+                 handoff: torch.Tensor | None = None):
+        super().__init__(head, slab, rows, keys, pool, handoff)
         self.depth = depth
         self._input("chain_positions", (depth - 1,), torch.int64)
         self._input("chain_slots", (depth - 1,), torch.int64)
@@ -105,42 +132,26 @@ class _DraftTreesPass(_DraftPass):
     and, with ``resample`` (the last chain's rows still valid, in ``leftover``'s first rows, their
     count in ``levels``), the tree re-sampled from them, both under the same root, grown together
     (``_grow``) and fused (``device_tree.union``), each tree cut to ``max_nodes`` before: ``tree``,
-    the round's best ``nodes`` (``device_tree.packed``). ``handoff``: the call follows a target
-    pass the host has not read (``engines.device.PendingPass``) and forms its catch-up, chain and
-    root inputs from what that pass left there (``_follow``)."""
+    the round's best ``nodes`` (``device_tree.packed``). Following a pass (``handoff``), the
+    chain, its root's token information and the re-sampled tree's levels come from it too."""
 
     def __init__(self, head: "DeviceChainHead", slab: Slab, rows: int, depth: int, keys: int, resample: bool,
                  topk: int, width: int, max_nodes: int, nodes: int, pool: Any, handoff: torch.Tensor | None = None):
-        super().__init__(head, slab, rows, depth, keys, pool)
+        super().__init__(head, slab, rows, depth, keys, pool, handoff)
         self.topk, self.width, self.max_nodes, self.nodes = topk, width, max_nodes, nodes
         trees = 2 if resample else 1
         self.leftover = torch.zeros((depth, head.d2t.size), dtype=torch.float32, device=head.device) if resample else None
         self._input("root_info", (trees, 1, head._ti_b.shape[0]), torch.float32)
         self._input("levels", (trees, 1), torch.int64)  # each tree's levels of valid rows
-        self.handoff = handoff
         if handoff is not None:
-            self._input("length", (1,), torch.int64)  # the context's length before the pass followed
             self._input("last_depth", (1,), torch.int64)  # the chain rows the last draft left
         self.tree: torch.Tensor | None = None
 
-    def _follow(self) -> None:
-        """The inputs ``load`` and the host would give once the pass followed is read: its
-        ``count`` accepted tokens and bonus token are the pending pairs after the context's
-        ``length`` (their features handed over already, ``DevicePairContext.hand_over``), the
-        bonus token the root; the leftover chain rows are those past them."""
-        h, rows, dev = self.head, self.rows, self.device
-        hand, cap = self.handoff, self.slab.capacity
-        count, bonus = hand[HANDOFF_COUNT : HANDOFF_COUNT + 1], hand[HANDOFF_BONUS : HANDOFF_BONUS + 1]
-        i = torch.arange(rows, device=dev)
-        live = i <= count  # the path's tokens and the bonus token; padding after
-        pair = self.length + i
-        key = torch.arange(self.keys, device=dev)
-        self.features.copy_(torch.where(live, pair - 1, cap))
-        self.tokens.copy_(torch.where(live, hand[HANDOFF_TOKENS : HANDOFF_TOKENS + rows], 0))
-        self.positions.copy_(torch.where(live, pair, 0))
-        self.slots.copy_(torch.where(live, pair - 1, cap + i - count - 1))
-        self.mask.copy_(torch.where(live[:, None], key[None, :] < pair[:, None], (key == 0)[None, :]))
-        self.root.copy_(count)
+    def _follow(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The catch-up's inputs, then the chain's after its root, the root's token information,
+        and the leftover rows' levels: those of the last chain past the pass's kept tokens."""
+        count, bonus, key = super()._follow()
+        h, dev = self.head, self.device
         chain = self.length + count + torch.arange(self.depth - 1, device=dev)  # after the root pair's slot
         self.chain_slots.copy_(chain)
         self.chain_positions.copy_(chain + 1)
@@ -148,6 +159,7 @@ class _DraftTreesPass(_DraftPass):
         self.root_info.copy_(h.ti_full[bonus].expand_as(self.root_info))
         if self.leftover is not None:
             self.levels[1:].copy_((self.last_depth - count - 1).clamp(0, self.depth).view(1, 1))
+        return count, bonus, key
 
     def _forward(self) -> None:
         if self.handoff is not None:
@@ -175,8 +187,8 @@ class _EagleTreePass(_CatchUpCall):
     drafter's order), ``device_tree.packed``."""
 
     def __init__(self, head: "DeviceDraftHead", slab: Slab, rows: int, depth: int, topk: int, width: int,
-                 max_nodes: int, keys: int, pool: Any):
-        super().__init__(head, slab, rows, keys, pool)
+                 max_nodes: int, keys: int, pool: Any, handoff: torch.Tensor | None = None):
+        super().__init__(head, slab, rows, keys, pool, handoff)
         self.depth, self.topk, self.width, self.max_nodes = depth, topk, width, max_nodes
         spec = max(depth - 1, 0) * width  # slots of speculative pairs: ``width`` a level after the first
         self._input("spec_slots", (spec,), torch.int64)
@@ -184,7 +196,20 @@ class _EagleTreePass(_CatchUpCall):
         self._input("prefix", (keys,), torch.bool)  # the committed slots
         self.tree: torch.Tensor | None = None
 
+    def _follow(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The catch-up's inputs, then the speculative pairs' slots and positions after the root
+        pair and the committed slots before them."""
+        count, bonus, key = super()._follow()
+        dev, base = self.device, self.length + count  # the root pair's position
+        self.spec_slots.copy_(base + torch.arange(self.spec_slots.shape[0], device=dev))
+        at = torch.arange(self.spec_positions.shape[0], device=dev)
+        self.spec_positions.copy_(torch.where(at < self.depth - 1, base + 1 + at, 0))
+        self.prefix.copy_(key < base)
+        return count, bonus, key
+
     def _forward(self) -> None:
+        if self.handoff is not None:
+            self._follow()
         h, k, w, dev = self.head, self.topk, self.width, self.device
         spec = self.spec_slots.shape[0]
         rows = self.rows
@@ -469,6 +494,38 @@ class DeviceDraftHead:
         p = self._catch_up_call(pc, ctx, width * depth + 1, spec, depth, make, timed=ahead)
         return _chosen(p, depth, ahead)
 
+    @torch.inference_mode()
+    def eagle_tree_after(self, pc: "DevicePairContext", pending: PendingPass, length: int, depth: int, topk: int,
+                         width: int, max_nodes: int, nodes: int | None = None) -> DeviceTree | None:
+        """``eagle_tree`` (left on the device) for the round after ``pending``, a target pass the
+        host has not read, from what it left there (see ``DeviceChainHead.draft_trees_after``);
+        None where the host must read the pass first."""
+        slab = self._follow_room(pc, pending, length, width * depth + 1)
+        if slab is None:
+            return None
+        k, cut, levels = min(topk, self.config.vocab_size), _cut(max_nodes, nodes), pending.levels
+        keys = min(pow2_at_least(length + levels + max(depth - 1, 0) * width, KEY_BUCKET_MIN), slab.capacity)
+        key = (id(slab), pow2_at_least(levels + 1), depth, k, width, cut, keys, id(pending.cache.slab))
+        p = self._eagles.get(key)
+        if p is None:
+            p = self._eagles[key] = _EagleTreePass(self, slab, key[1], depth, k, width, cut, keys, self._graph_pool,
+                                                   handoff=pending.cache.slab.handoff)
+        p.host("length")[0] = length
+        p.run_fixed(timed=True)
+        pc.passes += depth
+        return _chosen(p, depth, ahead=True)
+
+    def _follow_room(self, pc: "DevicePairContext", pending: PendingPass, length: int, extra: int) -> Slab | None:
+        """For a call after ``pending`` (the context ``length`` long before it): room for every
+        pair the pass may have kept and ``extra`` rows after them, and its kept rows' features
+        handed over (``DevicePairContext.hand_over``). None where no such call fits: more levels
+        than a catch-up takes, or the head not fed up to that pass's root by the last draft."""
+        levels = pending.levels
+        if levels + 1 > CATCH_UP_ROWS or pc.cache.length != length - 1:
+            return None
+        pc.hand_over(pending.kept_hidden, levels + 1, length + levels + 1 + extra)
+        return pc.cache.slab
+
     def _catch_up_call(self, pc: PairContext, ctx: np.ndarray, extra: int, span: int, depth: int, make,
                        timed: bool = False) -> Any:
         """Run the call ``make(slab, rows, keys, base)`` gives (one per shape, a CUDA graph on a GPU;
@@ -596,16 +653,13 @@ class DeviceChainHead(DeviceDraftHead):
         (``DevicePairContext.hand_over``), its accepted tokens and bonus token the pending pairs
         and root, the last draft's ``chain`` rows past them the leftover (``resample``). One call
         at a shape fixed by what the pass may have kept (a path through every level).
-        ``length``: the context's length before that pass. None where that shape does not fit a
-        catch-up (more levels than ``CATCH_UP_ROWS``) or the head was not fed up to that pass's
-        root by the last draft: the host reads the pass first."""
-        levels = pending.levels
-        if topk < 1 or width < 1 or levels + 1 > CATCH_UP_ROWS or pc.cache.length != length - 1:
+        ``length``: the context's length before that pass. None where no such call fits
+        (``_follow_room``): the host reads the pass first."""
+        slab = None if topk < 1 or width < 1 else self._follow_room(pc, pending, length, depth)
+        if slab is None:
             return None
-        k, cut = min(topk, self.d2t.size), _cut(max_nodes, nodes)
+        k, cut, levels = min(topk, self.d2t.size), _cut(max_nodes, nodes), pending.levels
         rows, target = pow2_at_least(levels + 1), pending.cache.slab
-        pc.hand_over(pending.kept_hidden, levels + 1, length + levels + 1 + depth)
-        slab = pc.cache.slab
         keys = min(pow2_at_least(length + levels + depth, KEY_BUCKET_MIN), slab.capacity)
         key = (id(slab), rows, depth, keys, resample, k, width, max_nodes, cut, id(target))
         p = self._draft_trees.get(key)

@@ -12,7 +12,7 @@ form the tree (a child never scores above its parent, so the set is ancestor-clo
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
@@ -87,6 +87,20 @@ class EagleDrafter(Drafter):
             return self.propose(context, max_depth)
         return self.head.eagle_tree(self.context, np.asarray(context, np.int64), depth, self.topk, self.width,
                                     self.max_nodes, nodes, ahead=True)
+
+    def propose_after(self, pending: Any, context: Sequence[int], max_depth: int,
+                      nodes: int | None) -> "DeviceTree | None":
+        """A device head's next tree grown from the pending pass's outcome on the device
+        (``DeviceDraftHead.eagle_tree_after``), left there as ``propose_sized``'s is."""
+        depth = min(self.depth, max_depth)
+        if isinstance(self.head, DraftHead) or depth < 1 or nodes == 0:
+            return None
+        return self.head.eagle_tree_after(self.context, pending, len(context), depth, self.topk, self.width,
+                                          self.max_nodes, nodes)
+
+    def settle(self, tokens: Sequence[int]) -> None:
+        """The head's tree after that round took its rows already."""
+        self.context.settle(len(tokens))
 
     def propose(self, context: Sequence[int], max_depth: int) -> DraftTree:
         depth = min(self.depth, max_depth)

@@ -166,7 +166,8 @@ class Block:
     # that device reads where they are, so that no copy waits between drafting and verifying.
     tree: Any = None
     # How to verify that tree in the pass itself, compacting the cache there too
-    # (``ForwardOutput.kept``); None: the loop verifies and compacts.
+    # (``ForwardOutput.kept``); None: the loop verifies and compacts. With no tree: a plain step
+    # whose next token the pass picks by the same rule (so that it can be launched ``ahead``).
     verification: Verification | None = None
     # Such a block only: return before the host has its outcome (``engines.device.PendingPass``,
     # whose ``collect`` gives the ``ForwardOutput``), so the next round can start meanwhile.

@@ -500,6 +500,7 @@ class DeviceEngine(TargetEngine):
         self.pool = SlabPool(c.num_layers, c, ROW_BUCKETS[-1], POOL_CAPACITY_MIN, self.dtype, self.device)
         self._passes: dict[tuple[int, int, int, tuple[int, ...]], _StaticPass] = {}
         self._tree_passes: dict[tuple[int, int, int, tuple[int, ...], int], _TreeBlockPass] = {}
+        self._no_tree: DeviceTree | None = None  # the tree of a plain step verified in its pass (``_tree_of``)
 
     def new_cache(self, capacity: int) -> StaticCache:
         """A cache for ``capacity`` positions, from the pool of caches no generation holds."""
@@ -509,23 +510,33 @@ class DeviceEngine(TargetEngine):
         """The blocks one after another, each on its own cache; every block is checked before any runs."""
         if len({id(b.cache) for b in blocks}) != len(blocks):
             raise ValueError("each block of a batch needs its own cache")
-        prepared = [(b, *(self._tree_inputs(b) if b.tree is not None else block_inputs(self.config, b))) for b in blocks]
+        passes = [b.tree is not None or b.verification is not None for b in blocks]  # a tree, or a step verified there
+        prepared = [(b, *(self._tree_inputs(b) if t else block_inputs(self.config, b))) for b, t in zip(blocks, passes)]
         with torch.inference_mode():
-            return [self._run_tree(*p) if p[0].tree is not None else self._run(*p) for p in prepared]
+            return [self._run_tree(*p) if t else self._run(*p) for p, t in zip(prepared, passes)]
+
+    def _tree_of(self, b: Block) -> DeviceTree:
+        """The block's tree on the device; a plain step verified in its pass has one of no nodes."""
+        if b.tree is not None:
+            return b.tree
+        if self._no_tree is None:
+            self._no_tree = DeviceTree(torch.zeros(1, dtype=torch.float64, device=self.device), 0, 0)
+        return self._no_tree
 
     def _tree_inputs(self, b: Block) -> tuple[int | None, int]:
         """A block whose tree is on the device, checked as ``block_inputs`` checks others: its
         root (None: the bonus token of the pass it follows, on the device) and its start (the
         most it can be, for a block that follows a pass whose outcome the host has not read)."""
-        if not isinstance(b.tree, DeviceTree):
-            raise ValueError(f"a block's tree on the device must be a DeviceTree, got {type(b.tree).__name__}")
+        tree = self._tree_of(b)
+        if not isinstance(tree, DeviceTree):
+            raise ValueError(f"a block's tree on the device must be a DeviceTree, got {type(tree).__name__}")
         if b.prefill or b.block_mask is not None or b.logit_rows is not None:
             raise ValueError("a block whose tree is on the device takes no mask, logit rows or prefill")
         rule = b.verification
         if (b.ahead or b.follows is not None) and rule is None:
             raise ValueError("only a block verified in its pass can be left uncollected or follow one that is")
-        if rule is not None and rule.temperature > 0 and np.shape(rule.uniforms) != (b.tree.nodes + 1,):
-            raise ValueError(f"sampling verification needs {b.tree.nodes + 1} uniforms (one a node, the bonus token's)")
+        if rule is not None and rule.temperature > 0 and np.shape(rule.uniforms) != (tree.nodes + 1,):
+            raise ValueError(f"sampling verification needs {tree.nodes + 1} uniforms (one a node, the bonus token's)")
         if b.follows is not None:  # the pass it follows starts at the cache's length (the host read the one before)
             if not isinstance(b.follows, PendingPass) or b.follows.cache is not b.cache:
                 raise ValueError("a block follows a pass left uncollected on its own cache")
@@ -537,7 +548,7 @@ class DeviceEngine(TargetEngine):
             if not 0 <= tokens[0] < self.config.vocab_size:
                 raise ValueError(f"token ids must lie in [0, {self.config.vocab_size})")
             root, start = int(tokens[0]), b.cache.length
-        rows = pow2_at_least(b.tree.nodes + 1)  # the tree is padded to its row bucket
+        rows = pow2_at_least(tree.nodes + 1)  # the tree is padded to its row bucket
         if start + rows > b.cache.capacity:
             raise ValueError(f"cache capacity {b.cache.capacity} exceeded: {start} cached + {rows} new")
         return root, start
@@ -553,7 +564,7 @@ class DeviceEngine(TargetEngine):
         the pass's own buffer (both valid until the next pass on this cache); with ``ahead``
         that copy is not waited for (``PendingPass``). ``start``: the block's, or the most it
         can be (``follows``: attention reads enough keys for it)."""
-        cache, tree, rule = b.cache, b.tree, b.verification
+        cache, tree, rule = b.cache, self._tree_of(b), b.verification
         slab = cache.slab
         rows = pow2_at_least(tree.nodes + 1)
         keys = min(pow2_at_least(start + rows, KEY_BUCKET_MIN), slab.capacity)

@@ -77,7 +77,8 @@ def follow(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, va
     ok = match & top
     for _ in range(levels - 1):  # a level more each time round
         ok = match & (top | ok[above])
-    count = torch.where(ok, depths, 0).amax().view(1)
+    # The deepest accepted node's depth (a tree of no nodes: a plain step, whose count is 0).
+    count = torch.where(ok, depths, 0).amax().view(1) if m else torch.zeros(1, dtype=torch.int64, device=dev)
     rows = torch.arange(levels + 2, device=dev)  # the root's row, one a depth, and a sink for the rest
     keep = rows.scatter(0, torch.where(ok, depths, levels + 1), 1 + torch.arange(m, device=dev))[: levels + 1]
     last = keep.gather(0, count)  # the row after which the bonus token comes

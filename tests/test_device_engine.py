@@ -899,6 +899,28 @@ def test_fixed_shape_calls_issue_no_op_a_cuda_graph_cannot_capture(tiny, monkeyp
     assert seen == {name: set() for name in seen}
 
 
+@pytest.mark.parametrize("budget", [None, 4])
+def test_every_fixed_shape_call_is_harmless_to_run_twice(tiny, budget, monkeypatch):
+    """A CUDA graph's first run runs its call twice (a warm-up, then the captured replay), so
+    every fixed-shape call must leave what one run leaves: decoding with each call run twice,
+    rounds launched ahead included (a pass that follows another reads the handoff that one
+    wrote and writes the other), gives ``ar``'s tokens. Checked on CPU, where calls run once."""
+    def twice(self):
+        if self._specs:
+            dev, host, _ = self._staging()
+            dev.copy_(host)
+        self._forward()
+        self._forward()
+
+    prompt, req = list(range(3, 60)), GenerationRequest(max_new_tokens=24, eos_token_ids=())
+    want = Decoder(tiny, engine=DeviceEngine(tiny.config, tiny.weights, DEVICE), default_drafts=False).generate(prompt, req)
+    monkeypatch.setattr(FixedShapeCall, "_run", twice)
+    d = _with_heads(Decoder(tiny, engine=DeviceEngine(tiny.config, tiny.weights, DEVICE, pipelines=True),
+                            default_drafts=False), tiny)
+    for method in ("ar", "eagle-device", "lyanna-device"):
+        assert d.generate(prompt, req, method=method, budget=budget).tokens == want.tokens, method
+
+
 def test_a_fixed_shape_calls_inputs_travel_together_and_arrive_whole():
     """Inputs of several types and shapes (one empty) share one block, each aligned for its type:
     what the host writes is what the call reads, run after run."""

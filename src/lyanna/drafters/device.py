@@ -505,11 +505,11 @@ class DeviceDraftHead:
             return None
         k, cut, levels = min(topk, self.config.vocab_size), _cut(max_nodes, nodes), pending.levels
         keys = min(pow2_at_least(length + levels + max(depth - 1, 0) * width, KEY_BUCKET_MIN), slab.capacity)
-        key = (id(slab), pow2_at_least(levels + 1), depth, k, width, cut, keys, id(pending.cache.slab))
+        key = (id(slab), pow2_at_least(levels + 1), depth, k, width, cut, keys, id(pending.handoff))
         p = self._eagles.get(key)
         if p is None:
             p = self._eagles[key] = _EagleTreePass(self, slab, key[1], depth, k, width, cut, keys, self._graph_pool,
-                                                   handoff=pending.cache.slab.handoff)
+                                                   handoff=pending.handoff)
         p.host("length")[0] = length
         p.run_fixed(timed=True)
         pc.passes += depth
@@ -659,18 +659,18 @@ class DeviceChainHead(DeviceDraftHead):
         if slab is None:
             return None
         k, cut, levels = min(topk, self.d2t.size), _cut(max_nodes, nodes), pending.levels
-        rows, target = pow2_at_least(levels + 1), pending.cache.slab
+        rows, hand = pow2_at_least(levels + 1), pending.handoff
         keys = min(pow2_at_least(length + levels + depth, KEY_BUCKET_MIN), slab.capacity)
-        key = (id(slab), rows, depth, keys, resample, k, width, max_nodes, cut, id(target))
+        key = (id(slab), rows, depth, keys, resample, k, width, max_nodes, cut, id(hand))
         p = self._draft_trees.get(key)
         if p is None:
             p = self._draft_trees[key] = _DraftTreesPass(self, slab, rows, depth, keys, resample, k, width, max_nodes,
-                                                          cut, self._graph_pool, handoff=target.handoff)
+                                                          cut, self._graph_pool, handoff=hand)
         self._token_info(ti, 0)  # the table current (the root's row is read on the device)
         p.host("length")[0], p.host("last_depth")[0] = length, chain.shape[0]
         p.host("levels")[:] = [[depth]] + ([[0]] if resample else [])  # the second: from the pass, on the device
         if resample:  # the chain's rows past the pass's kept tokens (clamped: those past the chain are not read)
-            past = torch.arange(1, depth + 1, device=self.device) + target.handoff[HANDOFF_COUNT]
+            past = torch.arange(1, depth + 1, device=self.device) + hand[HANDOFF_COUNT]
             p.leftover.copy_(chain.index_select(0, past.clamp(max=chain.shape[0] - 1)))
         p.run_fixed(timed=True)
         pc.passes += depth

@@ -49,10 +49,10 @@ KEY_BUCKET_MIN = 256
 POOL_CAPACITY_MIN = 512
 # Byte alignment of each input in a fixed-shape call's one block (the widest input type, int64).
 STAGING_ALIGN = 8
-# What a pass that verified its tree leaves on its cache's slab (``Slab.handoff``, int64) for the
-# next round's draft and pass to read where they run, while the host still waits for the copy:
-# the next block's start, the path's length, the bonus token, then the tokens committed after
-# the root (the path's, then the bonus token).
+# What a pass that verified its tree leaves on its cache's slab (``Slab.handoffs``, int64) for
+# the next round's draft and pass to read where they run, while the host still waits for the
+# copy: the next block's start, the path's length, the bonus token, then the tokens committed
+# after the root (the path's, then the bonus token).
 HANDOFF_START, HANDOFF_COUNT, HANDOFF_BONUS, HANDOFF_TOKENS = 0, 1, 2, 3
 
 
@@ -76,7 +76,9 @@ class Slab:
         self.k, self.v = self.kv[0], self.kv[1]
         self.capacity = capacity
         self.features = torch.zeros((shape[2], features), dtype=torch.float32, device=device) if features else None
-        self.handoff = torch.zeros(HANDOFF_TOKENS + ROW_BUCKETS[-1], dtype=torch.int64, device=device)
+        # Two, written in turn: a pass that follows another reads that one's and writes the other,
+        # so running it again (a CUDA graph's first run runs it twice) reads the same.
+        self.handoffs = torch.zeros((2, HANDOFF_TOKENS + ROW_BUCKETS[-1]), dtype=torch.int64, device=device).unbind(0)
 
 
 class SlabPool:
@@ -289,15 +291,15 @@ class _TreeBlockPass(FixedShapeCall):
     the tree (``load``) and the block's start and root (host inputs): the same block the host
     builds for a tree. ``rule`` ``"greedy"`` or ``"sampling"``: the pass also verifies the tree
     (``device_verify.follow``; sampling's settings and random numbers are inputs) and compacts
-    the cache to root + accepted path, leaving what the next round needs in ``Slab.handoff``;
+    the cache to root + accepted path, leaving what the next round needs in ``Slab.handoffs[writes]``;
     None: it leaves both to the host. ``chained``: the block's start and root are the last
-    verified pass's (its ``Slab.handoff``), not host inputs."""
+    verified pass's (the other of ``Slab.handoffs``), not host inputs."""
 
     def __init__(self, engine: "DeviceEngine", slab: Slab, rows: int, keys: int, taps: tuple[int, ...], depth: int,
-                 rule: str | None, chained: bool = False):
+                 rule: str | None, chained: bool = False, writes: int = 0):
         super().__init__(engine.device, engine._graph_pool)
         self.engine, self.slab, self.rows, self.keys, self.taps = engine, slab, rows, keys, taps
-        self.nodes, self.depth, self.rule, self.chained = rows - 1, depth, rule, chained
+        self.nodes, self.depth, self.rule, self.chained, self.writes = rows - 1, depth, rule, chained, writes
         if not chained:
             self._input("start", (1,), torch.int64)
             self._input("root", (1,), torch.int64)
@@ -319,9 +321,9 @@ class _TreeBlockPass(FixedShapeCall):
 
     def _forward(self) -> None:
         m, rows, keys, dev = self.nodes, self.rows, self.keys, self.device
-        if self.chained:  # read before this pass leaves its own
-            start = self.slab.handoff[HANDOFF_START : HANDOFF_START + 1].clone()
-            root = self.slab.handoff[HANDOFF_BONUS : HANDOFF_BONUS + 1].clone()
+        if self.chained:
+            last = self.slab.handoffs[1 - self.writes]
+            start, root = last[HANDOFF_START : HANDOFF_START + 1], last[HANDOFF_BONUS : HANDOFF_BONUS + 1]
         else:
             start, root = self.start, self.root
         count = self.tree[-1:].long()
@@ -367,7 +369,7 @@ class _TreeBlockPass(FixedShapeCall):
                 valid: torch.Tensor) -> None:
         """Verify (``device_verify.follow``), then move rows ``start + keep`` to ``start + 0..``
         (``keep`` padded with self-copies past the path, so the shape stays fixed), and leave the
-        next round's start, root and new tokens in ``Slab.handoff``."""
+        next round's start, root and new tokens in ``Slab.handoffs[writes]``."""
         levels, dev = self.levels, self.device
         sampling = None if self.rule == "greedy" else (self.temperature, self.top_p, self.top_k, self.uniforms)
         path = follow(tokens, parents, depths, valid, self.logits[: self.nodes + 1], self.argmax, levels, sampling)
@@ -377,7 +379,7 @@ class _TreeBlockPass(FixedShapeCall):
         self.kept_hidden = {tap: h[path.keep] for tap, h in self.hidden.items()}
         at = torch.arange(levels + 1, device=dev)
         after = torch.cat([tokens[(path.keep[1:] - 1).clamp(min=0)], path.bonus])  # the path's tokens, padded
-        hand = self.slab.handoff
+        hand = self.slab.handoffs[self.writes]
         hand[: HANDOFF_TOKENS + levels + 1] = torch.cat([start + path.count + 1, path.count, path.bonus,
                                                          torch.where(at == path.count, path.bonus, after)])
 
@@ -390,12 +392,14 @@ class _TreeBlockPass(FixedShapeCall):
 class PendingPass:
     """A tree pass verified on the device whose outcome the host has not read yet (``Block.ahead``):
     its one small result is on its way to host memory (pinned, not waited for), and the next round
-    may already follow it there (``Block.follows``, reading ``Slab.handoff``); ``collect`` waits
-    for the copy and gives the ``ForwardOutput``. ``kept_hidden``: the kept rows' taps (``levels +
-    1`` rows, the path's first), on the device until the next pass on the cache."""
+    may already follow it there (``Block.follows``, reading ``handoff``, the one of
+    ``Slab.handoffs`` it wrote); ``collect`` waits for the copy and gives the ``ForwardOutput``.
+    ``kept_hidden``: the kept rows' taps (``levels + 1`` rows, the path's first), on the device
+    until the next pass on the cache."""
 
     def __init__(self, p: _TreeBlockPass, cache: StaticCache, taps: tuple[int, ...]):
-        self.cache, self.levels = cache, p.levels
+        self.cache, self.levels, self.writes = cache, p.levels, p.writes
+        self.handoff = cache.slab.handoffs[p.writes]
         self.kept_hidden, self.timing = p.kept_hidden, p.timing
         self._taps, self._logits, self._width = taps, p.logits, p.tree.shape[0]
         cuda = p.result.device.type == "cuda"
@@ -571,10 +575,11 @@ class DeviceEngine(TargetEngine):
         taps = tuple(sorted(set(b.taps)))
         mode = None if rule is None else "greedy" if rule.temperature == 0 else "sampling"
         chained = b.follows is not None
-        key = (id(slab), rows, keys, taps, tree.depth, mode, chained)
+        writes = 1 - b.follows.writes if chained else 0  # the handoff it leaves: not the one it reads
+        key = (id(slab), rows, keys, taps, tree.depth, mode, chained, writes)
         p = self._tree_passes.get(key)
         if p is None:
-            p = self._tree_passes[key] = _TreeBlockPass(self, slab, rows, keys, taps, tree.depth, mode, chained)
+            p = self._tree_passes[key] = _TreeBlockPass(self, slab, rows, keys, taps, tree.depth, mode, chained, writes)
         if not chained:
             p.host("start")[0], p.host("root")[0] = start, root
         if mode == "sampling":

@@ -439,25 +439,31 @@ def test_a_device_trees_draft_time_counts_as_drafting_not_verification(tiny, ahe
     assert slow.extra["draft_seconds"] > slow.extra["verify_seconds"]
 
 
-@pytest.mark.parametrize("method", ["eagle-device", "lyanna-device"])
-def test_trees_left_on_the_device_serve_a_batch(tiny, method, monkeypatch):
+@pytest.mark.parametrize("method,ahead", [("eagle-device", False), ("lyanna-device", False), ("ar", True),
+                                          ("eagle-device", True), ("lyanna-device", True)])
+def test_trees_left_on_the_device_serve_a_batch(tiny, method, ahead, monkeypatch):
     """Continuous batching (what the server runs) with device heads: every sequence's tree reaches
-    its pass on the device and each result is the prompt's ``ar`` output alone."""
+    its pass on the device and each result is the prompt's ``ar`` output alone; rounds launched
+    ahead of the host's reading too (``ar``'s plain steps among them), each sequence's following
+    its own last pass while the others' run."""
     from lyanna.engines import device as device_module
 
-    d = _with_heads(Decoder(tiny, engine=DeviceEngine(tiny.config, tiny.weights, DEVICE), default_drafts=False), tiny)
-    trees = []
+    d = _with_heads(Decoder(tiny, engine=DeviceEngine(tiny.config, tiny.weights, DEVICE, pipelines=ahead),
+                            default_drafts=False), tiny)
+    trees, follows = [], []
     run_tree = device_module.DeviceEngine._run_tree
     monkeypatch.setattr(device_module.DeviceEngine, "_run_tree", lambda self, b, *a: trees.append(id(b.cache)) or
-                        run_tree(self, b, *a))
+                        follows.append(b.follows is not None) or run_tree(self, b, *a))
     prompts = [[1, 40, 41, 42, 40, 41, 42], [1, 100, 101], list(range(3, 60)), list(range(5, 30))]
     req = GenerationRequest(max_new_tokens=24, eos_token_ids=())
-    alone = [d.generate(p, req).tokens for p in prompts]
+    alone = [Decoder(tiny, default_drafts=False).generate(p, req).tokens for p in prompts]
     for budget in (None, 4):
         trees.clear()
+        follows.clear()
         out = d.generate_batch(prompts, req, method=method, max_batch=3, budget=budget)
         assert [o.tokens for o in out] == alone, budget
-        assert len(set(trees)) >= 3 and sum(o.draft_tokens for o in out) > 0
+        assert len(set(trees)) >= 3 and (method == "ar" or sum(o.draft_tokens for o in out) > 0)
+        assert (sum(follows) > len(follows) // 2) == ahead
 
 
 @pytest.fixture(scope="module")

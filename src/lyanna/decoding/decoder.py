@@ -333,7 +333,7 @@ class Decoder:
         state = DecodeState(
             self.engine, cache, tracker, request.sampling, request.sampling.rng(), prompt_ids,
             out.logits[-1], hidden, target_passes=len(parts) - (hit is not None),
-            ahead=load is None and getattr(self.engine, "pipelines", False),
+            ahead=getattr(self.engine, "pipelines", False),
         )
         # The latency curve is asked for only when a round needs it: ``ar`` never measures anything.
         stats = yield from rounds(state, drafter, self._budget(method, budget, load),

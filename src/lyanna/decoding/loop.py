@@ -43,8 +43,7 @@ class DecodeState:
     prefill_hidden: dict[int, np.ndarray] = field(default_factory=dict)  # taps over the prompt
     target_passes: int = 0
     # Whether a pass that verifies a tree left on the device may return before its outcome is
-    # read (``Block.ahead``): the engine keeps one (``TargetEngine.pipelines``) and the sequence
-    # runs alone (in a batch every sequence's outcome is read each pass).
+    # read (``Block.ahead``): the engine keeps one (``engines.device.DeviceEngine.pipelines``).
     ahead: bool = False
 
 

@@ -439,9 +439,9 @@ class DeviceEngine(TargetEngine):
                  graphs: bool | None = None, pipelines: bool | None = None):
         """``weights``: Hugging Face names to fp32 arrays or GGUF blocks (``loading.load_target``).
         ``graphs``: capture decoding blocks as CUDA graphs (default: on a CUDA device; the same
-        tokens either way, see the module docstring). ``pipelines``: a sequence decoding alone
-        may launch the round after a verified pass before the host reads its outcome
-        (``Block.ahead``, ``PendingPass``); False: every round is read before the next. Default:
+        tokens either way, see the module docstring). ``pipelines``: a sequence may launch the
+        round after a verified pass before the host reads its outcome (``Block.ahead``,
+        ``PendingPass``); False: every round is read before the next. Default:
         on a CUDA device, where the device runs while the host reads (elsewhere each call runs
         as it is made, so launching ahead overlaps nothing)."""
         if dtype not in DTYPES:

@@ -203,7 +203,7 @@ class _Launched:
     t0: float
     t1: float
     t2: float
-    out: Any = None  # the pass's output, or a pending one (``Block.ahead``)
+    out: Any  # the pass's output, or a pending one (``Block.ahead``)
 
 
 def _verification(state: DecodeState, nodes: int) -> Verification:

@@ -504,7 +504,8 @@ class DeviceEngine(TargetEngine):
         self.pool = SlabPool(c.num_layers, c, ROW_BUCKETS[-1], POOL_CAPACITY_MIN, self.dtype, self.device)
         self._passes: dict[tuple[int, int, int, tuple[int, ...]], _StaticPass] = {}
         self._tree_passes: dict[tuple[int, int, int, tuple[int, ...], int], _TreeBlockPass] = {}
-        self._no_tree: DeviceTree | None = None  # the tree of a plain step verified in its pass (``_tree_of``)
+        # The tree of a plain step verified in its pass (``_tree_of``): no nodes.
+        self._no_tree = DeviceTree(torch.zeros(1, dtype=torch.float64, device=self.device), 0, 0)
 
     def new_cache(self, capacity: int) -> StaticCache:
         """A cache for ``capacity`` positions, from the pool of caches no generation holds."""
@@ -521,11 +522,7 @@ class DeviceEngine(TargetEngine):
 
     def _tree_of(self, b: Block) -> DeviceTree:
         """The block's tree on the device; a plain step verified in its pass has one of no nodes."""
-        if b.tree is not None:
-            return b.tree
-        if self._no_tree is None:
-            self._no_tree = DeviceTree(torch.zeros(1, dtype=torch.float64, device=self.device), 0, 0)
-        return self._no_tree
+        return self._no_tree if b.tree is None else b.tree
 
     def _tree_inputs(self, b: Block) -> tuple[int | None, int]:
         """A block whose tree is on the device, checked as ``block_inputs`` checks others: its

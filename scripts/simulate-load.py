@@ -2,6 +2,9 @@
 closed loop of ``--max-batch`` sequences (``Decoder.generate_batch``: a request joins as one
 leaves, as the server's batch does), and every pass is also priced at the latency curve for its
 rows, so a request's latency has a simulated twin that does not move with the host's speed.
+With ``--clients`` above the batch, the others wait in the queue as the server's do: a closed loop
+of that many clients, each sending its next request when its last one ends (request ``j`` arrives
+with the ``j - clients``-th request to end), its latency counted from its arrival.
 
 On a shared 2-core host the same `ar` row of `scripts/loadtest-batching.sh` ranges over a third;
 this runs in seconds and repeats to the row: the tool for comparing budget rules under load. What
@@ -28,11 +31,16 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=24)
     ap.add_argument("--max-new-tokens", type=int, default=192)
     ap.add_argument("--max-batch", type=int, default=8)
+    ap.add_argument("--clients", type=int, default=None,
+                    help="concurrent clients (default: --max-batch); more queue, latency from arrival")
     ap.add_argument("--prefill-chunk", type=int, default=None, help="as `lyanna serve --prefill-chunk` (default: its default)")
     ap.add_argument("--shared-margin", type=float, default=None,
                     help="replace budget.SHARED_MARGIN for this run (to compare margins)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    clients = args.max_batch if args.clients is None else args.clients
+    if clients < args.max_batch:
+        ap.error("--clients below --max-batch would leave the batch part empty: lower --max-batch instead")
 
     from lyanna.cli import DEFAULT_PREFILL_CHUNK
     from lyanna.decoding import batching, budget
@@ -47,13 +55,8 @@ def main() -> None:
     curve = decoder.latency_curve()
     prompts = [decoder.encode(q.prompt) for q in load_questions()][: args.requests]
     clock = {"wall": 0.0, "sim": 0.0, "passes": 0, "rows": 0}
-    began: dict = {}
     ended: dict = {}
-    step, admit = batching.BatchScheduler.step, batching.BatchScheduler.admit
-
-    def timed_admit(self, key, steps, method):
-        began[key] = (clock["wall"], clock["sim"])
-        return admit(self, key, steps, method)
+    step = batching.BatchScheduler.step
 
     def timed_step(self):
         rows = sum(f.block.rows for f in self.active.values())
@@ -67,20 +70,22 @@ def main() -> None:
             ended[key] = (clock["wall"], clock["sim"])
         return done
 
-    batching.BatchScheduler.step, batching.BatchScheduler.admit = timed_step, timed_admit
+    batching.BatchScheduler.step = timed_step
     methods = args.methods.split(",")
     for method in methods:  # warm-up: heads loaded, kernels compiled
         decoder.generate_batch(prompts[:2], GenerationRequest(max_new_tokens=16), method=method, max_batch=2)
     rows = []
     for method in methods:
         clock.update(wall=0.0, sim=0.0, passes=0, rows=0)
-        began.clear()
         ended.clear()
         results = decoder.generate_batch(prompts, GenerationRequest(max_new_tokens=args.max_new_tokens),
                                          method=method, max_batch=args.max_batch)
         tokens = sum(r.new_tokens for r in results)
-        wall = [ended[k][0] - began[k][0] for k in began]
-        sim = [ended[k][1] - began[k][1] for k in began]
+        # Request j arrives with the (j - clients)-th request to end (that client's next), the first ones at 0.
+        wall, sim = [], []
+        for i, out in enumerate((wall, sim)):
+            ends = sorted(e[i] for e in ended.values())
+            out += [ended[j][i] - (ends[j - clients] if j >= clients else 0.0) for j in sorted(ended)]
         rows.append({"method": method, "tokens": tokens, "passes": clock["passes"],
                      "rows_per_pass": round(clock["rows"] / clock["passes"], 2),
                      "simulated_tokens_per_s": round(tokens / clock["sim"], 1),

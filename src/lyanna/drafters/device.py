@@ -334,13 +334,18 @@ class DevicePairContext(PairContext):
 
     def commit(self, hidden: dict[int, Any]) -> None:
         """``hidden``: each tap's rows, on the host or on the device."""
-        head = self.head
-        rows = [torch.as_tensor(hidden[t]).to(head.device, torch.float32) for t in self.taps]
-        rows = rows[0] if len(rows) == 1 else torch.cat(rows, dim=-1) @ head.taps_fc.T
+        rows = self._features(hidden)
         need = self._count + rows.shape[0]
         self._room(need)
         self.cache.slab.features[self._count : need] = rows
         self._count = need
+
+    def _features(self, hidden: dict[int, Any], rows: int | None = None) -> torch.Tensor:
+        """The first ``rows`` (None: all) of each tap's rows as features on the device (fp32,
+        several taps projected by ``taps_fc``)."""
+        head = self.head
+        taps = [torch.as_tensor(hidden[t])[:rows].to(head.device, torch.float32) for t in self.taps]
+        return taps[0] if len(taps) == 1 else torch.cat(taps, dim=-1) @ head.taps_fc.T
 
     def _room(self, need: int) -> None:
         old = self.cache
@@ -354,9 +359,7 @@ class DevicePairContext(PairContext):
         written after the committed features, uncounted until ``settle``; ``need``: positions to
         make room for first."""
         self._room(need)
-        rows_on = [hidden[t][:rows] for t in self.taps]
-        feats = rows_on[0].float() if len(rows_on) == 1 else torch.cat(rows_on, dim=-1).float() @ self.head.taps_fc.T
-        self.cache.slab.features[self._count : self._count + rows] = feats
+        self.cache.slab.features[self._count : self._count + rows] = self._features(hidden, rows)
 
     def settle(self, n: int) -> None:
         """Count ``n`` rows ``hand_over`` wrote, the head fed up to them (its draft followed the

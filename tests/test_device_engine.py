@@ -543,7 +543,8 @@ def test_device_tree_choice_and_union_follow_the_host_rules():
     """``device_tree.best`` and ``union`` (the round's nodes chosen on the device) give
     ``DraftTree.best`` and ``merged``'s trees: the same nodes, parents, scores, origins and order,
     over random candidate lists with many tied scores (tie-breaks decide), trees cut shorter than
-    their candidates and longer, and a second tree valid only to some depth (leftover rows)."""
+    their candidates and longer, and a second tree valid only to some depth (leftover rows);
+    ``leveled`` (no sort by depth) changes nothing on candidates in depth order."""
     from lyanna.drafters import device_tree
 
     def t(a, dtype=None):
@@ -567,6 +568,11 @@ def test_device_tree_choice_and_union_follow_the_host_rules():
         fused, valid = device_tree.union(a, b, depth)
         got = [DraftTree.from_packed(device_tree.packed(x).cpu().numpy())
                for x in (a, b, device_tree.best(*fused[:5], valid, m, depth, joint))]
+        # Candidates in order of depth (as drafters grow them) need no sort by depth: the same trees.
+        for x, c, o, v in ((a, ca, 0, np.ones(len(ca[0]), bool)), (b, cb, 1, cb[3] <= levels)):
+            lev = device_tree.best(t(c[0]), t(c[1]), t(c[2], np.float64), t(c[3]), t(np.full(len(c[0]), o)), t(v),
+                                   m, depth, joint, leveled=True)
+            assert torch.equal(device_tree.packed(lev), device_tree.packed(x)), trial
         merged_any += len(host_a.merged(host_b, 10**6)) < len(host_a) + len(host_b)
         for g, w in zip(got, (host_a, host_b, want)):
             assert len(g) == len(w), trial

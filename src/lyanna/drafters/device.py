@@ -139,6 +139,7 @@ class _DraftTreesPass(_DraftPass):
                  topk: int, width: int, max_nodes: int, nodes: int, pool: Any, handoff: torch.Tensor | None = None):
         super().__init__(head, slab, rows, depth, keys, pool, handoff)
         self.topk, self.width, self.max_nodes, self.nodes = topk, width, max_nodes, nodes
+        self.layout = _grow_layout(depth, topk, width, head.device)
         trees = 2 if resample else 1
         self.leftover = torch.zeros((depth, head.d2t.size), dtype=torch.float32, device=head.device) if resample else None
         self._input("root_info", (trees, 1, head._ti_b.shape[0]), torch.float32)
@@ -167,15 +168,15 @@ class _DraftTreesPass(_DraftPass):
         super()._forward()
         h, depth = self.head, self.depth
         raw = self.raw[None] if self.leftover is None else torch.stack([self.raw, self.leftover])
-        ids, parents, scores, depths = _grow(h, raw, self.root_info, self.topk, self.width)
+        ids, parents, scores, depths = _grow(h, raw, self.root_info, self.topk, self.width, self.layout)
         origin = torch.arange(raw.shape[0], device=h.device)[:, None].expand_as(ids)  # the re-sampled tree: 1
         valid = depths <= self.levels
         if self.leftover is None:  # the best ``nodes`` of the best ``max_nodes`` (``nodes`` <= ``max_nodes``)
-            self.tree = _packed_draft(h, ids, parents, scores, depths, origin, valid, self.nodes, depth)
+            self.tree = _packed_draft(h, ids, parents, scores, depths, origin, valid, self.nodes, depth, leveled=True)
             return
-        kept = best(ids, parents, scores, depths, origin, valid, self.max_nodes, depth, joint=True)
+        kept = best(ids, parents, scores, depths, origin, valid, self.max_nodes, depth, joint=True, leveled=True)
         fused, valid = union(PaddedTrees(*(t[:1] for t in kept)), PaddedTrees(*(t[1:] for t in kept)), depth)
-        self.tree = _packed_draft(h, *fused[:5], valid, self.nodes, depth)
+        self.tree = _packed_draft(h, *fused[:5], valid, self.nodes, depth, leveled=False)
 
 
 class _EagleTreePass(_CatchUpCall):
@@ -247,38 +248,56 @@ class _EagleTreePass(_CatchUpCall):
             n += fw * k
         tokens, parents, depths = (torch.cat(t)[None] for t in (tokens, parents, depths))
         self.tree = packed(best(tokens, parents, torch.cat(scores)[None].exp(), depths, torch.zeros_like(tokens),
-                                torch.ones_like(tokens, dtype=torch.bool), self.max_nodes, self.depth, joint=True))
+                                torch.ones_like(tokens, dtype=torch.bool), self.max_nodes, self.depth, joint=True,
+                                leveled=True))
 
 
-def _grow(head: "DeviceChainHead", raw: torch.Tensor, root_info: torch.Tensor, topk: int,
-          width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _grow_layout(depth: int, topk: int, width: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """What the places of ``_grow``'s candidates fix before any score is known, made once per
+    call shape (a captured graph allocates nothing): the root's parent (-1, ``[1, 1]``), the first
+    candidate index of each frontier entry's level (0 for the root; ``[1, 1 + frontier entries]``)
+    and every candidate's depth (``[1, n]``)."""
+    at, depths, start, frontier = [0], [], 0, 1
+    for d in range(depth):
+        n = frontier * topk  # the level's candidates: each frontier entry's top-k children
+        depths += [d + 1] * n
+        if d + 1 < depth:
+            frontier = min(width, n)
+            at += [start] * frontier
+        start += n
+    return (torch.full((1, 1), -1, dtype=torch.int64, device=device), torch.tensor([at], device=device),
+            torch.tensor([depths], device=device))
+
+
+def _grow(head: "DeviceChainHead", raw: torch.Tensor, root_info: torch.Tensor, topk: int, width: int,
+          layout: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Token-info trees' candidates, several trees at once (one kernel per step for all of them):
     ``raw`` [trees, depth, draft vocab], ``root_info`` [trees, 1, rank] (each root's ``A`` row,
-    zero where it gets no token information). Per depth, each frontier branch's top-k children
-    under ``log_softmax(raw[d] + TI(parent))``; the ``width`` best by joint log-probability (a
-    stable sort: ties to the earlier child) form the next frontier, whose ``TI`` is read from
-    ``head.ti_rows`` (the draft vocabulary's ``A`` rows). ``[trees, n]`` per tree, every level's
-    candidates in order (the host builder's): draft ids, parents (indices among the candidates,
-    -1 under the root), joint probabilities (float64) and depths."""
+    zero where it gets no token information), ``layout`` from ``_grow_layout``. Per depth, each
+    frontier branch's top-k children under ``log_softmax(raw[d] + TI(parent))``; the ``width``
+    best by joint log-probability (a stable sort: ties to the earlier child) form the next
+    frontier, whose ``TI`` is read from ``head.ti_rows`` (the draft vocabulary's ``A`` rows).
+    ``[trees, n]`` per tree, every level's candidates in order (the host builder's): draft ids,
+    parents (indices among the candidates, -1 under the root), joint probabilities (float64) and
+    depths. Parents and depths are formed once after the levels: fewer kernels a call."""
     trees, depth, _ = raw.shape
+    root, level_start, depths = layout
     a, f_score = root_info, None
-    frontier = torch.full((trees, 1), -1, dtype=torch.int64, device=raw.device)  # parents of the next level
-    ids, parents, scores, depths = [], [], [], []
-    start = 0  # the level's first candidate
+    ids, scores, frontiers = [], [], [root.expand(trees, 1)]  # frontiers: each level's, by place in its level
     for d in range(depth):
         x = raw[:, d, None, :] + a @ head._ti_b  # [trees, frontier, vocab]
         top_v, top_i = torch.topk(x, topk, dim=-1)
         step = top_v - torch.logsumexp(x, dim=-1, keepdim=True)
         s = (step.double() if f_score is None else f_score[:, :, None] + step).reshape(trees, -1)  # float64
         ids.append(top_i.reshape(trees, -1))
-        parents.append(frontier.repeat_interleave(topk, dim=1))
         scores.append(s)
-        depths.append(torch.full_like(ids[-1], d + 1))
         if d + 1 < depth:
-            order = torch.sort(s, dim=-1, descending=True, stable=True).indices[:, :width]
-            a, f_score, frontier = head.ti_rows[ids[-1].gather(1, order)], s.gather(1, order), start + order
-        start += s.shape[1]
-    return torch.cat(ids, 1), torch.cat(parents, 1), torch.cat(scores, 1).exp(), torch.cat(depths, 1)
+            f_score, order = torch.sort(s, dim=-1, descending=True, stable=True)
+            f_score, order = f_score[:, :width], order[:, :width]
+            a = head.ti_rows[ids[-1].gather(1, order)]
+            frontiers.append(order)
+    parents = (torch.cat(frontiers, 1) + level_start).repeat_interleave(topk, dim=1)
+    return torch.cat(ids, 1), parents, torch.cat(scores, 1).exp(), depths.expand(trees, -1)
 
 
 class _TreePass(FixedShapeCall):
@@ -289,23 +308,24 @@ class _TreePass(FixedShapeCall):
     def __init__(self, head: "DeviceChainHead", depth: int, topk: int, width: int, max_nodes: int, pool: Any):
         super().__init__(head.device, pool)
         self.head, self.depth, self.topk, self.width, self.max_nodes = head, depth, topk, width, max_nodes
+        self.layout = _grow_layout(depth, topk, width, head.device)
         self.raw = torch.zeros((1, depth, head.d2t.size), dtype=torch.float32, device=head.device)
         self._input("root_info", (1, 1, head._ti_b.shape[0]), torch.float32)
         self._input("origin", (1, 1), torch.int64)
         self.tree: torch.Tensor | None = None
 
     def _forward(self) -> None:
-        ids, parents, scores, depths = _grow(self.head, self.raw, self.root_info, self.topk, self.width)
+        ids, parents, scores, depths = _grow(self.head, self.raw, self.root_info, self.topk, self.width, self.layout)
         self.tree = _packed_draft(self.head, ids, parents, scores, depths, self.origin.expand_as(ids),
-                                  torch.ones_like(ids, dtype=torch.bool), self.max_nodes, self.depth)
+                                  torch.ones_like(ids, dtype=torch.bool), self.max_nodes, self.depth, leveled=True)
 
 
 def _packed_draft(head: "DeviceChainHead", ids: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor,
                   depths: torch.Tensor, origin: torch.Tensor, valid: torch.Tensor, nodes: int,
-                  depth: int) -> torch.Tensor:
+                  depth: int, leveled: bool) -> torch.Tensor:
     """The best ``nodes`` of token-info candidates (draft ids, joint probabilities), their ids
-    mapped to the target's, as ``device_tree.packed``."""
-    kept = best(ids, parents, scores, depths, origin, valid, nodes, depth, joint=True)
+    mapped to the target's, as ``device_tree.packed`` (``leveled``: ``device_tree.best``'s)."""
+    kept = best(ids, parents, scores, depths, origin, valid, nodes, depth, joint=True, leveled=leveled)
     return packed(kept._replace(tokens=head._d2t[kept.tokens]))
 
 

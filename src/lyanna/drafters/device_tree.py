@@ -31,19 +31,26 @@ class PaddedTrees(NamedTuple):
 
 
 def best(tokens: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor, depths: torch.Tensor,
-         origin: torch.Tensor, valid: torch.Tensor, m: int, max_depth: int, joint: bool = False) -> PaddedTrees:
+         origin: torch.Tensor, valid: torch.Tensor, m: int, max_depth: int, joint: bool = False,
+         leveled: bool = False) -> PaddedTrees:
     """Each tree's best ``m`` valid nodes (``DraftTree.best``), renumbered, in tree order, padded
     to ``min(m, n)`` columns. ``max_depth``: no node is deeper (the closed scores' levels);
     ``joint``: no score is above its parent's (a drafter's joint probabilities), so the closed
-    scores are the scores and are not formed."""
+    scores are the scores and are not formed; ``leveled``: the nodes are in order of depth
+    already (a level's candidates after the last's, as drafters grow them), so the tie-break's
+    order needs no sort."""
     trees, n = parents.shape
     m = min(m, n)
     closed = torch.where(valid, scores, -1.0)  # scores are probabilities: invalid nodes sort last
     for d in range(2, 1 if joint else max_depth + 1):  # a level at a time: a parent is final before its children
         above = closed.gather(1, parents.clamp(min=0))
         closed = torch.where(depths == d, torch.minimum(closed, above), closed)
-    by_depth = torch.sort(depths, dim=1, stable=True).indices
-    order = by_depth.gather(1, torch.sort(-closed.gather(1, by_depth), dim=1, stable=True).indices)[:, :m]
+    if leveled:  # a stable sort keeps equal scores in node order: shallower, then earlier
+        order = torch.sort(closed, dim=1, descending=True, stable=True).indices[:, :m]
+    else:
+        by_depth = torch.sort(depths, dim=1, stable=True).indices
+        ranked = torch.sort(closed.gather(1, by_depth), dim=1, descending=True, stable=True).indices
+        order = by_depth.gather(1, ranked)[:, :m]
     count = valid.sum(1, keepdim=True).clamp(max=m)
     slots = torch.arange(m, device=parents.device).expand(trees, m)
     keep = torch.sort(torch.where(slots < count, order, n), dim=1).values  # padding (index n) last
@@ -73,25 +80,26 @@ def union(a: PaddedTrees, b: PaddedTrees, max_depth: int) -> tuple[PaddedTrees, 
              & valid_b[:, None] & valid_a[None, :])
     top = (pb < 0)[:, None] & (pa < 0)[None, :]
     same = alike & top
+    parents_pair = (up_b[:, None] * ma + up_a[None, :]).view(-1)  # same[i, j]'s parents' entry, flat
     for _ in range(max_depth - 1):
-        same = alike & (top | same[up_b][:, up_a])
+        same = alike & (top | same.view(-1)[parents_pair].view(mb, ma))
     found = same.any(1)
     new = valid_b & ~found
     place = torch.where(found, same.long().argmax(1), a.count[0] + torch.cumsum(new.long(), 0) - 1)  # in the union
     slot = torch.where(new, place, size - 1)
     from_b = torch.where(same, b.scores[0][:, None], 0.0).amax(0)  # 0 where no b node merged (scores >= 0)
-
-    def laid(on_a: torch.Tensor, on_b: torch.Tensor, fill: float | int) -> torch.Tensor:
-        """``a``'s values, then ``b``'s new nodes' at their places."""
-        out = torch.full((size,), fill, dtype=on_a.dtype, device=dev)
-        out[:ma] = on_a
-        return out.scatter_(0, slot, on_b)
-
     up = torch.where(pb >= 0, place[up_b], -1)
+    # ``a``'s values, then ``b``'s new nodes' at their places; the integer fields (tokens, parents,
+    # depths, origins) as one array, so that each step is one kernel for the four of them.
+    ints = torch.zeros((4, size), dtype=torch.int64, device=dev)
+    ints[1].fill_(-1)  # no parent where no node goes
+    ints[:, :ma] = torch.stack([a.tokens[0], pa, a.depths[0], a.origin[0]])
+    ints.scatter_(1, slot.expand(4, -1), torch.stack([b.tokens[0], up, b.depths[0], b.origin[0]]))
+    scores = torch.zeros(size, dtype=a.scores.dtype, device=dev)
+    scores[:ma] = torch.maximum(a.scores[0], from_b)
+    scores.scatter_(0, slot, b.scores[0])
     count = a.count + new.sum()
-    tree = PaddedTrees(laid(a.tokens[0], b.tokens[0], 0)[None], laid(pa, up, -1)[None],
-                       laid(torch.maximum(a.scores[0], from_b), b.scores[0], 0.0)[None],
-                       laid(a.depths[0], b.depths[0], 0)[None], laid(a.origin[0], b.origin[0], 0)[None], count)
+    tree = PaddedTrees(ints[0][None], ints[1][None], scores[None], ints[2][None], ints[3][None], count)
     return tree, torch.arange(size, device=dev)[None, :] < count
 
 

@@ -67,6 +67,9 @@ class Server:
         self.thread.join(WAIT)
 
 
+STUB_BLOCK = SimpleNamespace(rows=1)  # what the engine thread reads of a block: its rows
+
+
 class StubDecoder:
     """What the server uses of ``Decoder``, making one token per ``release()`` (or one every
     ``pace`` seconds), and ending with finish reason ``cancelled`` when ``should_cancel`` says so,
@@ -124,7 +127,7 @@ class StubDecoder:
         tokens, finish = [], "length"
         try:
             while len(tokens) < request.max_new_tokens:
-                made = yield "block"
+                made = yield STUB_BLOCK
                 if should_cancel():
                     finish = "cancelled"
                     break
@@ -298,8 +301,14 @@ def test_models_health_metrics(server, client):
     assert health["prefill_chunk"] == 0  # nor chunked prefill
     client.completions.create(model=client.model_id, prompt="abc", max_tokens=3, temperature=0)
     text = httpx.get(server.url + "/metrics").text
-    for name in ("lyanna_requests_total", "lyanna_generated_tokens_total", "lyanna_request_latency_seconds_bucket", "lyanna_tau"):
+    for name in ("lyanna_requests_total", "lyanna_generated_tokens_total", "lyanna_request_latency_seconds_bucket", "lyanna_tau",
+                 "lyanna_engine_busy_seconds_total"):
         assert name in text
+    engine = httpx.get(server.url + "/health").json()["engine"]
+    # That request alone took a prefill and at least two more passes, each of at least one row.
+    assert engine["steps"] >= health["engine"]["steps"] + 3
+    assert engine["rows"] - health["engine"]["rows"] >= engine["steps"] - health["engine"]["steps"]
+    assert engine["busy_seconds"] > health["engine"]["busy_seconds"]
 
 
 def error_of(r: httpx.Response) -> dict:
@@ -720,5 +729,8 @@ def test_loadtest_is_bounded_and_loopback_only(server):
     report = run_load(server.url, ["hello", "cats"], requests=6, concurrency=3, max_tokens=4)
     assert report["succeeded"] == 6 and report["failed"] == 0
     assert report["latency_p95_s"] >= report["latency_p50_s"] > 0
+    engine = report["engine"]  # the engine thread's share of the load: within its wall time
+    assert engine["steps"] >= 4 and engine["rows"] >= engine["steps"]
+    assert 0 < engine["busy_seconds"] <= report["wall_seconds"] + 0.01 and 0 < engine["busy_share"] <= 1.01
     with pytest.raises(LyannaError, match="loopback"):
         run_load("http://10.0.0.1:8000", ["x"], 1, 1, 1)

@@ -66,7 +66,8 @@ class Service:
         """Start the engine worker and wait for its latency curve, before uvicorn binds its socket;
         at shutdown, answer what is in flight and stop the worker."""
         loop = asyncio.get_running_loop()
-        worker = EngineWorker(self.decoder, self.max_pending, self.metrics.record, self.max_batch)
+        worker = EngineWorker(self.decoder, self.max_pending, self.metrics.record, self.max_batch,
+                              self.metrics.record_step)
         worker.start() if self.run_engine is None else self.run_engine(worker)
         await loop.run_in_executor(None, worker.ready.wait)
         if worker.failure is not None:
@@ -144,7 +145,8 @@ async def health(request: Request) -> Health:
     pc = getattr(service.decoder, "prefix_cache", None)  # a decoder without one (a test stub) has none
     return Health(model=service.served, method=service.method, max_batch=service.max_batch,
                   queue=service.worker.pending if service.worker else 0, prefix_cache=None if pc is None else pc.stats(),
-                  prefill_chunk=getattr(service.decoder, "effective_prefill_chunk", 0))
+                  prefill_chunk=getattr(service.decoder, "effective_prefill_chunk", 0),
+                  engine=service.metrics.engine())
 
 
 @router.get("/metrics", response_class=PlainTextResponse, responses={

@@ -86,10 +86,12 @@ def run_load(url: str, prompts: Sequence[str], requests: int, concurrency: int, 
     with ThreadPoolExecutor(concurrency) as pool:
         rows = list(pool.map(lambda i: _stream_one(url, body(i), deadline), range(requests)))
     wall = time.perf_counter() - start
-    try:  # the prefix cache's counters after the load (None: the server has none)
-        prefix_cache = httpx.get(url.rstrip("/") + "/health", timeout=10).json().get("prefix_cache")
+    try:  # the prefix cache's counters after the load (None: the server has none), the engine's
+        after = httpx.get(url.rstrip("/") + "/health", timeout=10).json()
+        prefix_cache = after.get("prefix_cache")
     except (httpx.HTTPError, ValueError):
-        prefix_cache = "unknown"
+        after, prefix_cache = {}, "unknown"
+    engine = _engine_during(server.get("engine"), after.get("engine"), wall)
     lat = np.array([r["seconds"] for r in rows if r["ok"]])
     ttft = np.array([r["ttft"] for r in rows if r["ok"] and r["ttft"] is not None])
     tokens = sum(r["tokens"] for r in rows)
@@ -117,4 +119,20 @@ def run_load(url: str, prompts: Sequence[str], requests: int, concurrency: int, 
         "ttft_p95_s": _percentile(ttft, 95),
         "completion_tokens": tokens,
         "tokens_per_s": round(tokens / wall, 2) if wall > 0 else None,
+        "engine": engine,
     }
+
+
+def _engine_during(before: dict[str, Any] | None, after: dict[str, Any] | None,
+                   wall: float) -> dict[str, Any] | None:
+    """What the server's engine thread did during the load (``/health``'s ``engine`` counters,
+    after less before; None for a server without them): its steps, their rows, its busy seconds
+    and their share of the wall time. A share well below 1 with requests waiting means the
+    time went around the engine (HTTP, streaming, the host), not into passes and drafting."""
+    if not before or not after:
+        return None
+    steps, rows = after["steps"] - before["steps"], after["rows"] - before["rows"]
+    busy = after["busy_seconds"] - before["busy_seconds"]
+    return {"steps": int(steps), "rows": int(rows), "busy_seconds": round(busy, 3),
+            "busy_share": round(busy / wall, 3) if wall > 0 else None,
+            "ms_per_step": round(1e3 * busy / steps, 2) if steps else None}

@@ -26,7 +26,12 @@ class Metrics:
         self.tau = Gauge("lyanna_tau", "Tokens per target pass over all requests so far", registry=r)
         self.acceptance = Gauge("lyanna_acceptance_rate", "Accepted / drafted tokens over all requests so far", registry=r)
         self.queue = Gauge("lyanna_queue_depth", "Requests queued or running", registry=r)
+        self.steps = Counter("lyanna_engine_steps", "Batched forward passes the engine thread ran", registry=r)
+        self.step_rows = Counter("lyanna_engine_step_rows", "Rows in those passes", registry=r)
+        self.busy = Counter("lyanna_engine_busy_seconds",
+                            "Engine thread time in its steps (passes, drafting, verification)", registry=r)
         self._totals = {"tokens": 0, "passes": 0, "drafted": 0, "accepted": 0}
+        self._engine = {"steps": 0, "rows": 0, "busy_seconds": 0.0}
 
     def record(self, result: GenerationResult) -> None:
         """Count one generation's work (called on the engine thread only)."""
@@ -46,6 +51,22 @@ class Metrics:
             self.tau.set(t["tokens"] / t["passes"])
         if t["drafted"]:
             self.acceptance.set(t["accepted"] / t["drafted"])
+
+    def record_step(self, seconds: float, rows: int) -> None:
+        """Count one step of the engine thread (called on that thread only): comparing its busy
+        time with a load's wall time tells whether the engine or something around it (HTTP,
+        the host) set the pace."""
+        self.steps.inc()
+        self.step_rows.inc(rows)
+        self.busy.inc(seconds)
+        e = self._engine
+        e["steps"] += 1
+        e["rows"] += rows
+        e["busy_seconds"] += seconds
+
+    def engine(self) -> dict[str, int | float]:
+        """The engine thread's totals so far (``/health``)."""
+        return {**self._engine, "busy_seconds": round(self._engine["busy_seconds"], 3)}
 
     def render(self) -> str:
         from prometheus_client import generate_latest

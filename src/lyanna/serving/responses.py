@@ -126,3 +126,6 @@ class Health(BaseModel):
     queue: int = Field(description="Requests queued or running")
     prefix_cache: dict[str, int] | None = Field(description="Prefix cache size and counters; null without one")
     prefill_chunk: int = Field(0, description="Prompt positions prefilled per forward pass in a batch; 0: whole prompts")
+    engine: dict[str, int | float] = Field(default_factory=dict, description=(
+        "The engine thread's work since start: steps (batched forward passes, each with its rounds' "
+        "drafting and verification), rows (in those passes) and busy_seconds (wall time in them)"))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -61,8 +62,9 @@ class EngineWorker:
     ``max_pending`` queued or running."""
 
     def __init__(self, decoder: Decoder, max_pending: int, on_result: Callable[[GenerationResult], None],
-                 max_batch: int):
-        self.decoder, self.max_pending, self.on_result = decoder, max_pending, on_result
+                 max_batch: int, on_step: Callable[[float, int], None] | None = None):
+        """``on_step(seconds, rows)``: told after each batched step, on the engine thread."""
+        self.decoder, self.max_pending, self.on_result, self.on_step = decoder, max_pending, on_result, on_step
         self.max_batch = max_batch
         self.closing = False
         self.ready = threading.Event()  # set once ``run`` has the latency curve in hand, or failed
@@ -120,7 +122,11 @@ class EngineWorker:
             stopping = stopping or None in incoming
             waiting += [job for job in incoming if job is not None]
             waiting = [job for job in waiting if not self._admit(batch, job)]
-            for job, outcome in batch.step():
+            began, rows = time.perf_counter(), sum(f.block.rows for f in batch.active.values())
+            finished = batch.step()
+            if self.on_step is not None and rows:
+                self.on_step(time.perf_counter() - began, rows)
+            for job, outcome in finished:
                 self._finish(job, outcome)
         for job in waiting:
             self._finish(job, None)

@@ -309,6 +309,7 @@ def test_models_health_metrics(server, client):
     assert engine["steps"] >= health["engine"]["steps"] + 3
     assert engine["rows"] - health["engine"]["rows"] >= engine["steps"] - health["engine"]["steps"]
     assert engine["busy_seconds"] > health["engine"]["busy_seconds"]
+    assert health["engine"]["pass_seconds"] < engine["pass_seconds"] <= engine["busy_seconds"]
 
 
 def error_of(r: httpx.Response) -> dict:
@@ -732,5 +733,6 @@ def test_loadtest_is_bounded_and_loopback_only(server):
     engine = report["engine"]  # the engine thread's share of the load: within its wall time
     assert engine["steps"] >= 4 and engine["rows"] >= engine["steps"]
     assert 0 < engine["busy_seconds"] <= report["wall_seconds"] + 0.01 and 0 < engine["busy_share"] <= 1.01
+    assert 0 < engine["pass_seconds"] <= engine["busy_seconds"] and engine["ms_per_pass"] <= engine["ms_per_step"]
     with pytest.raises(LyannaError, match="loopback"):
         run_load("http://10.0.0.1:8000", ["x"], 1, 1, 1)

@@ -10,6 +10,7 @@ so a sequence's output inside a batch is token-identical to decoding it alone.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Generator, Hashable
 
@@ -35,6 +36,7 @@ class BatchScheduler:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.engine, self.drafter_for, self.max_batch = engine, drafter_for, max_batch
         self.active: dict[Hashable, _Flight] = {}
+        self.pass_seconds = 0.0  # the last step's forward pass (the rest of a step: its rounds' host work)
 
     def can_admit(self, method: str) -> bool:
         """Room in the batch, and a drafter free for ``method`` (one without ``fork`` keeps its
@@ -64,6 +66,7 @@ class BatchScheduler:
         if not keys:
             return []
         blocks = [self.active[k].block for k in keys]
+        began = time.perf_counter()
         try:
             outs: list[ForwardOutput | Exception] = list(self.engine.forward_batch(blocks))
         except ValueError:
@@ -74,6 +77,7 @@ class BatchScheduler:
                     outs.append(self.engine.forward_batch([block])[0])
                 except ValueError as e:
                     outs.append(e)
+        self.pass_seconds = time.perf_counter() - began
         finished: list[tuple[Hashable, Any]] = []
         for key, out in zip(keys, outs):
             flight = self.active[key]

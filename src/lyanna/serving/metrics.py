@@ -30,8 +30,9 @@ class Metrics:
         self.step_rows = Counter("lyanna_engine_step_rows", "Rows in those passes", registry=r)
         self.busy = Counter("lyanna_engine_busy_seconds",
                             "Engine thread time in its steps (passes, drafting, verification)", registry=r)
+        self.pass_time = Counter("lyanna_engine_pass_seconds", "Of that, time in the forward passes", registry=r)
         self._totals = {"tokens": 0, "passes": 0, "drafted": 0, "accepted": 0}
-        self._engine = {"steps": 0, "rows": 0, "busy_seconds": 0.0}
+        self._engine = {"steps": 0, "rows": 0, "busy_seconds": 0.0, "pass_seconds": 0.0}
 
     def record(self, result: GenerationResult) -> None:
         """Count one generation's work (called on the engine thread only)."""
@@ -52,21 +53,25 @@ class Metrics:
         if t["drafted"]:
             self.acceptance.set(t["accepted"] / t["drafted"])
 
-    def record_step(self, seconds: float, rows: int) -> None:
+    def record_step(self, seconds: float, pass_seconds: float, rows: int) -> None:
         """Count one step of the engine thread (called on that thread only): comparing its busy
         time with a load's wall time tells whether the engine or something around it (HTTP,
-        the host) set the pace."""
+        the host) set the pace, and its pass time whether the passes or the rounds' host work
+        (drafting, verification) fill the step."""
         self.steps.inc()
         self.step_rows.inc(rows)
         self.busy.inc(seconds)
+        self.pass_time.inc(pass_seconds)
         e = self._engine
         e["steps"] += 1
         e["rows"] += rows
         e["busy_seconds"] += seconds
+        e["pass_seconds"] += pass_seconds
 
     def engine(self) -> dict[str, int | float]:
         """The engine thread's totals so far (``/health``)."""
-        return {**self._engine, "busy_seconds": round(self._engine["busy_seconds"], 3)}
+        e = self._engine
+        return {**e, "busy_seconds": round(e["busy_seconds"], 3), "pass_seconds": round(e["pass_seconds"], 3)}
 
     def render(self) -> str:
         from prometheus_client import generate_latest

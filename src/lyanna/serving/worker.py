@@ -62,8 +62,9 @@ class EngineWorker:
     ``max_pending`` queued or running."""
 
     def __init__(self, decoder: Decoder, max_pending: int, on_result: Callable[[GenerationResult], None],
-                 max_batch: int, on_step: Callable[[float, int], None] | None = None):
-        """``on_step(seconds, rows)``: told after each batched step, on the engine thread."""
+                 max_batch: int, on_step: Callable[[float, float, int], None] | None = None):
+        """``on_step(seconds, pass_seconds, rows)``: told after each batched step (of which its
+        forward pass took ``pass_seconds``), on the engine thread."""
         self.decoder, self.max_pending, self.on_result, self.on_step = decoder, max_pending, on_result, on_step
         self.max_batch = max_batch
         self.closing = False
@@ -125,7 +126,7 @@ class EngineWorker:
             began, rows = time.perf_counter(), sum(f.block.rows for f in batch.active.values())
             finished = batch.step()
             if self.on_step is not None and rows:
-                self.on_step(time.perf_counter() - began, rows)
+                self.on_step(time.perf_counter() - began, batch.pass_seconds, rows)
             for job, outcome in finished:
                 self._finish(job, outcome)
         for job in waiting:

@@ -258,6 +258,31 @@ def test_suffix_drafter_builds_trie_from_latest_matches():
     assert d.propose(ctx, 1).depths.max() == 1
 
 
+def test_suffix_matches_are_the_naive_search_as_the_context_grows():
+    """``match`` (an index grown token by token) finds what a search of the whole context does:
+    the longest suffix of ``min_ngram``..``max_ngram`` tokens seen before, and what followed its
+    latest occurrences."""
+    def naive(ctx, d, depth):
+        for n in range(min(d.max_ngram, len(ctx) - 1), d.min_ngram - 1, -1):
+            starts = [e for e in range(n, len(ctx)) if ctx[e - n : e] == ctx[len(ctx) - n :]]
+            if starts:
+                return n, [ctx[s : s + depth] for s in reversed(starts[-d.branches :])]
+        return 0, []
+
+    rng = np.random.default_rng(3)
+    found = 0
+    for trial in range(40):
+        d = SuffixDrafter(max_ngram=4 + trial % 3, min_ngram=1 + trial % 3, branches=1 + trial % 3)
+        d.start([], {})
+        ctx = list(rng.integers(0, 3 + trial % 4, size=5))
+        while len(ctx) < 60:
+            ctx += list(rng.integers(0, 3 + trial % 4, size=int(rng.integers(1, 4))))
+            got = d.match(ctx, 4)
+            assert got == naive(ctx, d, 4), (trial, ctx)
+            found += got[0] > 0
+    assert found > 500  # most contexts had a match
+
+
 @pytest.mark.slow
 def test_suffix_greedy_equals_ar_on_default_model(default_decoder):
     questions = [q for q in load_questions(limit=26) if q.category in ("summarization", "rag", "coding", "writing")]

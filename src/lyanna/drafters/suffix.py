@@ -55,7 +55,8 @@ class SuffixDrafter(Drafter):
         pass  # the context passed to propose() is the source of truth
 
     def _sync(self, context: Sequence[int]) -> None:
-        """Index every n-gram ending at each new context position: n-gram -> where its continuation starts."""
+        """Index every n-gram that ``match`` may look up (``min_ngram`` to ``max_ngram`` tokens)
+        ending at each new context position: n-gram -> where its continuation starts."""
         toks = self._tokens
         if len(context) < len(toks) or (toks and int(context[len(toks) - 1]) != toks[-1]):
             self.start((), {})  # not a continuation of what was indexed: a new generation
@@ -63,7 +64,7 @@ class SuffixDrafter(Drafter):
         for t in context[len(toks):]:
             toks.append(int(t))
             end = len(toks)
-            for n in range(1, min(self.max_ngram, end) + 1):
+            for n in range(self.min_ngram, min(self.max_ngram, end) + 1):
                 self._index[n][tuple(toks[end - n:end])].append(end)
 
     def propose(self, context: Sequence[int], max_depth: int) -> DraftTree:

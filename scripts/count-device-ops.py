@@ -11,7 +11,12 @@ same operations); prefill is left out by subtracting a one-token generation. The
 the drafter left on the device; on CUDA synchronized before and after, so a call's time is its
 device time) and outside them (the host's own work: the gap a GPU waits through, unless the round
 is launched ahead of it). Two plain runs give a round's time end to end, with rounds launched
-ahead of the host's reading and read one by one (``DeviceEngine.pipelines``).
+ahead of the host's reading and read one by one (``DeviceEngine.pipelines``). For ``lyanna``
+methods, one more run splits the draft call (``_DraftTreesPass``, run eagerly: a graph's replay
+hides its kernels) into its phases, per call: the head's layers and raw logits, the trees'
+growth (``grow``), the choice of nodes (``best``), the union and the packing, each with its
+operations and, on CUDA, its kernels and their device milliseconds (``draft_call_phases``): where
+fusing would pay.
 
     python scripts/count-device-ops.py --out docs/bench/device-ops.json
 """
@@ -114,6 +119,63 @@ def main() -> None:
         engine.pipelines = True
         return out
 
+    def phases(method: str, budget) -> dict:
+        """Lyanna's draft call split by phase, per call (operations; on CUDA kernels and device
+        ms too), from one generation with the calls run eagerly."""
+        from lyanna.drafters import device as heads
+
+        if engine._graph_pool is None:
+            eager = decoder
+        else:  # the same model and heads without graphs (their replays show no kernels)
+            t, e = device.load_device_target(args.model, args.device, args.dtype, graphs=False)
+            eager = Decoder(t, engine=e)
+        wrapped = {name: getattr(heads, name) for name in ("_grow", "best", "union", "packed")}
+        call = heads._DraftTreesPass._forward
+
+        def labelled(name, f):
+            def g(*a, **k):
+                with record_function("phase:" + name.strip("_")):
+                    return f(*a, **k)
+            return g
+
+        for name, f in wrapped.items():
+            setattr(heads, name, labelled(name, f))
+        heads._DraftTreesPass._forward = labelled("draft-call", call)
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.device(args.device).type == "cuda" else [])
+        try:
+            eager.generate(ids, GenerationRequest(max_new_tokens=8), method=method, budget=budget)  # warm-up
+            with profile(activities=activities) as prof:
+                eager.generate(ids, GenerationRequest(max_new_tokens=args.max_new_tokens), method=method, budget=budget)
+        finally:
+            for name, f in wrapped.items():
+                setattr(heads, name, f)
+            heads._DraftTreesPass._forward = call
+        calls = sum(e.name == "phase:draft-call" for e in prof.events())
+        cuda = ProfilerActivity.CUDA in activities
+        totals: dict[str, dict[str, float]] = defaultdict(lambda: {"ops": 0, **({"kernels": 0, "device_ms": 0.0} if cuda else {})})
+
+        def kernels_of(e) -> list:
+            return list(getattr(e, "kernels", [])) + [k for c in e.cpu_children for k in kernels_of(c)]
+        for e in prof.events():
+            parent = e.cpu_parent
+            if not e.name.startswith("aten::") or (parent is not None and parent.name.startswith("aten::")):
+                continue
+            label = None
+            while parent is not None and label is None:
+                label = parent.name[len("phase:"):] if parent.name.startswith("phase:") else None
+                parent = parent.cpu_parent
+            if label is None:
+                continue  # outside the draft call
+            phase = totals["layers" if label == "draft-call" else label]
+            phase["ops"] += e.name not in VIEWS
+            if cuda:
+                kernels = kernels_of(e)
+                phase["kernels"] += len(kernels)
+                phase["device_ms"] += sum(k.duration for k in kernels) / 1000
+        return {"draft_calls": calls, "draft_call_phases": {
+            name: {k: round(v / max(calls, 1), 3 if k == "device_ms" else 1) for k, v in t.items()}
+            for name, t in sorted(totals.items())}}
+
     rows = []
     for spec in args.methods.split(","):
         method, budget = split_budget(spec, "auto")
@@ -124,11 +186,13 @@ def main() -> None:
         rows.append({"method": spec, "rounds": rounds, "ops_outside_per_round": round((o - o1) / rounds, 1),
                      "ops_inside_per_round": round((i - i1) / rounds, 1),
                      "fixed_shape_calls_per_round": round((c - c1) / rounds, 2), **timed(method, budget),
-                     **wall(method, budget)})
+                     **wall(method, budget), **(phases(method, budget) if method.startswith("lyanna") else {})})
         print(f"{spec}: {rows[-1]['ops_outside_per_round']} operations a round outside the fixed-shape calls, "
               f"{rows[-1]['ops_inside_per_round']} inside {rows[-1]['fixed_shape_calls_per_round']} calls ({rounds} rounds); "
               f"ms a round inside {rows[-1]['ms_per_round_inside']}, outside {rows[-1]['ms_per_round_outside']}; "
               f"end to end {rows[-1]['ms_per_round_wall']} (read one by one {rows[-1]['ms_per_round_wall_read_one_by_one']})")
+        if "draft_call_phases" in rows[-1]:
+            print(f"{spec}: the draft call by phase, per call ({rows[-1]['draft_calls']} calls): {rows[-1]['draft_call_phases']}")
     report = {"model": args.model, "engine": engine.name, **script_record("count-device-ops.py", vars(args)),
               "rows": rows}
     if args.out:

@@ -19,7 +19,8 @@
 # costs only its own step: the bench in bfloat16 (ar, suffix, eagle, lyanna, lyanna+suffix, HF
 # generate() and its prompt lookup; Spec-Bench, 26 prompts x 128 tokens, cut by --time-limit),
 # where a round's time goes (scripts/count-device-ops.py: each fixed-shape call's device time and
-# the host's gap, per round), fixed budgets without the fallback, the bench in float32,
+# the host's gap, per round, and lyanna's draft call by phase: kernels and device ms of its layers,
+# tree growth, node choice, union), fixed budgets without the fallback, the bench in float32,
 # tests/test_device_engine.py and the online-features fit test on the GPU, and the device's
 # latency for blocks of 1..128 tokens (the pass alone too). It is meant to fit one 10-minute
 # command (the first H200 run, with longer bench steps and no fixed-budget step, took 8 minutes);

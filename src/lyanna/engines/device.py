@@ -318,6 +318,12 @@ class _TreeBlockPass(FixedShapeCall):
         # length, the bonus token, the rows kept (padded); and the tapped rows of those rows, which stay.
         self.result: torch.Tensor | None = None
         self.kept_hidden: dict[int, torch.Tensor] = {}
+        # A greedy plain step (no tree: ``ar`` launched ahead) takes a short path (``_plain``),
+        # its constants made here: a captured graph allocates nothing.
+        self._plain_step = rows == 1 and rule == "greedy" and engine.config.sliding_window is None
+        if self._plain_step:
+            self._slots = torch.arange(keys, device=engine.device)
+            self._first = torch.zeros(1, dtype=torch.int64, device=engine.device)
 
     def _forward(self) -> None:
         m, rows, keys, dev = self.nodes, self.rows, self.keys, self.device
@@ -326,6 +332,9 @@ class _TreeBlockPass(FixedShapeCall):
             start, root = last[HANDOFF_START : HANDOFF_START + 1], last[HANDOFF_BONUS : HANDOFF_BONUS + 1]
         else:
             start, root = self.start, self.root
+        if self._plain_step:
+            self._plain(start, root)
+            return
         count = self.tree[-1:].long()
         tree = self.tree[:-1].view(5, m)
         at = torch.arange(m, device=dev)
@@ -359,6 +368,19 @@ class _TreeBlockPass(FixedShapeCall):
         self.argmax = None if self.rule == "sampling" else self.logits.argmax(-1)
         if self.rule is not None:
             self._follow(start, tokens[1 : m + 1], parents, depths[1:], valid)
+
+    def _plain(self, start: torch.Tensor, root: torch.Tensor) -> None:
+        """The pass of a tree of no nodes under greedy verification, as the general path computes
+        it with a fraction of its kernels: the root alone at ``start``, seeing every slot up to its
+        own; the next token its row's argmax; the cache kept as it is (the root's row is the whole
+        path); the handoff and the result laid out as ``_follow`` lays them."""
+        self.logits, self.hidden = self.engine._layers_pass(self.slab, root, start, start,
+                                                            (self._slots <= start)[None, :], self.keys, self.taps, None)
+        self.argmax = self.logits.argmax(-1)
+        bonus, none = self.argmax[:1], self._first  # no node accepted: the bonus token follows the root's row
+        self.result = torch.cat([self.tree, start.double(), none.double(), bonus.double(), none.double()])
+        self.kept_hidden = {tap: h[none] for tap, h in self.hidden.items()}
+        self.slab.handoffs[self.writes][: HANDOFF_TOKENS + 1] = torch.cat([start + 1, none, bonus, bonus])
 
     @property
     def levels(self) -> int:

@@ -5,7 +5,10 @@ and time where a round's time goes.
 On a GPU every operation outside a captured graph is a kernel launch of its own (a few
 microseconds each, plus Python), so this count says how far a round is from "one launch and one
 small copy": what `--backend torch` still does eagerly. Runs on any device (CPU torch counts the
-same operations); prefill is left out by subtracting a one-token generation. The timing pass
+same operations); prefill is left out by subtracting a one-token generation. Rounds are counted
+read one by one and again launched ahead of the host's reading (``*_launched_ahead``:
+``DeviceEngine.pipelines``, the default on CUDA, where the pass also verifies and hands over).
+The timing pass
 (without the profiler) gives, per round, the milliseconds inside each kind of fixed-shape call
 (the target's pass by its row bucket: ``_StaticPass[16]``, or ``_TreeBlockPass[16]`` for a tree
 the drafter left on the device; on CUDA synchronized before and after, so a call's time is its
@@ -80,10 +83,17 @@ def main() -> None:
     decoder.latency_curve()  # calibrated (or read) now: on a fresh machine it would be counted in the first method's rounds
     ids = decoder.encode(load_questions(limit=3)[2].prompt)
 
-    def count(method: str, budget, tokens: int) -> tuple[int, int, int, int]:
-        """(operations outside the fixed-shape calls, inside them, the calls, rounds) of one generation."""
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            r = decoder.generate(ids, GenerationRequest(max_new_tokens=tokens), method=method, budget=budget)
+    default_pipelines = engine.pipelines
+
+    def count(method: str, budget, tokens: int, ahead: bool) -> tuple[int, int, int, int]:
+        """(operations outside the fixed-shape calls, inside them, the calls, rounds) of one
+        generation, its rounds launched ahead of the host's reading or read one by one."""
+        engine.pipelines = ahead
+        try:
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                r = decoder.generate(ids, GenerationRequest(max_new_tokens=tokens), method=method, budget=budget)
+        finally:
+            engine.pipelines = default_pipelines
         outside = inside = 0
         calls = sum(e.name == MARK for e in prof.events())
         for e in prof.events():
@@ -116,7 +126,7 @@ def main() -> None:
             engine.pipelines = ahead
             r = decoder.generate(ids, GenerationRequest(max_new_tokens=args.max_new_tokens * 2), method=method, budget=budget)
             out[key] = round(1000 * (r.seconds - r.prefill_seconds) / r.extra["rounds"], 3)
-        engine.pipelines = True
+        engine.pipelines = default_pipelines
         return out
 
     def phases(method: str, budget) -> dict:
@@ -179,16 +189,21 @@ def main() -> None:
     rows = []
     for spec in args.methods.split(","):
         method, budget = split_budget(spec, "auto")
-        count(method, budget, 4)  # warm-up
-        o1, i1, c1, r1 = count(method, budget, 1)
-        o, i, c, r = count(method, budget, args.max_new_tokens)
-        rounds = max(1, r - r1)
-        rows.append({"method": spec, "rounds": rounds, "ops_outside_per_round": round((o - o1) / rounds, 1),
-                     "ops_inside_per_round": round((i - i1) / rounds, 1),
-                     "fixed_shape_calls_per_round": round((c - c1) / rounds, 2), **timed(method, budget),
+        counted = {}
+        for ahead, suffix in ((False, ""), (True, "_launched_ahead")):
+            count(method, budget, 4, ahead)  # warm-up
+            o1, i1, c1, r1 = count(method, budget, 1, ahead)
+            o, i, c, r = count(method, budget, args.max_new_tokens, ahead)
+            rounds = max(1, r - r1)
+            counted |= {"rounds" + suffix: rounds, "ops_outside_per_round" + suffix: round((o - o1) / rounds, 1),
+                        "ops_inside_per_round" + suffix: round((i - i1) / rounds, 1),
+                        "fixed_shape_calls_per_round" + suffix: round((c - c1) / rounds, 2)}
+        rows.append({"method": spec, **counted, **timed(method, budget),
                      **wall(method, budget), **(phases(method, budget) if method.startswith("lyanna") else {})})
         print(f"{spec}: {rows[-1]['ops_outside_per_round']} operations a round outside the fixed-shape calls, "
-              f"{rows[-1]['ops_inside_per_round']} inside {rows[-1]['fixed_shape_calls_per_round']} calls ({rounds} rounds); "
+              f"{rows[-1]['ops_inside_per_round']} inside {rows[-1]['fixed_shape_calls_per_round']} calls "
+              f"({rows[-1]['rounds']} rounds; launched ahead {rows[-1]['ops_outside_per_round_launched_ahead']} and "
+              f"{rows[-1]['ops_inside_per_round_launched_ahead']}); "
               f"ms a round inside {rows[-1]['ms_per_round_inside']}, outside {rows[-1]['ms_per_round_outside']}; "
               f"end to end {rows[-1]['ms_per_round_wall']} (read one by one {rows[-1]['ms_per_round_wall_read_one_by_one']})")
         if "draft_call_phases" in rows[-1]:

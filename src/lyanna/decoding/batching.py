@@ -36,7 +36,8 @@ class BatchScheduler:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.engine, self.drafter_for, self.max_batch = engine, drafter_for, max_batch
         self.active: dict[Hashable, _Flight] = {}
-        self.pass_seconds = 0.0  # the last step's forward pass (the rest of a step: its rounds' host work)
+        # The last step's forward pass: its seconds (the rest of a step: its rounds' host work) and rows.
+        self.pass_seconds, self.pass_rows = 0.0, 0
 
     def can_admit(self, method: str) -> bool:
         """Room in the batch, and a drafter free for ``method`` (one without ``fork`` keeps its
@@ -64,8 +65,10 @@ class BatchScheduler:
         their result or the exception that ended them (the others go on)."""
         keys = list(self.active)
         if not keys:
+            self.pass_seconds, self.pass_rows = 0.0, 0
             return []
         blocks = [self.active[k].block for k in keys]
+        self.pass_rows = sum(b.rows for b in blocks)
         began = time.perf_counter()
         try:
             outs: list[ForwardOutput | Exception] = list(self.engine.forward_batch(blocks))

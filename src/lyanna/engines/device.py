@@ -318,11 +318,11 @@ class _TreeBlockPass(FixedShapeCall):
         # length, the bonus token, the rows kept (padded); and the tapped rows of those rows, which stay.
         self.result: torch.Tensor | None = None
         self.kept_hidden: dict[int, torch.Tensor] = {}
+        self._slots = torch.arange(keys, device=engine.device)  # every slot's index, made once for every run
         # A greedy plain step (no tree: ``ar`` launched ahead) takes a short path (``_plain``),
-        # its constants made here: a captured graph allocates nothing.
+        # its constant made here too: a captured graph allocates nothing.
         self._plain_step = rows == 1 and rule == "greedy" and engine.config.sliding_window is None
         if self._plain_step:
-            self._slots = torch.arange(keys, device=engine.device)
             self._first = torch.zeros(1, dtype=torch.int64, device=engine.device)
 
     def _forward(self) -> None:
@@ -353,7 +353,7 @@ class _TreeBlockPass(FixedShapeCall):
             seen = own | (has & seen[above])
         within = torch.cat([torch.ones((m + 1, 1), dtype=torch.bool, device=dev),
                             torch.cat([torch.zeros((1, m), dtype=torch.bool, device=dev), seen])], 1)  # [m+1, m+1]
-        key = torch.arange(keys, device=dev)
+        key = self._slots
         inside = key - start  # a slot's row in the block
         in_block = (inside >= 0) & (inside <= m)
         mask = (key < start)[None, :] | (within[:, inside.clamp(0, m)] & in_block[None, :])

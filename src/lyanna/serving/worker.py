@@ -123,10 +123,10 @@ class EngineWorker:
             stopping = stopping or None in incoming
             waiting += [job for job in incoming if job is not None]
             waiting = [job for job in waiting if not self._admit(batch, job)]
-            began, rows = time.perf_counter(), sum(f.block.rows for f in batch.active.values())
+            began = time.perf_counter()
             finished = batch.step()
-            if self.on_step is not None and rows:
-                self.on_step(time.perf_counter() - began, batch.pass_seconds, rows)
+            if self.on_step is not None and batch.pass_rows:
+                self.on_step(time.perf_counter() - began, batch.pass_seconds, batch.pass_rows)
             for job, outcome in finished:
                 self._finish(job, outcome)
         for job in waiting:

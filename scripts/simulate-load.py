@@ -59,6 +59,9 @@ def main() -> None:
     step = batching.BatchScheduler.step
 
     def timed_step(self):
+        # The server's queue, not generate_batch's (which holds every prompt from the start): the
+        # requests that have arrived (a client's next one when its last ends) and are not in the batch.
+        self.waiting = max(0, min(len(prompts) - len(ended), clients) - len(self.active))
         t0 = time.perf_counter()
         done = step(self)
         clock["wall"] += time.perf_counter() - t0

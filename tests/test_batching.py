@@ -11,6 +11,7 @@ import pytest
 from lyanna.decoding import verify as verify_module
 from lyanna.decoding.decoder import GenerationRequest
 from lyanna.drafters.base import NoDrafter
+from lyanna.drafters.tree import DraftTree
 from lyanna.engines.base import Block
 from lyanna.measure.bench import load_questions
 from lyanna.serving.app import create_app
@@ -247,3 +248,42 @@ def test_chunked_prefill_in_a_batch_gives_what_a_whole_prefill_gives(block_engin
     for ids, rows in seen_whole.items():
         assert rows.keys() == set(taps) and all(rows[t].shape[0] == len(ids) for t in taps)
         assert all(np.array_equal(seen_chunked[ids][t], rows[t]) for t in taps)
+
+
+class _QueueWatcher(NoDrafter):
+    """Proposes one node every round, drafted or free, and records how many requests waited
+    for the batch (``seen``) each time it was asked."""
+
+    def __init__(self, schedulers, seen):
+        self.schedulers, self.seen = schedulers, seen
+
+    def fork(self):
+        return _QueueWatcher(self.schedulers, self.seen)
+
+    def propose(self, context, max_depth):
+        self.seen.append(self.schedulers[-1].waiting)
+        return DraftTree.chain([context[-1]])
+
+    propose_free = propose
+
+
+def test_a_batch_with_requests_waiting_drafts_nothing(tiny_decoder, monkeypatch):
+    """Six prompts, two at a time under the auto budget: no proposal (drafted or free) while
+    prompts wait for a place, proposals once none waits, and every output as alone."""
+    from lyanna.decoding import decoder as decoder_module
+
+    schedulers, seen = [], []
+
+    class Watched(decoder_module.BatchScheduler):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            schedulers.append(self)
+
+    monkeypatch.setattr(decoder_module, "BatchScheduler", Watched)
+    tiny_decoder.add_drafter("watch", _QueueWatcher(schedulers, seen))
+    prompts = [[5, 9, 11, 2], [2, 3], [7, 7, 1], [1, 2, 3, 4, 5], [6, 1], [8, 4, 2]]
+    reqs = [GenerationRequest(max_new_tokens=n) for n in (6, 9, 4, 7, 12, 10)]
+    batched = tiny_decoder.generate_batch(prompts, reqs, method="watch", max_batch=2)
+    assert seen and set(seen) == {0}
+    for ids, req, got in zip(prompts, reqs, batched):
+        _same(got, tiny_decoder.generate(ids, req))

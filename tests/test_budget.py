@@ -21,6 +21,7 @@ from lyanna.decoding.budget import (
     Budget,
     Evidence,
     LatencyCurve,
+    Load,
     calibrate,
     calibration_path,
     load_curve,
@@ -658,3 +659,20 @@ def test_a_shared_pass_verifies_only_trees_that_clearly_beat_plain_decoding(monk
     assert len(Budget("auto", flat, load=lambda: (7, 7)).choose(likely, 0.0)) > 0
     monkeypatch.setattr(budget_module, "SHARED_MARGIN", 0.0)  # the margin is what drops it
     assert len(Budget("auto", flat, load=lambda: (7, 7)).choose(unlikely, 0.0)) > 0
+
+
+def test_an_auto_budget_drafts_nothing_while_requests_wait_for_the_batch():
+    """Requests queued behind a full batch make the pass throughput-bound: no drafts, no free
+    trees, and the wait and evidence stay as they were, so drafting resumes where it left off
+    once the queue is empty. A fixed budget drafts as told; alone nothing ever waits."""
+    load = [Load(7, 7, 3)]
+    budget = Budget("auto", FLAT_THEN_STEEP, load=lambda: load[0])
+    before = vars(budget.evidence).copy()
+    assert budget.throughput_bound() and not any(budget.wants_drafts() for _ in range(2 * MAX_PROBE_WAIT))
+    assert vars(budget.evidence) == before
+    load[0] = Load(7, 7, 0)
+    assert not budget.throughput_bound() and budget.wants_drafts()
+    fixed = Budget(4, load=lambda: Load(7, 7, 3))
+    assert not fixed.throughput_bound() and fixed.wants_drafts()
+    assert not Budget("auto", FLAT_THEN_STEEP).throughput_bound()
+    assert Budget("auto", FLAT_THEN_STEEP, load=lambda: (3, 4)).load() == Load(3, 4, 0)  # two fields: none waits

@@ -16,6 +16,7 @@ from typing import Any, Callable, Generator, Hashable
 
 from ..drafters.base import Drafter, can_fork
 from ..engines.base import Block, ForwardOutput, TargetEngine
+from .budget import Load
 
 Steps = Generator[Block, ForwardOutput, Any]  # a generation: yields blocks, returns its result
 
@@ -38,6 +39,9 @@ class BatchScheduler:
         self.active: dict[Hashable, _Flight] = {}
         # The last step's forward pass: its seconds (the rest of a step: its rounds' host work) and rows.
         self.pass_seconds, self.pass_rows = 0.0, 0
+        # Requests queued for a place in the batch, as whoever feeds it counts them (an auto budget
+        # drafts nothing while any wait: ``Budget.throughput_bound``).
+        self.waiting = 0
 
     def can_admit(self, method: str) -> bool:
         """Room in the batch, and a drafter free for ``method`` (one without ``fork`` keeps its
@@ -46,12 +50,13 @@ class BatchScheduler:
             return False
         return can_fork(self.drafter_for(method)) or all(f.method != method for f in self.active.values())
 
-    def load_for(self, key: Hashable) -> Callable[[], tuple[int, int]]:
-        """For ``key``'s tree budget: how many other generations share the next pass and how many
-        rows their blocks hold (those that chose already this step, else their last block)."""
-        def load() -> tuple[int, int]:
+    def load_for(self, key: Hashable) -> Callable[[], Load]:
+        """For ``key``'s tree budget: how many other generations share the next pass, how many
+        rows their blocks hold (those that chose already this step, else their last block), and
+        how many requests wait."""
+        def load() -> Load:
             others = [f for k, f in self.active.items() if k != key]
-            return len(others), sum(f.block.rows for f in others)
+            return Load(len(others), sum(f.block.rows for f in others), self.waiting)
         return load
 
     def admit(self, key: Hashable, steps: Steps, method: str) -> None:

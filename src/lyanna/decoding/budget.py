@@ -31,7 +31,7 @@ import time
 from collections import deque
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -214,6 +214,15 @@ SHARED_MARGIN = 0.15
 DEPTH_WINDOW = 8
 
 
+class Load(NamedTuple):
+    """What shares a batched pass with one sequence: the ``others`` in flight beside it, the
+    ``rows`` of their blocks, and the requests ``waiting`` for a place in the batch."""
+
+    others: int
+    rows: int
+    waiting: int = 0
+
+
 @dataclass
 class Evidence:
     """What a method's drafts have been worth lately. The budgets of one method's generations in
@@ -237,11 +246,11 @@ class Budget:
     """Per-generation tree-size policy: a fixed node count, or ``auto`` from a latency curve."""
 
     def __init__(self, spec: int | str, curve: LatencyCurve | Callable[[], LatencyCurve] | None = None,
-                 decay: float = 0.8, load: Callable[[], tuple[int, int]] | None = None,
+                 decay: float = 0.8, load: Callable[[], Load | tuple[int, int]] | None = None,
                  evidence: Evidence | None = None):
         """``curve``: the latency curve, or a function giving it, called the first time a tree needs
         sizing (so a generation that never drafts never measures the machine). ``load``: inside a
-        batch, the other sequences sharing the pass and their rows (see ``choose``). ``evidence``:
+        batch, what shares the pass (``Load``; see ``choose`` and ``throughput_bound``). ``evidence``:
         shared with other budgets of the same method (default: a fresh one of its own)."""
         self.spec = parse_budget(spec)
         if self.spec == "auto" and curve is None:
@@ -272,6 +281,21 @@ class Budget:
         self._curve_used = True
         return self._curve if isinstance(self._curve, LatencyCurve) else self._curve()
 
+    def load(self) -> Load:
+        """What shares the next pass (nothing outside a batch)."""
+        return Load(0, 0) if self._load is None else Load(*self._load())
+
+    def throughput_bound(self) -> bool:
+        """Under ``auto``, whether requests wait for a place in this batch. Then the server is
+        throughput-bound: a draft token accepted only saves a row that a later pass would compute
+        anyway (the sequence it finishes sooner hands its place to a waiting request), while every
+        rejected node costs a row now and drafting holds up the whole pass. On the 2-core CPU a
+        batched row costs about as much whether it is a draft or a plain step (16 clients on an
+        8-wide batch: ``lyanna+suffix`` took 7% fewer steps than ``ar`` for the same rows, and its
+        host work ate that), so such a pass neither drafts nor verifies trees (AdaServe's rule: no
+        speculation while a step is compute-bound). A fixed budget drafts as told."""
+        return self.spec == "auto" and self._load is not None and self.load().waiting > 0
+
     def choose(self, tree: DraftTree, draft_seconds: float, free: bool = False) -> DraftTree:
         """The nodes to verify this round. Trees with sampled children are kept whole under
         ``auto``, and a fixed budget keeps their shallowest nodes in tree order without looking
@@ -293,7 +317,7 @@ class Budget:
         # commit at least one token each and already put their rows in the block, so a node
         # costs what it adds to the total block; where the pass is compute-bound (many rows)
         # that exceeds what it is worth and the tree shrinks towards plain decoding by itself.
-        others, other_rows = self._load() if self._load is not None else (0, 0)
+        others, other_rows, _ = self.load()
         closed = tree.closed_scores()
         p = np.sort(closed)[::-1]
         gain = others + 1.0 + np.concatenate([[0.0], np.cumsum(np.minimum(p * self.correction, 1.0))])
@@ -347,8 +371,11 @@ class Budget:
         return min(room, max(self._kept_depths) + 1)
 
     def wants_drafts(self) -> bool:
-        """Whether to propose a tree this round: not while a wait set by ``choose`` lasts (the
-        last tree did not beat plain decoding, drafting time included)."""
+        """Whether to propose a tree this round: not while requests wait for the batch
+        (``throughput_bound``), nor while a wait set by ``choose`` lasts (the last tree did not
+        beat plain decoding, drafting time included)."""
+        if self.throughput_bound():
+            return False
         if self._skip_left:
             self._skip_left -= 1
             return False
@@ -360,7 +387,7 @@ class Budget:
         curve's. Evidence decays with every drafted round, those whose trees were cut to nothing
         included (so drafting is tried again after a while), but not over rounds that drafted
         nothing: a pause in drafting must not make its probe trust estimates that did not pay."""
-        if seconds is not None and self._curve_used and (self._load is None or not self._load()[0]):
+        if seconds is not None and self._curve_used and not self.load().others:
             ratio = seconds / self.curve(len(tree) + 1)
             self.slowdown = self.decay * self.slowdown + (1 - self.decay) * ratio
         judged, self._judged = self._judged, False

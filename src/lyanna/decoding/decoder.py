@@ -20,7 +20,7 @@ from ..engines.loading import Target
 from ..engines.transformer import Transformer
 from ..errors import LyannaError
 from .batching import BatchScheduler
-from .budget import Budget, Evidence, LatencyCurve, parse_budget
+from .budget import Budget, Evidence, LatencyCurve, Load, parse_budget
 from .loop import DecodeState, Fallback, rounds, run_alone
 from .prefix_cache import PrefixCache
 from .sampling import SamplingParams
@@ -240,6 +240,7 @@ class Decoder:
             while waiting and scheduler.can_admit(method):
                 i, (ids, req) = waiting.pop()
                 scheduler.admit(i, self.steps(ids, req, method, budget=budget, load=scheduler.load_for(i)), method)
+            scheduler.waiting = len(waiting)
             for i, outcome in scheduler.step():
                 if isinstance(outcome, BaseException):
                     raise outcome
@@ -266,7 +267,7 @@ class Decoder:
         should_cancel: Callable[[], bool] | None = None,
         budget: int | str | None = "auto",
         fallback: bool = False,
-        load: Callable[[], tuple[int, int]] | None = None,
+        load: Callable[[], Load] | None = None,
     ) -> Generator[Block, ForwardOutput, GenerationResult]:
         """``generate`` as a generator of forward blocks (prefill first, then one per round) that
         is sent each block's output and returns the result: what the batch scheduler drives
@@ -288,7 +289,7 @@ class Decoder:
             raise LyannaError(f"prompt token ids must lie in [0, {self.target.config.vocab_size})")
         return self._steps(drafter, method, prompt_ids, request, on_text, should_cancel, budget, fallback, load)
 
-    def _budget(self, method: str, spec: int | str | None, load: Callable[[], tuple[int, int]] | None) -> Budget | None:
+    def _budget(self, method: str, spec: int | str | None, load: Callable[[], Load] | None) -> Budget | None:
         if spec is None:
             return None
         key = (method, parse_budget(spec))
@@ -306,7 +307,7 @@ class Decoder:
     def _steps(self, drafter: Drafter, method: str, prompt_ids: list[int], request: GenerationRequest,
                on_text: Callable[[str], None] | None, should_cancel: Callable[[], bool] | None,
                budget: int | str | None, fallback: bool,
-               load: Callable[[], tuple[int, int]] | None) -> Generator[Block, ForwardOutput, GenerationResult]:
+               load: Callable[[], Load] | None) -> Generator[Block, ForwardOutput, GenerationResult]:
         t0 = time.perf_counter()
         cache = self.engine.new_cache(len(prompt_ids) + request.max_new_tokens + MAX_TREE_TOKENS)
         eos = self.eos_token_ids if request.eos_token_ids is None else request.eos_token_ids

@@ -321,9 +321,9 @@ def rounds(state: DecodeState, drafter: Drafter, budget: Budget | None = None,
             nodes = None if budget is None else budget.nodes_ahead()
             sized = budget is None or nodes is not None
             tree = drafter.propose_sized(context, depth, nodes) if sized else drafter.propose(context, depth)
-        elif budget is not None:  # drafting waits: only what costs no draft pass, if the budget finds it pays
+        elif budget is not None and not budget.throughput_bound():  # drafting waits: only what costs no draft pass, if it pays
             tree = drafter.propose_free(context, depth)
-        else:  # paused by the fallback with every tree verified whole: a plain step
+        else:  # paused by the fallback with every tree verified whole, or requests wait for the batch: a plain step
             drafter.skip()
             tree = DraftTree.empty()
         on_device = not isinstance(tree, DraftTree)  # cut to size and left on the device: known after the pass

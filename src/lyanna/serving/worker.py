@@ -123,6 +123,7 @@ class EngineWorker:
             stopping = stopping or None in incoming
             waiting += [job for job in incoming if job is not None]
             waiting = [job for job in waiting if not self._admit(batch, job)]
+            batch.waiting = len(waiting)
             began = time.perf_counter()
             finished = batch.step()
             if self.on_step is not None and batch.pass_rows:

@@ -286,14 +286,15 @@ class Budget:
         return Load(0, 0) if self._load is None else Load(*self._load())
 
     def throughput_bound(self) -> bool:
-        """Under ``auto``, whether requests wait for a place in this batch. Then the server is
-        throughput-bound: a draft token accepted only saves a row that a later pass would compute
-        anyway (the sequence it finishes sooner hands its place to a waiting request), while every
-        rejected node costs a row now and drafting holds up the whole pass. On the 2-core CPU a
-        batched row costs about as much whether it is a draft or a plain step (16 clients on an
-        8-wide batch: ``lyanna+suffix`` took 7% fewer steps than ``ar`` for the same rows, and its
-        host work ate that), so such a pass neither drafts nor verifies trees (AdaServe's rule: no
-        speculation while a step is compute-bound). A fixed budget drafts as told."""
+        """Under ``auto``, whether requests wait for a place in this batch. Then every pass is full
+        until the queue drains and throughput decides every request's latency, queue time
+        included. On the 2-core CPU trees in such passes bought about what they cost: at 16
+        clients on an 8-wide batch ``lyanna+suffix`` took 7% fewer steps than ``ar`` for the same
+        rows, while its rounds' host work (weighing trees it mostly cut to nothing, verifying,
+        bookkeeping), which ``choose``'s rate does not price, grew by 1-2 ms a step of ~25, and it
+        served 0.83-0.92x ``ar`` in three load tests. So such a pass neither drafts nor weighs
+        trees (AdaServe's rule: no speculation while a step is compute-bound). A fixed budget
+        drafts as told."""
         return self.spec == "auto" and self._load is not None and self.load().waiting > 0
 
     def choose(self, tree: DraftTree, draft_seconds: float, free: bool = False) -> DraftTree:

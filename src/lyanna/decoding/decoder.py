@@ -228,7 +228,8 @@ class Decoder:
         budget: int | str | None = "auto",
     ) -> list[GenerationResult]:
         """Generate for several prompts together, ``max_batch`` at a time (None: all), one forward
-        pass per step for the whole batch; a finished sequence's place goes to the next prompt.
+        pass per step for the whole batch; a finished sequence's place goes to the next prompt
+        (while prompts wait for one, the auto budget drafts nothing: ``Budget.throughput_bound``).
         Each result is token-identical to ``generate`` on that prompt alone."""
         reqs = [requests] * len(prompts) if isinstance(requests, GenerationRequest) else list(requests)
         if len(reqs) != len(prompts):

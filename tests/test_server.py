@@ -732,7 +732,21 @@ def test_loadtest_is_bounded_and_loopback_only(server):
     assert report["latency_p95_s"] >= report["latency_p50_s"] > 0
     engine = report["engine"]  # the engine thread's share of the load: within its wall time
     assert engine["steps"] >= 4 and engine["rows"] >= engine["steps"]
+    assert engine["waiting_steps"] == 0  # 3 clients, a batch of 8: nobody waits for a place
     assert 0 < engine["busy_seconds"] <= report["wall_seconds"] + 0.01 and 0 < engine["busy_share"] <= 1.01
     assert 0 < engine["pass_seconds"] <= engine["busy_seconds"] and engine["ms_per_pass"] <= engine["ms_per_step"]
     with pytest.raises(LyannaError, match="loopback"):
         run_load("http://10.0.0.1:8000", ["x"], 1, 1, 1)
+
+
+def test_health_counts_the_steps_with_requests_waiting_for_the_batch(stub_server):
+    """A batch of one and two requests: while the first runs the second waits, and those steps
+    are counted (the auto budget drafts nothing in them); once both are done, none waits."""
+    from lyanna.serving.loadtest import run_load
+
+    srv = stub_server(StubDecoder(pace=0.005), max_batch=1)
+    report = run_load(srv.url, ["abcdefghij", "klmnopqrst"], requests=2, concurrency=2, max_tokens=10)
+    engine = report["engine"]
+    assert report["succeeded"] == 2 and 1 <= engine["waiting_steps"] < engine["steps"]
+    assert httpx.get(srv.url + "/health").json()["engine"]["waiting_steps"] == engine["waiting_steps"]
+    assert f"lyanna_engine_waiting_steps_total {float(engine['waiting_steps'])}" in httpx.get(srv.url + "/metrics").text

@@ -31,8 +31,10 @@ class Metrics:
         self.busy = Counter("lyanna_engine_busy_seconds",
                             "Engine thread time in its steps (passes, drafting, verification)", registry=r)
         self.pass_time = Counter("lyanna_engine_pass_seconds", "Of that, time in the forward passes", registry=r)
+        self.waiting_steps = Counter("lyanna_engine_waiting_steps",
+                                     "Steps with requests waiting for a place in the batch (no drafting in them)", registry=r)
         self._totals = {"tokens": 0, "passes": 0, "drafted": 0, "accepted": 0}
-        self._engine = {"steps": 0, "rows": 0, "busy_seconds": 0.0, "pass_seconds": 0.0}
+        self._engine = {"steps": 0, "rows": 0, "waiting_steps": 0, "busy_seconds": 0.0, "pass_seconds": 0.0}
 
     def record(self, result: GenerationResult) -> None:
         """Count one generation's work (called on the engine thread only)."""
@@ -53,13 +55,17 @@ class Metrics:
         if t["drafted"]:
             self.acceptance.set(t["accepted"] / t["drafted"])
 
-    def record_step(self, seconds: float, pass_seconds: float, rows: int) -> None:
+    def record_step(self, seconds: float, pass_seconds: float, rows: int, waiting: int) -> None:
         """Count one step of the engine thread (called on that thread only): comparing its busy
         time with a load's wall time tells whether the engine or something around it (HTTP,
         the host) set the pace, and its pass time whether the passes or the rounds' host work
-        (drafting, verification) fill the step."""
+        (drafting, verification) fill the step; ``waiting``: requests that waited for a place in
+        the batch meanwhile (then the auto budget drafts nothing)."""
         self.steps.inc()
         self.step_rows.inc(rows)
+        if waiting:
+            self.waiting_steps.inc()
+            self._engine["waiting_steps"] += 1
         self.busy.inc(seconds)
         self.pass_time.inc(pass_seconds)
         e = self._engine

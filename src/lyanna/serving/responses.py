@@ -128,5 +128,6 @@ class Health(BaseModel):
     prefill_chunk: int = Field(0, description="Prompt positions prefilled per forward pass in a batch; 0: whole prompts")
     engine: dict[str, int | float] = Field(default_factory=dict, description=(
         "The engine thread's work since start: steps (batched forward passes, each with its rounds' "
-        "drafting and verification), rows (in those passes), busy_seconds (wall time in the steps) "
-        "and pass_seconds (of which in the passes)"))
+        "drafting and verification), rows (in those passes), waiting_steps (steps with requests waiting "
+        "for a place in the batch, when the auto budget drafts nothing), busy_seconds (wall time in the "
+        "steps) and pass_seconds (of which in the passes)"))

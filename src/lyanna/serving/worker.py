@@ -62,9 +62,10 @@ class EngineWorker:
     ``max_pending`` queued or running."""
 
     def __init__(self, decoder: Decoder, max_pending: int, on_result: Callable[[GenerationResult], None],
-                 max_batch: int, on_step: Callable[[float, float, int], None] | None = None):
-        """``on_step(seconds, pass_seconds, rows)``: told after each batched step (of which its
-        forward pass took ``pass_seconds``), on the engine thread."""
+                 max_batch: int, on_step: Callable[[float, float, int, int], None] | None = None):
+        """``on_step(seconds, pass_seconds, rows, waiting)``: told after each batched step (of which
+        its forward pass took ``pass_seconds``, while ``waiting`` requests waited for a place),
+        on the engine thread."""
         self.decoder, self.max_pending, self.on_result, self.on_step = decoder, max_pending, on_result, on_step
         self.max_batch = max_batch
         self.closing = False
@@ -127,7 +128,7 @@ class EngineWorker:
             began = time.perf_counter()
             finished = batch.step()
             if self.on_step is not None and batch.pass_rows:
-                self.on_step(time.perf_counter() - began, batch.pass_seconds, batch.pass_rows)
+                self.on_step(time.perf_counter() - began, batch.pass_seconds, batch.pass_rows, batch.waiting)
             for job, outcome in finished:
                 self._finish(job, outcome)
         for job in waiting:

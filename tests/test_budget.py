@@ -676,3 +676,32 @@ def test_an_auto_budget_drafts_nothing_while_requests_wait_for_the_batch():
     assert not fixed.throughput_bound() and fixed.wants_drafts()
     assert not Budget("auto", FLAT_THEN_STEEP).throughput_bound()
     assert Budget("auto", FLAT_THEN_STEEP, load=lambda: (3, 4)).load() == Load(3, 4, 0)  # two fields: none waits
+
+
+def test_a_curve_span_is_the_curve_at_each_size():
+    """``span`` reads a table inside it and interpolates beyond, the values ``curve(n)`` gives."""
+    from lyanna.decoding.budget import TABLE_ROWS
+
+    for first, count in ((1, 5), (37, 64), (TABLE_ROWS - 3, 8), (TABLE_ROWS + 10, 4)):
+        assert np.array_equal(MODERATE.span(first, count), [MODERATE(n) for n in range(first, first + count)])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(0.0, 1.0), min_size=1, max_size=40), st.floats(0.1, 3.0), st.integers(0, 7),
+       st.integers(0, 300), st.floats(0.0, 0.05), st.floats(0.5, 2.0))
+def test_auto_choose_keeps_the_size_of_the_best_rate(scores, correction, others, other_rows, seconds, slowdown):
+    """``choose``'s compiled sizing against the rule written out in numpy: the rate of 0..n nodes
+    for the pass with the others' rows, its first maximum, none in a shared pass below the margin."""
+    tree = DraftTree(np.arange(len(scores)), np.arange(len(scores)) - 1, np.array(scores))  # a chain
+    budget = Budget("auto", MODERATE, load=lambda: (others, other_rows))
+    budget.slowdown = slowdown
+    budget.evidence.accepted, budget.evidence.predicted = correction * 3.0 - 1.0 + 1e-9, 2.0  # correction
+    c = budget.correction
+    p = np.sort(tree.closed_scores())[::-1]
+    gain = others + 1.0 + np.concatenate([[0.0], np.cumsum(np.minimum(p * c, 1.0))])
+    passes = slowdown * MODERATE(other_rows + np.arange(1, len(p) + 2))
+    rate = gain / (seconds + passes)
+    want = int(np.argmax(rate))
+    if others and rate[want] < (1.0 + budget_module.SHARED_MARGIN) * rate[0]:
+        want = 0
+    assert len(budget.choose(tree, seconds, free=True)) == want

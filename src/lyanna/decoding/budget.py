@@ -30,10 +30,12 @@ import platform
 import time
 from collections import deque
 from dataclasses import asdict, dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
+from numba import njit
 
 from ..drafters.tree import DraftTree
 from ..engines.base import TargetEngine
@@ -42,6 +44,9 @@ from ..engines.transformer import ENGINE_REVISION
 from ..errors import LyannaError
 
 DEFAULT_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80)
+# Block sizes whose latency a curve keeps in a table: a batch of 8 sequences with 128-token prefill
+# chunks and their trees stays below it (larger blocks are interpolated as they come).
+TABLE_ROWS = 4096
 
 
 def _cpuinfo() -> dict[str, str]:
@@ -111,6 +116,18 @@ class LatencyCurve:
         n_arr = np.asarray(n, np.float64)
         out = np.where(n_arr <= s[-1], np.interp(n_arr, s, t), t[-1] + slope * (n_arr - s[-1]))
         return float(out) if out.ndim == 0 else out
+
+    def span(self, first: int, count: int) -> np.ndarray:
+        """Latencies of blocks of ``first``, ``first + 1``, ... ``first + count - 1`` tokens, read
+        from a table made once (every round that sizes a tree asks, and interpolating an array
+        each time cost a tenth of a round's tree sizing)."""
+        if first + count <= TABLE_ROWS:
+            return self._table[first:first + count]
+        return self(np.arange(first, first + count))
+
+    @cached_property
+    def _table(self) -> np.ndarray:
+        return self(np.arange(TABLE_ROWS))
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -320,23 +337,21 @@ class Budget:
         # that exceeds what it is worth and the tree shrinks towards plain decoding by itself.
         others, other_rows, _ = self.load()
         closed = tree.closed_scores()
-        p = np.sort(closed)[::-1]
-        gain = others + 1.0 + np.concatenate([[0.0], np.cumsum(np.minimum(p * self.correction, 1.0))])
-        passes = self.slowdown * self.curve(other_rows + np.arange(1, len(p) + 2))
-        rate = gain / (seconds + passes)
-        keep = int(np.argmax(rate))
-        if others and rate[keep] < (1.0 + SHARED_MARGIN) * rate[0]:
+        passes = self.curve.span(other_rows + 1, len(tree) + 1)  # the pass with 0, 1, ... nodes
+        keep, rate = _best_size(closed, self.correction, others + 1.0, seconds, self.slowdown, passes)
+        plain_pass = self.slowdown * passes[0]
+        if others and rate < (1.0 + SHARED_MARGIN) * (others + 1.0) / (seconds + plain_pass):
             keep = 0
         # Drafting pays only if the best tree beats plain decoding's rate with its drafting time
         # counted; if not, skip the next drafts (they would cost that time for nothing).
         if not free:
-            ev.paid = bool(keep > 0 and rate[keep] >= (others + 1.0) / passes[0])
+            ev.paid = bool(keep > 0 and rate >= (others + 1.0) / plain_pass)
             if ev.paid:
                 ev.wait = PROBE_EVERY - 1
             else:
                 # A probe's drafting stalls the whole pass: every sequence in it waits, so in a
                 # batch it costs its seconds once per sequence.
-                dear = int(seconds * (others + 1) / (PROBE_SHARE * passes[0]))
+                dear = int(seconds * (others + 1) / (PROBE_SHARE * plain_pass))
                 longest = min(MAX_PROBE_WAIT, max(MAX_SKIP, dear))
                 self._skip_left, ev.wait = ev.wait, min(2 * ev.wait + 1, longest)
         chosen = tree.best(keep, closed)
@@ -398,3 +413,21 @@ class Budget:
         ev = self.evidence
         ev.predicted = self.decay * ev.predicted + predicted
         ev.accepted = self.decay * ev.accepted + accepted
+
+
+@njit(cache=True)
+def _best_size(closed: np.ndarray, correction: float, base: float, seconds: float, slowdown: float,
+               passes: np.ndarray) -> tuple[int, float]:  # pragma: no cover - compiled
+    """The node count ``n`` that maximizes ``(base + sum of the n best min(correction * closed, 1))
+    / (seconds + slowdown * passes[n])`` (the first of equals) and that rate, in one compiled call:
+    a round sizes its tree with this while its data is cold, where each numpy call costs several
+    microseconds."""
+    p = np.sort(closed)[::-1]
+    accepted = 0.0  # summed on its own, then added to base: the order numpy's cumsum had, bit for bit
+    best, best_rate = 0, base / (seconds + slowdown * passes[0])
+    for n in range(1, p.shape[0] + 1):
+        accepted += min(p[n - 1] * correction, 1.0)
+        rate = (base + accepted) / (seconds + slowdown * passes[n])
+        if rate > best_rate:
+            best, best_rate = n, rate
+    return best, best_rate

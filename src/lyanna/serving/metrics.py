@@ -63,14 +63,14 @@ class Metrics:
         the batch meanwhile (then the auto budget drafts nothing)."""
         self.steps.inc()
         self.step_rows.inc(rows)
-        if waiting:
-            self.waiting_steps.inc()
-            self._engine["waiting_steps"] += 1
+        held_back = int(waiting > 0)
+        self.waiting_steps.inc(held_back)
         self.busy.inc(seconds)
         self.pass_time.inc(pass_seconds)
         e = self._engine
         e["steps"] += 1
         e["rows"] += rows
+        e["waiting_steps"] += held_back
         e["busy_seconds"] += seconds
         e["pass_seconds"] += pass_seconds
 

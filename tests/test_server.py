@@ -638,13 +638,14 @@ def test_fuzzed_requests_never_get_500(server, body, chat, with_valid_core):
     assert r.headers["content-type"].startswith(("application/json", "text/event-stream"))
 
 
-def serve_in_subprocess(model_dir, port: int, log, env: dict | None = None) -> subprocess.Popen:
-    """``lyanna serve`` of ``model_dir`` on ``port`` in a process of its own, its output (stdout
-    and stderr) written to the file ``log``; returned once ``/health`` answers."""
+def serve_in_subprocess(model_dir, port: int, log, env: dict | None = None,
+                        args: tuple[str, ...] = ()) -> subprocess.Popen:
+    """``lyanna serve`` of ``model_dir`` on ``port`` (and ``args``) in a process of its own, its
+    output (stdout and stderr) written to the file ``log``; returned once ``/health`` answers."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     with open(log, "wb") as out:  # a file, not a pipe: a pipe nobody reads would block the server's logging
         proc = subprocess.Popen([sys.executable, "-m", "lyanna.cli", "--model", str(model_dir), "serve",
-                                 "--port", str(port)], stdout=out, stderr=subprocess.STDOUT, env=env)
+                                 "--port", str(port), *args], stdout=out, stderr=subprocess.STDOUT, env=env)
     for _ in range(300):
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:

@@ -15,6 +15,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import httpx
+import pytest
 
 from .conftest import make_tiny_model
 from .test_server import free_port, serve_in_subprocess
@@ -30,14 +31,18 @@ REQUEST_TIMEOUT = 60
 RUN_TIMEOUT = 600
 
 
-def test_schemathesis_all_checks_pass_on_every_operation(tmp_path):
+@pytest.mark.parametrize("key", [None, "sk-schema-test-key"], ids=["open", "with-key"])
+def test_schemathesis_all_checks_pass_on_every_operation(tmp_path, key):
+    """With a key, the contract declares it and schemathesis sends it; its ``ignored_auth`` check
+    also sends requests without it and with a wrong one, and fails unless they are refused."""
     # A context window of 64 tokens keeps every completion short (the default max_tokens is what
     # the window leaves), so the ~700 requests take seconds of generation, not minutes.
     model = make_tiny_model(tmp_path / "model", max_position_embeddings=64)
     port = free_port()
     # One kernel thread: the tiny model's kernels are too small to share out, and the cores are
     # busy with schemathesis too.
-    server = serve_in_subprocess(model, port, tmp_path / "serve.log", env={"NUMBA_NUM_THREADS": "1"})
+    server = serve_in_subprocess(model, port, tmp_path / "serve.log", env={"NUMBA_NUM_THREADS": "1"},
+                                 args=("--api-key", key) if key else ())
     try:
         url = f"http://127.0.0.1:{port}/openapi.json"
         schema = httpx.get(url).json()
@@ -45,7 +50,9 @@ def test_schemathesis_all_checks_pass_on_every_operation(tmp_path):
         env = {**os.environ, "SCHEMATHESIS_HOOKS": "tests.schemathesis_hooks",
                "LYANNA_SCHEMA_TEST_MODEL": str(model),
                "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-        run = subprocess.run([str(ST), "run", url, "--checks", "all", "--max-examples", str(MAX_EXAMPLES),
+        auth = ["--header", f"Authorization: Bearer {key}"] if key else []
+        assert ("securitySchemes" in schema["components"]) == bool(key)
+        run = subprocess.run([str(ST), "run", url, *auth, "--checks", "all", "--max-examples", str(MAX_EXAMPLES),
                               "--request-timeout", str(REQUEST_TIMEOUT), "--report", "junit",
                               "--report-dir", str(tmp_path)], env=env, cwd=tmp_path, capture_output=True, text=True,
                              timeout=RUN_TIMEOUT)

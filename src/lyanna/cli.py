@@ -141,7 +141,17 @@ def build_parser() -> argparse.ArgumentParser:
     _sampling_args(b)
 
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--host", default="127.0.0.1",
+                    help="address to listen on (default loopback only; any other needs an API key or "
+                         "--allow-unauthenticated)")
+    sv.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                    help="require 'Authorization: Bearer KEY' on every /v1 route and /metrics (repeat for several "
+                         "keys; LYANNA_API_KEY adds one, and keeps it out of the process list)")
+    sv.add_argument("--api-key-file", default=None, metavar="FILE",
+                    help="accepted keys, one a line ('#' comments), read again whenever the file changes")
+    sv.add_argument("--allow-unauthenticated", action="store_true",
+                    help="serve a non-loopback address without a key (only behind a proxy that checks callers)")
+    sv.add_argument("--metrics-open", action="store_true", help="serve /metrics without a key (for a scraper)")
     sv.add_argument("--port", type=_int_at_least(1, "a port number"), default=8000)
     sv.add_argument("--method", default="ar", help="default decoding method (requests may pick another with lyanna_method)")
     sv.add_argument("--queue-size", type=_positive_int, default=16, help="requests queued or running before 429")
@@ -164,6 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     lt.add_argument("--max-tokens", type=_positive_int, default=64)
     lt.add_argument("--questions", default=None, help="MT-bench-format JSONL for prompts (default Spec-Bench)")
     lt.add_argument("--method", default=None, help="decoding method to ask for (default: the server's)")
+    lt.add_argument("--api-key", default=None, metavar="KEY", help="the server's API key (default: LYANNA_API_KEY)")
     lt.add_argument("--json", dest="json_out", default=None, metavar="OUT")
 
     cb = sub.add_parser("calibrate", help="measure target latency against tree size on this machine (cached)")
@@ -276,12 +287,16 @@ def _bench(args: argparse.Namespace) -> None:
 
 
 def _serve(args: argparse.Namespace) -> None:
+    from .serving.auth import ApiKeys, check_exposure
     from .serving.body import DEFAULT_MAX_BODY_BYTES
     from .serving.server import serve
     from .serving.worker import DEFAULT_MAX_BATCH
 
+    keys = ApiKeys.configure(args.api_key, args.api_key_file)
+    check_exposure(args.host, keys, args.allow_unauthenticated)  # before the model loads: a mistake fails at once
     serve(_decoder(args), args.host, args.port, args.method, args.queue_size, args.request_timeout,
-          args.max_body_bytes or DEFAULT_MAX_BODY_BYTES, args.max_batch or DEFAULT_MAX_BATCH)
+          args.max_body_bytes or DEFAULT_MAX_BODY_BYTES, args.max_batch or DEFAULT_MAX_BATCH, keys=keys,
+          metrics_open=args.metrics_open)
 
 
 def _loadtest(args: argparse.Namespace) -> None:
@@ -289,7 +304,8 @@ def _loadtest(args: argparse.Namespace) -> None:
     from .serving.loadtest import run_load
 
     prompts = [q.prompt for q in load_questions(args.questions)]
-    report = run_load(args.url, prompts, args.requests, args.concurrency, args.max_tokens, method=args.method)
+    report = run_load(args.url, prompts, args.requests, args.concurrency, args.max_tokens, method=args.method,
+                      api_key=args.api_key)
     print(json.dumps(report, indent=2))
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(report, indent=2))

@@ -13,11 +13,12 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Callable
 
-from fastapi import APIRouter, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException
 
 from .. import __version__
+from .auth import ApiKeys
 from ..decoding.decoder import Decoder, GenerationRequest
 from ..decoding.sampling import SamplingParams
 from ..errors import LyannaError
@@ -49,9 +50,11 @@ class Service:
     runs, the engine worker and the tokenizer's thread."""
 
     def __init__(self, decoder: Decoder, method: str, max_pending: int, request_timeout: float, served: str,
-                 max_body_bytes: int, max_batch: int, run_engine: Callable[[EngineWorker], None] | None):
+                 max_body_bytes: int, max_batch: int, run_engine: Callable[[EngineWorker], None] | None,
+                 keys: ApiKeys, metrics_open: bool):
         self.decoder, self.method, self.max_pending, self.request_timeout = decoder, method, max_pending, request_timeout
         self.served, self.max_body_bytes, self.max_batch, self.run_engine = served, max_body_bytes, max_batch, run_engine
+        self.keys, self.metrics_open = keys, metrics_open
         self.metrics = Metrics()
         self.worker: EngineWorker | None = None
         self.loop: asyncio.AbstractEventLoop | None = None  # set while a signal has requests to answer
@@ -73,6 +76,8 @@ class Service:
         if worker.failure is not None:
             raise worker.failure
         log.info("latency curve of %s ready", self.served)
+        if self.keys.required:
+            log.info("%s", self.keys.describe())
         self.tokenizer = ThreadPoolExecutor(1, thread_name_prefix="lyanna-tokenize")
         self.worker, self.loop = worker, loop
         yield
@@ -136,7 +141,28 @@ def _service(request: Request) -> Service:
     return request.app.state.service
 
 
+def _check_key(service: Service, request: Request) -> None:
+    """401 before the body is read, so a request without the key never reaches the engine."""
+    if not service.keys.required or service.keys.accepts(request.headers.get("authorization")):
+        return
+    service.metrics.unauthorized.inc()
+    given = "authorization" in request.headers
+    raise ApiError(401, "invalid API key" if given else "missing API key: send it as 'Authorization: Bearer <key>'",
+                   headers={"WWW-Authenticate": "Bearer"}, code="invalid_api_key")
+
+
+async def require_key(request: Request) -> None:
+    _check_key(_service(request), request)
+
+
+async def require_key_for_metrics(request: Request) -> None:
+    service = _service(request)
+    if not service.metrics_open:
+        _check_key(service, request)
+
+
 router = APIRouter()
+api = APIRouter(dependencies=[Depends(require_key)])  # every /v1 route
 
 
 @router.get("/health", response_model=Health, responses=errors(500))
@@ -149,7 +175,7 @@ async def health(request: Request) -> Health:
                   engine=service.metrics.engine())
 
 
-@router.get("/metrics", response_class=PlainTextResponse, responses={
+@router.get("/metrics", response_class=PlainTextResponse, dependencies=[Depends(require_key_for_metrics)], responses={
     200: {"description": "Prometheus text exposition format"}, **errors(500)})
 async def prometheus(request: Request) -> PlainTextResponse:
     service = _service(request)
@@ -157,19 +183,19 @@ async def prometheus(request: Request) -> PlainTextResponse:
     return PlainTextResponse(service.metrics.render(), media_type="text/plain; version=0.0.4")
 
 
-@router.get("/v1/models", response_model=ModelList, responses=errors(500))
+@api.get("/v1/models", response_model=ModelList, responses=errors(500))
 async def models(request: Request) -> ModelList:
     return ModelList(data=[_service(request).model_card()])
 
 
-@router.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=errors(404, 500))
+@api.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=errors(404, 500))
 async def model(request: Request, model_id: str) -> ModelCard:
     service = _service(request)
     service.require_model(model_id)
     return service.model_card()
 
 
-@router.post("/v1/chat/completions", **completion_route(ChatRequest, ChatCompletion, ChatCompletionChunk))
+@api.post("/v1/chat/completions", **completion_route(ChatRequest, ChatCompletion, ChatCompletionChunk))
 async def chat_completions(request: Request) -> Any:
     service = _service(request)
     deadline = asyncio.get_running_loop().time() + service.request_timeout
@@ -182,7 +208,7 @@ async def chat_completions(request: Request) -> Any:
     return await service.answer(request, body, job, "/v1/chat/completions", chat=True)
 
 
-@router.post("/v1/completions", **completion_route(CompletionRequest, TextCompletion, TextCompletionChunk))
+@api.post("/v1/completions", **completion_route(CompletionRequest, TextCompletion, TextCompletionChunk))
 async def completions(request: Request) -> Any:
     service = _service(request)
     deadline = asyncio.get_running_loop().time() + service.request_timeout
@@ -219,18 +245,20 @@ async def _crash(request: Request, exc: Exception) -> JSONResponse:
 def create_app(decoder: Decoder, method: str = "ar", max_pending: int = 16, request_timeout: float = 300.0,
                model_name: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                max_batch: int = DEFAULT_MAX_BATCH,
-               run_engine: Callable[[EngineWorker], None] | None = None) -> FastAPI:
+               run_engine: Callable[[EngineWorker], None] | None = None,
+               keys: ApiKeys | None = None, metrics_open: bool = False) -> FastAPI:
     """The FastAPI app; ``method`` is the default decoding method, ``lyanna_method`` overrides it;
     up to ``max_batch`` requests share each forward pass. At startup the app makes its engine
     worker and hands it to ``run_engine``, which must have ``worker.run()`` called on some thread
     (None: the worker starts a thread of its own; ``serve`` runs it on the thread that loaded the
-    model).
+    model). With ``keys`` that are required, every ``/v1`` route, and ``/metrics`` unless
+    ``metrics_open``, answers 401 to a request without one of them; ``/health`` stays open.
     ``app.state.begin_shutdown()`` (safe from any thread or a signal handler) answers every
     in-flight request with 503 and refuses new ones."""
     if method not in decoder.methods:
         raise LyannaError(f"unknown method {method!r}; available: {', '.join(decoder.methods)}")
     service = Service(decoder, method, max_pending, request_timeout, model_name or decoder.target.name,
-                      max_body_bytes, max_batch, run_engine)
+                      max_body_bytes, max_batch, run_engine, keys or ApiKeys(), metrics_open)
     app = FastAPI(title="Lyanna", version=__version__, lifespan=service.lifespan,
                   description="OpenAI-compatible completions with lossless speculative decoding.")
     app.state.service = service
@@ -239,5 +267,8 @@ def create_app(decoder: Decoder, method: str = "ar", max_pending: int = 16, requ
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(Exception, _crash)
     app.include_router(router)
-    install_openapi(app, service.served, decoder.methods, service.context)
+    app.include_router(api)
+    protected = {"/v1/"} | (set() if metrics_open else {"/metrics"})
+    install_openapi(app, service.served, decoder.methods, service.context,
+                    protected=protected if service.keys.required else set())
     return app

@@ -28,7 +28,7 @@ def _require_loopback(url: str) -> None:
         raise LyannaError(f"load tests target loopback addresses only (127.0.0.0/8, ::1, localhost), not {host!r}")
 
 
-def _stream_one(url: str, body: dict[str, Any], deadline: float) -> dict[str, Any]:
+def _stream_one(url: str, body: dict[str, Any], deadline: float, headers: dict[str, str]) -> dict[str, Any]:
     """One streamed chat request: latency, time to its first text, and completion tokens."""
     import httpx
 
@@ -37,7 +37,7 @@ def _stream_one(url: str, body: dict[str, Any], deadline: float) -> dict[str, An
     t0 = time.perf_counter()
     ttft, tokens, ok, status = None, 0, False, None
     try:
-        with httpx.stream("POST", url.rstrip("/") + "/v1/chat/completions", json=body,
+        with httpx.stream("POST", url.rstrip("/") + "/v1/chat/completions", json=body, headers=headers,
                           timeout=max(1.0, deadline - t0)) as r:
             status = r.status_code
             for line in r.iter_lines():
@@ -64,14 +64,19 @@ def _percentile(values: np.ndarray, q: float) -> float | None:
 
 
 def run_load(url: str, prompts: Sequence[str], requests: int, concurrency: int, max_tokens: int,
-             time_limit: float = 1800.0, method: str | None = None) -> dict[str, Any]:
-    """``method``: ask for this decoding method (``lyanna_method``) instead of the server's default."""
+             time_limit: float = 1800.0, method: str | None = None, api_key: str | None = None) -> dict[str, Any]:
+    """``method``: ask for this decoding method (``lyanna_method``) instead of the server's default;
+    ``api_key``: the server's key (default ``LYANNA_API_KEY``, none when unset)."""
+    import os
+
     import httpx
 
     _require_loopback(url)
     if requests < 1 or concurrency < 1:
         raise LyannaError("requests and concurrency must be >= 1")
     deadline = time.perf_counter() + time_limit
+    key = api_key if api_key is not None else os.environ.get("LYANNA_API_KEY")
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
 
     def body(i: int) -> dict[str, Any]:
         return {"messages": [{"role": "user", "content": prompts[i % len(prompts)]}], "max_tokens": max_tokens,
@@ -84,7 +89,7 @@ def run_load(url: str, prompts: Sequence[str], requests: int, concurrency: int, 
         raise LyannaError(f"no Lyanna server answers at {url}: {e}") from None
     start = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
-        rows = list(pool.map(lambda i: _stream_one(url, body(i), deadline), range(requests)))
+        rows = list(pool.map(lambda i: _stream_one(url, body(i), deadline, headers), range(requests)))
     wall = time.perf_counter() - start
     try:  # the prefix cache's counters after the load (None: the server has none), the engine's
         after = httpx.get(url.rstrip("/") + "/health", timeout=10).json()

@@ -25,6 +25,8 @@ class Metrics:
                               buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8))
         self.tau = Gauge("lyanna_tau", "Tokens per target pass over all requests so far", registry=r)
         self.acceptance = Gauge("lyanna_acceptance_rate", "Accepted / drafted tokens over all requests so far", registry=r)
+        self.unauthorized = Counter("lyanna_unauthorized_requests",
+                                    "Requests refused for a missing or wrong API key (401)", registry=r)
         self.queue = Gauge("lyanna_queue_depth", "Requests queued or running", registry=r)
         self.steps = Counter("lyanna_engine_steps", "Batched forward passes the engine thread ran", registry=r)
         self.step_rows = Counter("lyanna_engine_step_rows", "Rows in those passes", registry=r)

@@ -20,6 +20,7 @@ from .schema import ChatRequest, CompletionRequest, ErrorResponse
 
 _COMPONENTS = "#/components/schemas/"
 _ERRORS = {
+    401: "No API key, or not one this server accepts (code ``invalid_api_key``): send ``Authorization: Bearer <key>``",
     400: "The body is not JSON, not an object, nested too deeply, or a field is invalid (``param`` names it); "
          "or the prompt and max_tokens do not fit the context window (code ``context_length_exceeded``)",
     404: "No such model here (code ``model_not_found``)",
@@ -31,6 +32,8 @@ _ERRORS = {
 }
 _RETRY_AFTER = {"Retry-After": {"description": "Seconds to wait before retrying", "required": True,
                                 "schema": {"type": "integer"}}}
+_AUTHENTICATE = {"WWW-Authenticate": {"description": "The scheme to authenticate with: Bearer", "required": True,
+                                      "schema": {"type": "string"}}}
 
 
 def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
@@ -38,8 +41,9 @@ def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
     content is spelled out as JSON: a ``model`` would take the route's media type (text for
     ``/metrics``)."""
     content = {"application/json": {"schema": {"$ref": _COMPONENTS + ErrorResponse.__name__}}}
+    headers = {429: _RETRY_AFTER, 401: _AUTHENTICATE}
     return {status: {"description": _ERRORS[status], "content": content,
-                     **({"headers": _RETRY_AFTER} if status == 429 else {})} for status in statuses}
+                     **({"headers": headers[status]} if status in headers else {})} for status in statuses}
 
 
 def _event(chunk: type[BaseModel]) -> dict[str, Any]:
@@ -94,8 +98,25 @@ def _without_fastapi_validation_errors(schema: dict[str, Any]) -> None:
         schema["components"]["schemas"].pop(name, None)
 
 
-def install_openapi(app: FastAPI, served: str, methods: list[str], context: int) -> None:
-    """Make ``app.openapi()`` build the full contract (once; FastAPI caches it on the app)."""
+_BEARER = {"type": "http", "scheme": "bearer", "description": "One of the server's API keys (lyanna serve --api-key)"}
+
+
+def _secure(schema: dict[str, Any], protected: set[str]) -> None:
+    """Declare the bearer key on every operation whose path starts with one of ``protected``, and
+    the 401 it answers without one."""
+    if not protected:
+        return
+    schema["components"]["securitySchemes"] = {"apiKey": _BEARER}
+    for path, operations in schema["paths"].items():
+        if any(path.startswith(prefix) for prefix in protected):
+            for operation in operations.values():
+                operation["security"] = [{"apiKey": []}]
+                operation["responses"].update({str(k): v for k, v in errors(401).items()})
+
+
+def install_openapi(app: FastAPI, served: str, methods: list[str], context: int, protected: set[str] = frozenset()) -> None:
+    """Make ``app.openapi()`` build the full contract (once; FastAPI caches it on the app);
+    ``protected``: the path prefixes that require an API key."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
@@ -104,6 +125,7 @@ def install_openapi(app: FastAPI, served: str, methods: list[str], context: int)
             schema["components"]["schemas"].update(component_schemas(served, methods, context))
             model_id = schema["paths"]["/v1/models/{model_id}"]["get"]["parameters"][0]
             model_id["schema"] = {"type": "string", "enum": [served], "description": "The served model; others get 404"}
+            _secure(schema, set(protected))
             app.openapi_schema = schema
         return app.openapi_schema
 

@@ -17,6 +17,7 @@ from fastapi import FastAPI
 
 from ..decoding.decoder import Decoder
 from .app import create_app
+from .auth import ApiKeys
 from .body import DEFAULT_MAX_BODY_BYTES
 from .worker import DEFAULT_MAX_BATCH, EngineWorker
 
@@ -39,8 +40,10 @@ class GracefulServer(uvicorn.Server):
 
 
 def serve(decoder: Decoder, host: str, port: int, method: str, max_pending: int, request_timeout: float,
-          max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_batch: int = DEFAULT_MAX_BATCH) -> None:
-    """Serve until SIGINT or SIGTERM, the engine on the calling thread and HTTP on another.
+          max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_batch: int = DEFAULT_MAX_BATCH,
+          keys: ApiKeys | None = None, metrics_open: bool = False) -> None:
+    """Serve until SIGINT or SIGTERM, the engine on the calling thread and HTTP on another;
+    ``keys``, when required, guard every /v1 route (and /metrics unless ``metrics_open``).
 
     Why this way round: numba's OpenMP layer keeps a team of threads for every thread that starts
     parallel kernels, and once the teams hold more threads than there are cores, libgomp stops
@@ -56,7 +59,8 @@ def serve(decoder: Decoder, host: str, port: int, method: str, max_pending: int,
         handed.set()
 
     server = GracefulServer(create_app(decoder, method=method, max_pending=max_pending, request_timeout=request_timeout,
-                                       max_body_bytes=max_body_bytes, max_batch=max_batch, run_engine=run_engine),
+                                       max_body_bytes=max_body_bytes, max_batch=max_batch, run_engine=run_engine,
+                                       keys=keys, metrics_open=metrics_open),
                             host=host, port=port, log_level="info", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS)
 
     def http() -> None:

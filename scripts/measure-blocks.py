@@ -3,12 +3,15 @@ cached tokens, on the default model, for our engine on fp32 weights (numba kerne
 the GGUF's quantized blocks with 8-bit inputs (``--weights gguf``, ``intdot.py``, on each of its
 instruction-set paths this CPU runs but the portable one) and with fp32
 inputs (``--weights gguf-float``, ``quant.py``), and llama.cpp on the same GGUF (llama-cpp-python,
-logits for every row as verification needs). Also each block's cost in one-token steps. Each
-engine's row is the fastest of ``ROUNDS`` interleaved measurements, size by size.
+logits for every row as verification needs, in a child process: a native build that dies of
+SIGILL on an AMX host leaves its reason in the JSON's ``llamacpp`` and the other rows intact).
+Also each block's cost in one-token steps. Each engine's row is the fastest of ``ROUNDS``
+interleaved measurements, size by size.
 Writes docs/bench/blocks.json. Usage: .venv/bin/python scripts/measure-blocks.py
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import time
@@ -22,6 +25,7 @@ from lyanna.engines import intdot
 from lyanna.engines.loading import DEFAULT_MODEL, load_target, source_gguf
 from lyanna.engines.transformer import Transformer
 from lyanna.measure.bench import machine_info
+from lyanna.measure.peers import LLAMACPP_HINT, PeerFailed, call_in_child
 
 SIZES = (1, 2, 8, 16, 64)
 CONTEXT = 256
@@ -72,15 +76,18 @@ def main() -> None:
     # load last seconds, and measured one engine after another a burst bent one engine's row only.
     ms: dict[str, list[float]] = {}
     gguf = source_gguf(DEFAULT_MODEL)
-    for _ in range(ROUNDS):
+    llamacpp_failed = None if importlib.util.find_spec("llama_cpp") else "llama-cpp-python is not installed"
+    for i in range(ROUNDS):
         for name, (path, engine) in engines.items():
             intdot.PATH = path
             curve = calibrate(engine, DEFAULT_MODEL, sizes=SIZES, context=CONTEXT, repeats=REPEATS)
             ms[name] = fastest(ms.get(name), [round(s * 1e3, 2) for s in curve.seconds])
-        try:
-            ms["llamacpp"] = fastest(ms.get("llamacpp"), llamacpp_ms(gguf, vocab))
-        except ImportError:
-            pass
+        if llamacpp_failed is None:  # in a child (loading the model each round, as before): a crash kills only it
+            try:
+                row = call_in_child(llamacpp_ms, gguf, vocab, kind="llamacpp", hint=LLAMACPP_HINT)
+                ms["llamacpp"] = fastest(ms.get("llamacpp"), row)
+            except PeerFailed as e:
+                llamacpp_failed = f"round {i + 1} of {ROUNDS}: {e}"  # rounds before it stay in ms
     intdot.PATH = default_path
     report = {
         "command": "python scripts/measure-blocks.py",
@@ -92,8 +99,8 @@ def main() -> None:
         "kernels": kernels,
         "ms": ms,
     }
-    if "llamacpp" not in ms:
-        report["llamacpp"] = "llama-cpp-python is not installed"
+    if llamacpp_failed is not None:
+        report["llamacpp"] = llamacpp_failed
     out = Path(__file__).resolve().parent.parent / "docs" / "bench" / "blocks.json"
     report["x_one_token"] = {k: [round(t / v[0], 2) for t in v] for k, v in report["ms"].items()}
     out.write_text(json.dumps(report, indent=2) + "\n")

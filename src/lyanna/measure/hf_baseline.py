@@ -1,4 +1,5 @@
-"""Hugging Face ``generate()`` on the same weights: the external peer for benchmarks and tests."""
+"""Hugging Face ``generate()`` on the same weights: the external peer for benchmarks and tests.
+The bench runs it in a child process (``peers.py``), one for both ``hf`` and ``hf-pld``."""
 from __future__ import annotations
 
 import time
@@ -6,6 +7,17 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..decoding.decoder import GenerationResult
+from .peers import Peer
+
+
+def hf_peer(model_dir: Path, eos_token_ids: Sequence[int], device: str, dtype: str,
+            prompt_lookup: int | None = None) -> Peer:
+    """The child-process peer for ``hf`` (``prompt_lookup`` tokens: ``hf-pld``); both methods
+    share one child, so the model loads once. The child gets no tokenizer: the runner decodes."""
+    return Peer(kind="hf", factory=f"{__name__}:HFGenerate",
+                kwargs={"model_dir": model_dir, "tokenizer": None, "eos_token_ids": [int(t) for t in eos_token_ids],
+                        "device": device, "dtype": dtype},
+                call={"prompt_lookup": prompt_lookup} if prompt_lookup else {})
 
 
 class _FirstTokenClock:
@@ -27,7 +39,8 @@ class _FirstTokenClock:
 class HFGenerate:
     """Greedy ``model.generate`` with the same EOS tokens as our decoder, on the device and in the
     dtype of the engine it is compared with (fp32 on the CPU); with ``prompt_lookup`` it is
-    Hugging Face's prompt lookup decoding (method ``hf-pld``)."""
+    Hugging Face's prompt lookup decoding (method ``hf-pld``). Without a ``tokenizer`` a result's
+    text is left empty (the bench's runner decodes it, off the clock)."""
 
     def __init__(self, model_dir: Path, tokenizer: Any, eos_token_ids: Sequence[int], device: str = "cpu",
                  dtype: str = "float32"):
@@ -64,7 +77,7 @@ class HFGenerate:
             method="hf-pld" if prompt_lookup else "hf",
             prompt_tokens=len(prompt_ids),
             tokens=tokens,
-            text=self.tokenizer.decode(tokens, skip_special_tokens=True),
+            text=self.tokenizer.decode(tokens, skip_special_tokens=True) if self.tokenizer is not None else "",
             finish_reason="stop" if tokens and tokens[-1] in self.eos_token_ids else "length",
             prefill_seconds=(clock.first_token_time or t1) - t0,
             seconds=t1 - t0,

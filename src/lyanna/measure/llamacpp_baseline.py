@@ -4,17 +4,21 @@ It runs the quantized GGUF with its own numerics (int8 activations), so its toke
 ``ar`` on near ties; it is a speed reference, not a losslessness check. Greedy only. ``llamacpp`` evaluates one token per call after the prompt; ``llamacpp-lookup``
 adds llama-cpp-python's prompt-lookup drafting (``LlamaPromptLookupDecoding``: n-gram matches in
 the context, verified by llama.cpp in one call). llama-cpp-python is optional: it is imported
-only when one of these methods is asked for.
+only when one of these methods is asked for, and only in the child process the bench runs it in
+(``peers.py``): a native build that dies of SIGILL takes only its own row down.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import time
-from typing import Sequence
+from pathlib import Path
+from typing import Any, Sequence
 
 from ..decoding.decoder import GenerationResult
 from ..engines.loading import Target, source_gguf
 from ..errors import LyannaError
+from .peers import LLAMACPP_HINT, Peer
 
 # How llama-cpp-python was built for the project's measurements (an optional extra, never installed
 # by `make setup`): from source without AMX, which these Intel VMs advertise but do not allow
@@ -29,19 +33,32 @@ LOOKUP_TOKENS = 2
 METHODS = ("llamacpp", "llamacpp-lookup")
 
 
+def llamacpp_peer(target: Target, eos_token_ids: Sequence[int], lookup: bool = False) -> Peer:
+    """The child-process peer for method ``llamacpp`` (``lookup``: ``llamacpp-lookup``). A missing
+    package or a model that is not a GGUF file is an error here, before any child starts."""
+    if importlib.util.find_spec("llama_cpp") is None:
+        raise LyannaError(f"method llamacpp needs llama-cpp-python, which is not installed: {INSTALL}")
+    gguf = source_gguf(target.name)
+    if gguf is None:
+        raise LyannaError(f"method llamacpp needs a GGUF model (the default alias or a .gguf file); "
+                          f"{target.name} is not one")
+    return Peer(kind=METHODS[lookup], factory=f"{__name__}:LlamaCppGenerate", hint=LLAMACPP_HINT,
+                kwargs={"gguf": str(gguf), "n_ctx": target.config.max_position_embeddings,
+                        "eos_token_ids": [int(t) for t in eos_token_ids], "lookup": lookup})
+
+
 class LlamaCppGenerate:
     """Greedy generation with ``llama_cpp.Llama`` over the same prompt ids, token by token or
-    (``lookup``) with prompt-lookup drafts."""
+    (``lookup``) with prompt-lookup drafts. Built from plain values so that it can be built in a
+    peer's child process; without a ``tokenizer`` a result's text is left empty (the bench's
+    runner decodes it)."""
 
-    def __init__(self, target: Target, eos_token_ids: Sequence[int], lookup: bool = False):
+    def __init__(self, gguf: str | Path, n_ctx: int, eos_token_ids: Sequence[int], lookup: bool = False,
+                 tokenizer: Any = None):
         try:
             import llama_cpp
         except ImportError:
             raise LyannaError(f"method llamacpp needs llama-cpp-python, which is not installed: {INSTALL}") from None
-        gguf = source_gguf(target.name)
-        if gguf is None:
-            raise LyannaError(f"method llamacpp needs a GGUF model (the default alias or a .gguf file); "
-                              f"{target.name} is not one")
         draft = None
         if lookup:
             from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
@@ -51,9 +68,8 @@ class LlamaCppGenerate:
         # With a draft model llama-cpp-python keeps every row's logits, but sizes its logits buffer
         # by the logits_all argument: left False, a context past n_batch tokens fails to broadcast.
         extra = {"draft_model": draft, "logits_all": True} if lookup else {}
-        self.llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=target.config.max_position_embeddings,
-                                   n_threads=os.cpu_count(), verbose=False, **extra)
-        self.tokenizer = target.tokenizer
+        self.llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=os.cpu_count(), verbose=False, **extra)
+        self.tokenizer = tokenizer
         self.eos_token_ids = {int(t) for t in eos_token_ids}
         self.evals = 0
         eval_tokens = self.llm.eval
@@ -83,7 +99,7 @@ class LlamaCppGenerate:
             method=self.method,
             prompt_tokens=len(prompt_ids),
             tokens=tokens,
-            text=self.tokenizer.decode(tokens, skip_special_tokens=True),
+            text=self.tokenizer.decode(tokens, skip_special_tokens=True) if self.tokenizer is not None else "",
             finish_reason="stop" if tokens and tokens[-1] in self.eos_token_ids else "length",
             prefill_seconds=(first_token_time or t1) - t0,
             seconds=t1 - t0,

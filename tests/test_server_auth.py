@@ -168,3 +168,16 @@ def test_keys_never_reach_the_log_and_the_contract_declares_them(tiny_model_dir,
     assert "API keys required: 2 given, 1 in" in text  # how many and where from, never which
     for secret in (KEY, OTHER, "sk-from-the-file-000111", "sk-wrong-424242"):
         assert secret not in text
+
+
+def test_loadtest_sends_the_key(stub_server, monkeypatch):
+    from lyanna.serving.loadtest import run_load
+
+    srv = stub_server(StubDecoder(pace=0.0), keys=ApiKeys.configure([KEY], environ={}))
+    report = run_load(srv.url, ["hello"], requests=3, concurrency=2, max_tokens=2, api_key=KEY)
+    assert report["succeeded"] == 3 and report["failed"] == 0
+    monkeypatch.setenv("LYANNA_API_KEY", KEY)  # the default, as for lyanna serve
+    assert run_load(srv.url, ["hello"], requests=2, concurrency=1, max_tokens=2)["succeeded"] == 2
+    monkeypatch.delenv("LYANNA_API_KEY")
+    refused = run_load(srv.url, ["hello"], requests=2, concurrency=1, max_tokens=2)
+    assert refused["failed"] == 2 and refused["failures"] == ["401"]

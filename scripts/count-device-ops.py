@@ -132,7 +132,7 @@ def main() -> None:
     def phases(method: str, budget) -> dict:
         """Lyanna's draft call split by phase, per call (operations; on CUDA kernels and device
         ms too), from one generation with the calls run eagerly."""
-        from lyanna.drafters import device as heads
+        from lyanna.drafters import device_calls as heads  # where the draft calls look these up
 
         if engine._graph_pool is None:
             eager = decoder

@@ -23,7 +23,15 @@ def test_the_directory_changes_with_any_compiled_module_and_only_with_them(tmp_p
     second = source_keyed_dir(tmp_path / "cache", package)
     assert second != first
     callee.rename(package / "kernels2.py")  # same text under another name is another module
-    assert source_keyed_dir(tmp_path / "cache", package) not in (first, second)
+    third = source_keyed_dir(tmp_path / "cache", package)
+    assert third not in (first, second)
+    # IR spliced into a cached kernel from a module that caches nothing itself is that kernel's code too
+    emitter = package / "emitter.py"
+    emitter.write_text("from numba.extending import intrinsic\n")
+    fourth = source_keyed_dir(tmp_path / "cache", package)
+    assert fourth != third
+    emitter.write_text("from numba.extending import intrinsic\n# the emitted IR changed\n")
+    assert source_keyed_dir(tmp_path / "cache", package) != fourth
 
 
 def _numba_cache_dir(env: dict[str, str]) -> str:

@@ -6,7 +6,8 @@ of ``kernels.py``; the draft head calls ``kernels.exp_nonpositive``), so after a
 changes only the callee, the cached caller would keep running the old code: two paths of the
 engine would compute different bits, and greedy speculative decoding would no longer be certain
 to match ``ar``. Naming the cache directory by the hash of every module that compiles with
-``cache=True`` makes any change to them start from a fresh cache (the first run after it
+``cache=True`` or defines IR for such kernels (``numba.extending``) makes any change to them start
+from a fresh cache (the first run after it
 compiles for a minute). A ``NUMBA_CACHE_DIR`` the user set wins.
 """
 from __future__ import annotations
@@ -26,7 +27,9 @@ def source_keyed_dir(base: Path, package: Path = _PACKAGE) -> Path:
     digest = hashlib.sha256()
     for path in sorted(package.rglob("*.py")):
         text = path.read_bytes()
-        if b"cache=True" in text:
+        # numba.extending: intrinsics and overloads, whose IR a cached kernel of another module
+        # carries (``intdot_ir``'s block emitter inside ``intdot``'s kernels)
+        if b"cache=True" in text or b"numba.extending" in text:
             digest.update(path.relative_to(package).as_posix().encode() + b"\0" + text)
     return base / "numba" / digest.hexdigest()[:16]
 

@@ -144,19 +144,29 @@ def test_default_model_runs_on_its_gguf_blocks(gguf_decoder, default_decoder):
     # The same model: with fp32 inputs (gguf-float) logits as the fp32 engine's up to summation
     # order; with 8-bit inputs the same next token at almost every position of a reply (teacher-
     # forced; scripts/measure-int8-quality.py measured 94.9% over Spec-Bench's 26 x 128 tokens).
+    # Over 4 replies of 64 tokens, so that one reply's share (0.89 to 0.97 across hosts: each
+    # host's fp32 reply differs) cannot sit at the bar: 256 positions put 0.88 about five
+    # standard deviations below the measured rate.
     from lyanna.engines.loading import DEFAULT_MODEL, load_target
     from lyanna.engines.transformer import Transformer
 
-    prompt = default_decoder.encode("Name three rivers in Europe.")
-    ids = prompt + list(default_decoder.generate(prompt, GenerationRequest(max_new_tokens=64)).tokens)
-
-    def logits(e):
-        return e.forward(ids, np.arange(len(ids)), e.new_cache(len(ids))).logits[len(prompt) - 1 : -1]
-
-    fp32 = logits(default_decoder.engine)
     float_inputs = load_target(DEFAULT_MODEL, weight_format="gguf-float")
-    assert np.abs(logits(Transformer(float_inputs.config, float_inputs.weights)) - fp32).max() <= 2e-3
-    assert np.mean(logits(engine).argmax(axis=1) == fp32.argmax(axis=1)) >= 0.9
+    float_engine = Transformer(float_inputs.config, float_inputs.weights)
+    agree, replies = [], []
+    for question in ("Name three rivers in Europe.", "Write a haiku about autumn rain.",
+                     "How do vaccines train the immune system?", "Give two tips for a job interview."):
+        prompt = default_decoder.encode(question)
+        ids = prompt + list(default_decoder.generate(prompt, GenerationRequest(max_new_tokens=64)).tokens)
+
+        def logits(e, ids=ids, start=len(prompt) - 1):
+            return e.forward(ids, np.arange(len(ids)), e.new_cache(len(ids))).logits[start:-1]
+
+        fp32 = logits(default_decoder.engine)
+        assert np.abs(logits(float_engine) - fp32).max() <= 2e-3
+        agree.extend(logits(engine).argmax(axis=1) == fp32.argmax(axis=1))
+        replies.append(ids)
+    assert len(agree) >= 200 and np.mean(agree) >= 0.88, np.mean(agree)
+    ids = replies[0]
     # Lossless against this engine's own ar, every drafter.
     req = GenerationRequest(max_new_tokens=40)
     ar = gguf_decoder.generate(ids, req)

@@ -6,17 +6,45 @@ are in ``drafters.device``.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, Sequence
 
 import numpy as np
 import torch
 
+from ..engines.config import ModelConfig
 from ..engines.device_slabs import HANDOFF_BONUS, HANDOFF_COUNT, HANDOFF_TOKENS, FixedShapeCall, Slab
 from ..engines.torch_layers import rms_norm
 from .device_tree import PaddedTrees, best, packed, union
 
-if TYPE_CHECKING:
-    from .device import DeviceChainHead, DeviceDraftHead
+
+class CallHead(Protocol):
+    """What a call reads of its head (``drafters.device.DeviceDraftHead``): stated here so that
+    this module need not import the heads, which import it."""
+
+    device: torch.device
+    dtype: torch.dtype
+    config: ModelConfig
+    fc: torch.nn.Linear
+    _embed: torch.Tensor
+    _lm_head: torch.Tensor
+
+    def rotation(self, positions: torch.Tensor | Sequence[int] | np.ndarray) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def layer_at(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
+                 mask: torch.Tensor | None, slab: Slab, keys: int) -> torch.Tensor: ...
+
+
+class ChainCallHead(CallHead, Protocol):
+    """What a Lyanna call reads besides (``drafters.device.DeviceChainHead``): the draft
+    vocabulary and its LM head, the final norm and the token-info tables."""
+
+    d2t: np.ndarray
+    _d2t: torch.Tensor
+    _draft_lm_head: torch.Tensor
+    _norm: torch.Tensor
+    _ti_b: torch.Tensor
+    ti_full: torch.Tensor
+    ti_rows: torch.Tensor
 
 
 # Committed pairs one fixed-shape catch-up takes (the root and the tokens accepted since the last
@@ -35,7 +63,7 @@ class _CatchUpCall(FixedShapeCall):
     ``handoff``: the call follows a target pass the host has not read (``engines.device.
     PendingPass``) and forms its inputs from what that pass left there (``_follow``)."""
 
-    def __init__(self, head: "DeviceDraftHead", slab: Slab, rows: int, keys: int, pool: Any,
+    def __init__(self, head: CallHead, slab: Slab, rows: int, keys: int, pool: Any,
                  handoff: torch.Tensor | None = None):
         super().__init__(head.device, pool)
         self.head, self.slab, self.keys, self.rows = head, slab, keys, rows
@@ -94,7 +122,7 @@ class _DraftPass(_CatchUpCall):
     """Lyanna's draft at one fixed shape: the catch-up, ``depth - 1`` chain steps, the raw logits.
     Captured as one CUDA graph where the engine captures its own."""
 
-    def __init__(self, head: "DeviceChainHead", slab: Slab, rows: int, depth: int, keys: int, pool: Any,
+    def __init__(self, head: ChainCallHead, slab: Slab, rows: int, depth: int, keys: int, pool: Any,
                  handoff: torch.Tensor | None = None):
         super().__init__(head, slab, rows, keys, pool, handoff)
         self.depth = depth
@@ -123,7 +151,7 @@ class _DraftTreesPass(_DraftPass):
     the round's best ``nodes`` (``device_tree.packed``). Following a pass (``handoff``), the
     chain, its root's token information and the re-sampled tree's levels come from it too."""
 
-    def __init__(self, head: "DeviceChainHead", slab: Slab, rows: int, depth: int, keys: int, resample: bool,
+    def __init__(self, head: ChainCallHead, slab: Slab, rows: int, depth: int, keys: int, resample: bool,
                  topk: int, width: int, max_nodes: int, nodes: int, pool: Any, handoff: torch.Tensor | None = None):
         super().__init__(head, slab, rows, depth, keys, pool, handoff)
         self.topk, self.width, self.max_nodes, self.nodes = topk, width, max_nodes, nodes
@@ -175,7 +203,7 @@ class _EagleTreePass(_CatchUpCall):
     each expanded to its top-k. ``tree``: the best ``max_nodes`` of the candidates (in the host
     drafter's order), ``device_tree.packed``."""
 
-    def __init__(self, head: "DeviceDraftHead", slab: Slab, rows: int, depth: int, topk: int, width: int,
+    def __init__(self, head: CallHead, slab: Slab, rows: int, depth: int, topk: int, width: int,
                  max_nodes: int, keys: int, pool: Any, handoff: torch.Tensor | None = None):
         super().__init__(head, slab, rows, keys, pool, handoff)
         self.depth, self.topk, self.width, self.max_nodes = depth, topk, width, max_nodes
@@ -257,7 +285,7 @@ def _grow_layout(depth: int, topk: int, width: int, device: torch.device) -> tup
             torch.tensor([depths], device=device))
 
 
-def _grow(head: "DeviceChainHead", raw: torch.Tensor, root_info: torch.Tensor, topk: int, width: int,
+def _grow(head: ChainCallHead, raw: torch.Tensor, root_info: torch.Tensor, topk: int, width: int,
           layout: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Token-info trees' candidates, several trees at once (one kernel per step for all of them):
     ``raw`` [trees, depth, draft vocab], ``root_info`` [trees, 1, rank] (each root's ``A`` row,
@@ -293,7 +321,7 @@ class _TreePass(FixedShapeCall):
     branch, ``width`` branches a depth; ``_grow``): ``tree``, its best ``max_nodes`` candidates
     (``device_tree.packed``), of origin ``origin``."""
 
-    def __init__(self, head: "DeviceChainHead", depth: int, topk: int, width: int, max_nodes: int, pool: Any):
+    def __init__(self, head: ChainCallHead, depth: int, topk: int, width: int, max_nodes: int, pool: Any):
         super().__init__(head.device, pool)
         self.head, self.depth, self.topk, self.width, self.max_nodes = head, depth, topk, width, max_nodes
         self.layout = _grow_layout(depth, topk, width, head.device)
@@ -308,7 +336,7 @@ class _TreePass(FixedShapeCall):
                                   torch.ones_like(ids, dtype=torch.bool), self.max_nodes, self.depth, leveled=True)
 
 
-def _packed_draft(head: "DeviceChainHead", ids: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor,
+def _packed_draft(head: ChainCallHead, ids: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor,
                   depths: torch.Tensor, origin: torch.Tensor, valid: torch.Tensor, nodes: int,
                   depth: int, leveled: bool) -> torch.Tensor:
     """The best ``nodes`` of token-info candidates (draft ids, joint probabilities), their ids

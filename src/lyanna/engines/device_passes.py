@@ -6,25 +6,36 @@ has not read yet (``PendingPass``), and what crosses back to the host (``_Logits
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Protocol, Sequence
 
 import numpy as np
 import torch
 
 from .base import ForwardOutput
+from .config import ModelConfig
 from .device_slabs import (HANDOFF_BONUS, HANDOFF_START, HANDOFF_TOKENS, DeviceTree, FixedShapeCall, Slab, StaticCache,
                            _elapsed)
 from .device_verify import follow
 
-if TYPE_CHECKING:
-    from .device import DeviceEngine
+
+class PassEngine(Protocol):
+    """What a pass uses of its engine (``device.DeviceEngine``): stated here so that this module
+    need not import the engine, which imports it."""
+
+    device: torch.device
+    config: ModelConfig
+    _graph_pool: Any  # a CUDA graph memory pool handle, or None: calls run eagerly
+
+    def _layers_pass(self, slab: Slab, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                     mask: torch.Tensor | None, keys: int, taps: tuple[int, ...],
+                     rows: torch.Tensor | None) -> tuple[torch.Tensor, dict[int, torch.Tensor]]: ...
 
 
 class _StaticPass(FixedShapeCall):
     """A decoding block at one fixed shape (``rows`` padded rows, ``keys`` slots of attention) on
     one cache slab, with the taps asked for: input buffers the host fills, outputs it reads."""
 
-    def __init__(self, engine: "DeviceEngine", slab: Slab, rows: int, keys: int, taps: tuple[int, ...]):
+    def __init__(self, engine: PassEngine, slab: Slab, rows: int, keys: int, taps: tuple[int, ...]):
         super().__init__(engine.device, engine._graph_pool)
         self.engine, self.slab, self.keys, self.taps = engine, slab, keys, taps
         self.rows = rows
@@ -58,7 +69,7 @@ class _TreeBlockPass(FixedShapeCall):
     None: it leaves both to the host. ``chained``: the block's start and root are the last
     verified pass's (the other of ``Slab.handoffs``), not host inputs."""
 
-    def __init__(self, engine: "DeviceEngine", slab: Slab, rows: int, keys: int, taps: tuple[int, ...], depth: int,
+    def __init__(self, engine: PassEngine, slab: Slab, rows: int, keys: int, taps: tuple[int, ...], depth: int,
                  rule: str | None, chained: bool = False, writes: int = 0):
         super().__init__(engine.device, engine._graph_pool)
         self.engine, self.slab, self.rows, self.keys, self.taps = engine, slab, rows, keys, taps

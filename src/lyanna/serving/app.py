@@ -18,10 +18,10 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException
 
 from .. import __version__
-from .auth import ApiKeys
 from ..decoding.decoder import Decoder, GenerationRequest
 from ..decoding.sampling import SamplingParams
 from ..errors import LyannaError
+from .auth import ApiKeys
 from .body import DEFAULT_MAX_BODY_BYTES, read_json
 from .metrics import Metrics
 from .openapi import completion_route, errors, install_openapi

@@ -6,7 +6,6 @@ aggregate tokens/s. Requests are streamed, so the first token's arrival is seen.
 """
 from __future__ import annotations
 
-import ipaddress
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -16,15 +15,12 @@ from urllib.parse import urlparse
 import numpy as np
 
 from ..errors import LyannaError
+from .auth import ENV_KEY, is_loopback
 
 
 def _require_loopback(url: str) -> None:
     host = urlparse(url).hostname or ""
-    try:
-        ok = host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        ok = False
-    if not ok:
+    if not (host and is_loopback(host)):
         raise LyannaError(f"load tests target loopback addresses only (127.0.0.0/8, ::1, localhost), not {host!r}")
 
 
@@ -75,7 +71,7 @@ def run_load(url: str, prompts: Sequence[str], requests: int, concurrency: int, 
     if requests < 1 or concurrency < 1:
         raise LyannaError("requests and concurrency must be >= 1")
     deadline = time.perf_counter() + time_limit
-    key = api_key if api_key is not None else os.environ.get("LYANNA_API_KEY")
+    key = api_key if api_key is not None else os.environ.get(ENV_KEY)
     headers = {"Authorization": f"Bearer {key}"} if key else {}
 
     def body(i: int) -> dict[str, Any]:

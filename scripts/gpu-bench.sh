@@ -22,9 +22,11 @@
 # the host's gap, per round, and lyanna's draft call by phase: kernels and device ms of its layers,
 # tree growth, node choice, union), fixed budgets without the fallback, the bench in float32,
 # tests/test_device_engine.py and the online-features fit test on the GPU, and the device's
-# latency for blocks of 1..128 tokens (the pass alone too). It is meant to fit one 10-minute
+# latency for blocks of 1..128 tokens (the pass alone too, and a pass's kernels), its layers compiled
+# (the default on CUDA) and eager. It is meant to fit one 10-minute
 # command (the first H200 run, with longer bench steps and no fixed-budget step, took 8 minutes);
-# BF16_S, FIXED_S, FP32_S and TESTS_S set the steps' seconds, BENCH_LIMIT and BENCH_TOKENS the bench.
+# BF16_S, FIXED_S, FP32_S and TESTS_S set the steps' seconds, BENCH_LIMIT and BENCH_TOKENS the bench,
+# STEPS which steps run (bf16,latency,latency-eager,tests,fp32,ops,fixed: all, in that order).
 # `local` runs the same steps here on the CPU (device cpu, a short bench) to check the script.
 #
 # Growing a self-distillation run on lent GPUs (the heads' data at scale), a session at a time:
@@ -121,31 +123,43 @@ measure() {  # measure DEVICE OUT LIMIT TOKENS; the headline comes first, each s
   mkdir -p "$out"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/device.txt" 2>/dev/null || echo "$device" > "$out/device.txt"
   "${PY:-python3}" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" | tee -a "$out/device.txt"
-  # --time-limit starts no new prompt past it; the step's own limit adds room for loading,
-  # calibration and warm-up (graph captures, numba compiles on a fresh machine).
-  step $((BF16_S + 150)) "bench bfloat16" "${lyanna[@]}" --backend torch --device "$device" --dtype bfloat16 bench \
-    --methods "$METHODS" --limit "$limit" --max-new-tokens "$tokens" --time-limit "$BF16_S" \
-    --no-progress --json "$out/bench-bfloat16.json"
-  step 180 "where a round's time goes ($device, bfloat16)" "${PY:-python3}" scripts/count-device-ops.py --device "$device" \
-    --dtype bfloat16 --methods "ar,suffix,eagle@16,lyanna@16" --out "$out/device-ops-bfloat16.json"
-  # Fixed budgets with the fallback off: what each head's trees accept and cost where a tree of
-  # 64 verifies at a token's price (the auto budget and the fallback hide that when drafting loses).
-  step $((FIXED_S + 120)) "fixed budgets, no fallback (bfloat16)" "${lyanna[@]}" --backend torch --device "$device" \
-    --dtype bfloat16 bench --methods ar,eagle@16,lyanna@16,lyanna@64,lyanna+suffix@64 --no-fallback --limit 8 \
-    --max-new-tokens 96 --time-limit "$FIXED_S" --no-progress --json "$out/bench-bfloat16-fixed.json"
-  step $((FP32_S + 150)) "bench float32" "${lyanna[@]}" --backend torch --device "$device" --dtype float32 bench \
-    --methods "$METHODS" --limit "$limit" --max-new-tokens "$tokens" --time-limit "$FP32_S" \
-    --no-progress --json "$out/bench-float32.json"
-  step "$TESTS_S" "tests on $device" env LYANNA_TEST_DEVICE="$device" "${PY:-python3}" -m pytest -x -q -p no:cacheprovider \
-    tests/test_device_engine.py tests/test_training.py::test_a_fit_computing_its_features_online_equals_one_on_stored_features
-  step 90 "latency against block size ($device, $LATENCY_DTYPE)" "${PY:-python3}" scripts/project-speedup.py \
-    --device "$device" --dtype "$LATENCY_DTYPE" --out "$out/latency-$LATENCY_DTYPE.json"
+  local s
+  for s in ${STEPS//,/ }; do
+    case "$s" in
+      # --time-limit starts no new prompt past it; the step's own limit adds room for loading,
+      # compiling, calibration and warm-up (graph captures, numba compiles on a fresh machine).
+      bf16) step $((BF16_S + 150)) "bench bfloat16" "${lyanna[@]}" --backend torch --device "$device" --dtype bfloat16 bench \
+              --methods "$METHODS" --limit "$limit" --max-new-tokens "$tokens" --time-limit "$BF16_S" \
+              --no-progress --json "$out/bench-bfloat16.json" ;;
+      # The device's latency for blocks of 1..128 tokens (the pass alone too, and the kernels a
+      # pass launches), with the layers compiled (the default on CUDA) and eager, on the same card.
+      latency) step 120 "latency against block size ($device, $LATENCY_DTYPE)" "${PY:-python3}" scripts/project-speedup.py \
+                 --device "$device" --dtype "$LATENCY_DTYPE" --out "$out/latency-$LATENCY_DTYPE.json" ;;
+      latency-eager) step 90 "latency against block size, layers eager ($device, $LATENCY_DTYPE)" "${PY:-python3}" \
+                       scripts/project-speedup.py --device "$device" --dtype "$LATENCY_DTYPE" --compile no \
+                       --out "$out/latency-$LATENCY_DTYPE-eager.json" ;;
+      tests) step "$TESTS_S" "tests on $device" env LYANNA_TEST_DEVICE="$device" "${PY:-python3}" -m pytest -x -q -p no:cacheprovider \
+               tests/test_device_engine.py tests/test_training.py::test_a_fit_computing_its_features_online_equals_one_on_stored_features ;;
+      fp32) step $((FP32_S + 150)) "bench float32" "${lyanna[@]}" --backend torch --device "$device" --dtype float32 bench \
+              --methods "$METHODS" --limit "$limit" --max-new-tokens "$tokens" --time-limit "$FP32_S" \
+              --no-progress --json "$out/bench-float32.json" ;;
+      ops) step 180 "where a round's time goes ($device, bfloat16)" "${PY:-python3}" scripts/count-device-ops.py --device "$device" \
+             --dtype bfloat16 --methods "ar,suffix,eagle@16,lyanna@16" --out "$out/device-ops-bfloat16.json" ;;
+      # Fixed budgets with the fallback off: what each head's trees accept and cost where a tree of
+      # 64 verifies at a token's price (the auto budget and the fallback hide that when drafting loses).
+      fixed) step $((FIXED_S + 120)) "fixed budgets, no fallback (bfloat16)" "${lyanna[@]}" --backend torch --device "$device" \
+               --dtype bfloat16 bench --methods ar,eagle@16,lyanna@16,lyanna@64,lyanna+suffix@64 --no-fallback --limit 8 \
+               --max-new-tokens 96 --time-limit "$FIXED_S" --no-progress --json "$out/bench-bfloat16-fixed.json" ;;
+      *) echo "!! unknown step $s (steps: bf16 latency latency-eager tests fp32 ops fixed)" ;;
+    esac
+  done
   echo "== done $(date -u +%T)"
 }
 
 # Seconds of prompts per step (see step()); the defaults fit one 10-minute command: bf16 is the
 # headline, fp32 shows equality with ar.
 BF16_S=${BF16_S:-150} FIXED_S=${FIXED_S:-45} FP32_S=${FP32_S:-75} TESTS_S=${TESTS_S:-150}
+STEPS=${STEPS:-bf16,latency,latency-eager,tests,fp32,ops,fixed}  # which steps, in this order
 
 prepare_data() {  # prepare_data RUN PROMPTS
   local run=${1:?usage: scripts/gpu-bench.sh prepare-data RUN PROMPTS} prompts=${2:?the prompts file of RUN}

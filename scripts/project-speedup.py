@@ -30,6 +30,27 @@ import numpy as np
 SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
 
 
+def kernels_per_pass(engine, sizes: tuple[int, ...] = (1, 16), keys: int = 256) -> dict[int, int]:
+    """The device kernels one pass of the target's layers and LM head launches, eagerly (a CUDA
+    graph replays the same kernels), by row count: what sets a small model's step time on a GPU."""
+    import torch
+    from torch.autograd import DeviceType
+
+    cache = engine.new_cache(2 * keys)
+    dev, counts = engine.device, {}
+    with torch.inference_mode():
+        for rows in sizes:
+            args = (cache.slab, torch.zeros(rows, dtype=torch.int64, device=dev), torch.arange(rows, device=dev),
+                    torch.arange(rows, device=dev), torch.ones((rows, keys), dtype=torch.bool, device=dev), keys, (), None)
+            engine._layers_pass(*args)  # compiles, on first use
+            torch.cuda.synchronize(dev)
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                engine._layers_pass(*args)
+                torch.cuda.synchronize(dev)
+            counts[rows] = sum(1 for e in prof.events() if e.device_type == DeviceType.CUDA)
+    return counts
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
@@ -38,6 +59,8 @@ def main() -> None:
     ap.add_argument("--backend", default="torch", choices=("torch", "hf"),
                     help="torch: our forward with a static KV cache (default); hf: the Hugging Face model")
     ap.add_argument("--bench", default=None, help="a `lyanna bench --json` report with METHOD@N rows (fixed budgets)")
+    ap.add_argument("--compile", choices=("auto", "yes", "no"), default="auto",
+                    help="torch backend: the layers' glue through torch.compile (as `lyanna --compile`)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
@@ -47,8 +70,11 @@ def main() -> None:
     from lyanna.engines.device import load_device_target
     from lyanna.engines.torch_engine import load_torch_target
 
-    load = load_device_target if args.backend == "torch" else load_torch_target
-    target, engine = load(args.model, args.device, args.dtype)
+    if args.backend == "torch":
+        target, engine = load_device_target(args.model, args.device, args.dtype,
+                                            compiled={"auto": None, "yes": True, "no": False}[args.compile])
+    else:
+        target, engine = load_torch_target(args.model, args.device, args.dtype)
     passes: dict[int, list[float]] = {}
     calls = [0]
     if args.backend == "torch":  # time each fixed-shape pass alone, by its padded row count
@@ -77,6 +103,8 @@ def main() -> None:
         "device": device, "engine": engine.name, "torch": torch.__version__,
         "latency_ms": {n: round(t * 1e3, 3) for n, t in zip(curve.sizes, curve.seconds)},
         "pass_ms": {n: round(float(np.median(t)) * 1e3, 3) for n, t in sorted(passes.items())},
+        "compiled": bool(getattr(getattr(engine, "halves", None), "compiled", False)),
+        "kernels_per_pass": kernels_per_pass(engine) if args.backend == "torch" and engine.device.type == "cuda" else None,
         "projected": [],
     }
     step = curve(1)

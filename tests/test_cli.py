@@ -73,6 +73,8 @@ def test_bad_arguments_exit_2(capsys, args, needle):
         (["--backend", "torch", "--weights", "gguf", "generate", "hi"], "numpy-backend engine"),
         (["--no-pipeline", "generate", "hi"], "add --backend torch"),
         (["--backend", "hf", "--no-pipeline", "generate", "hi"], "options of --backend torch"),
+        (["--compile", "yes", "generate", "hi"], "add --backend torch"),
+        (["--backend", "hf", "--compile", "no", "generate", "hi"], "options of --backend torch"),
     ],
 )
 def test_bad_values_give_one_line_error(capsys, tiny_model_dir, args, needle):

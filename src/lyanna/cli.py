@@ -109,6 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="torch backend on CUDA: read every round's outcome before launching the next (by "
                              "default a round whose tree the pass verifies on the device is followed there by the "
                              "next one while the host reads it; the same greedy tokens, for comparison)")
+    parser.add_argument("--compile", choices=("auto", "yes", "no"), default="auto",
+                        help="torch backend: each layer's norms, RoPE, residuals and SiLU-mul through torch.compile "
+                             "(fewer, fused kernels; the same tokens; compiles for a while on first use); auto "
+                             "(default): on CUDA")
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate a reply to one prompt (streamed)")
@@ -232,15 +236,16 @@ def _decoder(args: argparse.Namespace):
         if args.backend == "torch":
             target, engine = load_device_target(args.model, args.device or "cpu", args.dtype or "float32",
                                                 graphs=False if args.no_cuda_graphs else None,
-                                                pipelines=False if args.no_pipeline else None)
-        elif args.no_cuda_graphs or args.no_pipeline:
-            raise LyannaError("--no-cuda-graphs and --no-pipeline are options of --backend torch (the hf backend "
-                              "never captures graphs or launches a round ahead)")
+                                                pipelines=False if args.no_pipeline else None,
+                                                compiled={"auto": None, "yes": True, "no": False}[args.compile])
+        elif args.no_cuda_graphs or args.no_pipeline or args.compile != "auto":
+            raise LyannaError("--no-cuda-graphs, --no-pipeline and --compile are options of --backend torch (the hf "
+                              "backend never compiles, captures graphs or launches a round ahead)")
         else:
             target, engine = load_torch_target(args.model, args.device or "cpu", args.dtype or "float32")
         decoder = Decoder(target, engine=engine, prefix_cache_tokens=cache_tokens, prefill_chunk=chunk)
-    elif args.device or args.dtype or args.no_cuda_graphs or args.no_pipeline:
-        raise LyannaError("--device, --dtype, --no-cuda-graphs and --no-pipeline choose how the torch backend runs: "
+    elif args.device or args.dtype or args.no_cuda_graphs or args.no_pipeline or args.compile != "auto":
+        raise LyannaError("--device, --dtype, --no-cuda-graphs, --no-pipeline and --compile choose how the torch backend runs: "
                           "add --backend torch")
     else:
         decoder = Decoder(load_target(args.model, weight_format=args.weights), prefix_cache_tokens=cache_tokens,

@@ -33,7 +33,7 @@ from .device_slabs import (HANDOFF_BONUS, HANDOFF_COUNT, HANDOFF_START, HANDOFF_
                            pow2_at_least)
 from .loading import Target, load_target
 from .quant import QuantMatrix
-from .torch_layers import DecoderLayer, PackedLayer, cached_layer, rms_norm, rotation
+from .torch_layers import DecoderLayer, LayerHalves, PackedLayer, cached_layer, rms_norm, rotation
 
 __all__ = ["DTYPES", "DeviceEngine", "DeviceTree", "FixedShapeCall", "HANDOFF_BONUS", "HANDOFF_COUNT", "HANDOFF_START",
            "HANDOFF_TOKENS", "KEY_BUCKET_MIN", "PendingPass", "ROW_BUCKETS", "Slab", "StaticCache", "device_engine_of",
@@ -48,14 +48,17 @@ class DeviceEngine(TargetEngine):
     heads_on_device = True  # draft heads that have a device twin run beside it (``drafters.device``)
 
     def __init__(self, config: ModelConfig, weights: dict[str, Any], device: str = "cpu", dtype: str = "float32",
-                 graphs: bool | None = None, pipelines: bool | None = None):
+                 graphs: bool | None = None, pipelines: bool | None = None, compiled: bool | None = None):
         """``weights``: Hugging Face names to fp32 arrays or GGUF blocks (``loading.load_target``).
         ``graphs``: capture decoding blocks as CUDA graphs (default: on a CUDA device; the same
         tokens either way, see the module docstring). ``pipelines``: a sequence may launch the
         round after a verified pass before the host reads its outcome (``Block.ahead``,
         ``PendingPass``); False: every round is read before the next. Default:
         on a CUDA device, where the device runs while the host reads (elsewhere each call runs
-        as it is made, so launching ahead overlaps nothing)."""
+        as it is made, so launching ahead overlaps nothing). ``compiled``: each layer's work around
+        its cache write and attention through ``torch.compile`` (``torch_layers.LayerHalves``; the
+        same tokens); default: on a CUDA device, where eager mode's many small kernels set a small
+        model's step time."""
         if dtype not in DTYPES:
             raise LyannaError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
         try:
@@ -68,6 +71,7 @@ class DeviceEngine(TargetEngine):
         self.dtype = getattr(torch, dtype)
         self.name = f"device-{self.device.type}-{dtype}"
         self.pipelines = self.device.type == "cuda" if pipelines is None else pipelines
+        self.halves = LayerHalves(self.device.type == "cuda" if compiled is None else compiled)
 
         def fetch(name: str) -> Any:
             try:
@@ -277,7 +281,7 @@ class DeviceEngine(TargetEngine):
         for li, layer in enumerate(self.layers):
             if li in taps:
                 hidden[li] = x
-            x = cached_layer(layer, x, cos, sin, slab.k[li], slab.v[li], slots, mask, keys)
+            x = cached_layer(layer, x, cos, sin, slab.k[li], slab.v[li], slots, mask, keys, self.halves)
         if c.num_layers in taps:  # the final norm of every row is wanted: normalize once, pick after
             hidden[c.num_layers] = rms_norm(x, self._norm, c.rms_norm_eps)
             normed = hidden[c.num_layers] if rows is None else hidden[c.num_layers][rows]
@@ -286,7 +290,7 @@ class DeviceEngine(TargetEngine):
         return normed @ self._lm_head.T, hidden
 
 
-def device_engine_of(engine: Any, graphs: bool | None = None) -> DeviceEngine | None:
+def device_engine_of(engine: Any, graphs: bool | None = None, compiled: bool | None = None) -> DeviceEngine | None:
     """Our forward pass over the tensors of a ``TorchEngine``'s Hugging Face model (shared, on its
     device, in its dtype; the drafters get that engine's host arrays), or None when the model's
     weights are not the Llama-family layout the device engine computes."""
@@ -297,7 +301,7 @@ def device_engine_of(engine: Any, graphs: bool | None = None) -> DeviceEngine | 
     wanted = {f"model.layers.{i}.{k}": v.shape for i in range(config.num_layers) for k, v in layer.items()}
     if dtype not in DTYPES or any(name not in weights or weights[name].shape != shape for name, shape in wanted.items()):
         return None
-    device = DeviceEngine(config, weights, str(engine.device), dtype, graphs)
+    device = DeviceEngine(config, weights, str(engine.device), dtype, graphs, compiled=compiled)
     # The packed layers copied the attention and MLP input weights; the model holds slices of
     # them instead (the same values), so that those weights are not kept twice.
     with torch.no_grad():
@@ -308,8 +312,8 @@ def device_engine_of(engine: Any, graphs: bool | None = None) -> DeviceEngine | 
     return device
 
 
-def load_device_target(name_or_path: str, device: str = "cpu", dtype: str = "float32",
-                       graphs: bool | None = None, pipelines: bool | None = None) -> tuple[Target, DeviceEngine]:
+def load_device_target(name_or_path: str, device: str = "cpu", dtype: str = "float32", graphs: bool | None = None,
+                       pipelines: bool | None = None, compiled: bool | None = None) -> tuple[Target, DeviceEngine]:
     """A target (config, tokenizer, fp32 host weights for the drafters) and its device engine."""
     target = load_target(name_or_path, weight_format="fp32")
-    return target, DeviceEngine(target.config, target.weights, device, dtype, graphs, pipelines)
+    return target, DeviceEngine(target.config, target.weights, device, dtype, graphs, pipelines, compiled)

@@ -79,30 +79,78 @@ class PackedLayer:
     def qkv_rows(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Queries and keys (rotated) and values of normalized rows ``h`` [n, hidden]:
         ``[heads, n, head dim]`` each (views of one product)."""
-        c, n, d = self.config, h.shape[0], self.config.head_dim
-        qk_heads = c.num_heads + c.num_kv_heads
-        proj = F.linear(h, self.qkv, self.qkv_bias)
-        qk, qk_rot = proj[:, : qk_heads * d].view(n, qk_heads, d), proj[:, qk_heads * d : 2 * qk_heads * d].view(n, qk_heads, d)
-        qk = torch.addcmul(qk * cos[:, None], qk_rot, sin[:, None]).transpose(0, 1)
-        v = proj[:, 2 * qk_heads * d :].view(n, c.num_kv_heads, d).transpose(0, 1)
-        return qk[: c.num_heads], qk[c.num_heads :], v
+        c = self.config
+        return _qkv(h, cos, sin, self.qkv, self.qkv_bias, c.num_heads, c.num_kv_heads)
+
+
+def _qkv(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, qkv: torch.Tensor, qkv_bias: torch.Tensor | None,
+         heads: int, kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``PackedLayer.qkv_rows`` over the packed tensors themselves (what a compiled layer is given)."""
+    n, d = h.shape[0], cos.shape[-1]
+    qk_heads = heads + kv_heads
+    proj = F.linear(h, qkv, qkv_bias)
+    qk, qk_rot = proj[:, : qk_heads * d].view(n, qk_heads, d), proj[:, qk_heads * d : 2 * qk_heads * d].view(n, qk_heads, d)
+    qk = torch.addcmul(qk * cos[:, None], qk_rot, sin[:, None]).transpose(0, 1)
+    v = proj[:, 2 * qk_heads * d :].view(n, kv_heads, d).transpose(0, 1)
+    return qk[:heads], qk[heads:], v
+
+
+def _attention_inputs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, norm: torch.Tensor, qkv: torch.Tensor,
+                      qkv_bias: torch.Tensor | None, eps: float, heads: int,
+                      kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A layer's first half: the input norm, the q/k/v product and RoPE."""
+    return _qkv(rms_norm(x, norm, eps), cos, sin, qkv, qkv_bias, heads, kv_heads)
+
+
+def _layer_rest(x: torch.Tensor, o: torch.Tensor, o_w: torch.Tensor, norm: torch.Tensor, gate_up: torch.Tensor,
+                down: torch.Tensor, eps: float) -> torch.Tensor:
+    """A layer's second half, from attention's output ``o`` [heads, n, head dim]: the output
+    projection and residual, the post-attention norm, the MLP and its residual."""
+    x = torch.addmm(x, o.transpose(0, 1).reshape(x.shape[0], -1), o_w.T)
+    gate, up = F.linear(rms_norm(x, norm, eps), gate_up).chunk(2, dim=-1)
+    return torch.addmm(x, F.silu(gate) * up, down.T)
+
+
+class LayerHalves:
+    """The two halves of a layer around its cache write and attention, run as they are or
+    compiled (``torch.compile``: on a GPU, Inductor fuses each half's norms, RoPE, residuals
+    and SiLU·mul into a few kernels around the matmuls, where eager mode launches one kernel an
+    operation). The cache write and attention stay outside: compiled code that writes into two
+    views of one slab (keys and values) would have to treat them as aliased inputs."""
+
+    def __init__(self, compiled: bool):
+        self.compiled = compiled
+        if compiled:
+            # One compiled function serves every layer (its weights are arguments); shapes that
+            # change (rows, keys) become symbolic after the first change instead of recompiling
+            # each time, but each engine's sizes, dtypes and mask/no-mask add entries.
+            config = torch._dynamo.config
+            name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+            setattr(config, name, max(getattr(config, name), 64))
+            self.first = torch.compile(_attention_inputs, fullgraph=True)
+            self.second = torch.compile(_layer_rest, fullgraph=True)
+        else:
+            self.first, self.second = _attention_inputs, _layer_rest
+
+
+EAGER = LayerHalves(compiled=False)
 
 
 def cached_layer(p: PackedLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor | None, keys: int) -> torch.Tensor:
+                 v_cache: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor | None, keys: int,
+                 halves: LayerHalves = EAGER) -> torch.Tensor:
     """A layer over rows ``x`` [n, hidden] of one sequence whose keys and values live in
     ``k_cache``/``v_cache`` ([kv heads, slots, head dim]): the rows' own are written at ``slots``,
     attention reads the first ``keys`` slots under ``mask`` ([n, keys] bool; None: all). The
-    device engine's target layers and its draft heads' layer both run this."""
-    c, n = p.config, x.shape[0]
-    q, k, v = p.qkv_rows(rms_norm(x, p.input_norm, p.eps), cos, sin)
+    device engine's target layers and its draft heads' layer both run this; ``halves``: the
+    layer's work around the cache eager or compiled (the same tokens)."""
+    c = p.config
+    q, k, v = halves.first(x, cos, sin, p.input_norm, p.qkv, p.qkv_bias, p.eps, c.num_heads, c.num_kv_heads)
     k_cache.index_copy_(1, slots, k)
     v_cache.index_copy_(1, slots, v)
     o = F.scaled_dot_product_attention(q[None], k_cache[None, :, :keys], v_cache[None, :, :keys], attn_mask=mask,
                                        enable_gqa=c.num_heads != c.num_kv_heads)
-    x = torch.addmm(x, o[0].transpose(0, 1).reshape(n, -1), p.o.T)
-    gate, up = F.linear(rms_norm(x, p.post_norm, p.eps), p.gate_up).chunk(2, dim=-1)
-    return torch.addmm(x, F.silu(gate) * up, p.down.T)
+    return halves.second(x, o[0], p.o, p.post_norm, p.gate_up, p.down, p.eps)
 
 
 class RMSNorm(nn.Module):

@@ -377,7 +377,8 @@ def test_trees_sized_before_drafting_stay_on_the_device_under_every_budget(tiny,
     blocks: list[tuple[str, int]] = []
     run_tree, run_static = device_module.DeviceEngine._run_tree, device_module.DeviceEngine._run_static
     monkeypatch.setattr(device_module.DeviceEngine, "_run_tree",
-                        lambda self, b, *a: blocks.append(("device", b.tree.nodes)) or run_tree(self, b, *a))
+                        lambda self, b, *a: blocks.append(("device", b.tree.nodes) if b.tree is not None else ("plain", 1))
+                        or run_tree(self, b, *a))  # a plain step launched ahead (CUDA's default) has no tree
     monkeypatch.setattr(device_module.DeviceEngine, "_run_static",
                         lambda self, b, t, *a: blocks.append(("host", len(t))) or run_static(self, b, t, *a))
     req = GenerationRequest(max_new_tokens=32, eos_token_ids=())

@@ -67,6 +67,8 @@ class DeviceEngine(TargetEngine):
             raise LyannaError(f"device {device!r}: {e}") from None
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise LyannaError(f"device {device!r}: this torch ({torch.__version__}) sees no CUDA device")
+        if self.device.type == "cuda" and self.device.index is None:  # "cuda" as its tensors name it: cuda:N
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.config = c = config
         self.dtype = getattr(torch, dtype)
         self.name = f"device-{self.device.type}-{dtype}"

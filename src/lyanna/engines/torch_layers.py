@@ -97,9 +97,12 @@ def _qkv(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, qkv: torch.Tenso
 
 def _attention_inputs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, norm: torch.Tensor, qkv: torch.Tensor,
                       qkv_bias: torch.Tensor | None, eps: float, heads: int,
-                      kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A layer's first half: the input norm, the q/k/v product and RoPE."""
-    return _qkv(rms_norm(x, norm, eps), cos, sin, qkv, qkv_bias, heads, kv_heads)
+                      kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's first half: the input norm, the q/k/v product and RoPE; the queries
+    ``[heads, n, head dim]`` and the rows' keys and values as one ``[2, kv heads, n, head dim]``
+    (written into the cache with one copy)."""
+    q, k, v = _qkv(rms_norm(x, norm, eps), cos, sin, qkv, qkv_bias, heads, kv_heads)
+    return q, torch.stack([k, v])
 
 
 def _layer_rest(x: torch.Tensor, o: torch.Tensor, o_w: torch.Tensor, norm: torch.Tensor, gate_up: torch.Tensor,
@@ -136,19 +139,26 @@ class LayerHalves:
 EAGER = LayerHalves(compiled=False)
 
 
-def cached_layer(p: PackedLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor | None, keys: int,
-                 halves: LayerHalves = EAGER) -> torch.Tensor:
-    """A layer over rows ``x`` [n, hidden] of one sequence whose keys and values live in
-    ``k_cache``/``v_cache`` ([kv heads, slots, head dim]): the rows' own are written at ``slots``,
-    attention reads the first ``keys`` slots under ``mask`` ([n, keys] bool; None: all). The
-    device engine's target layers and its draft heads' layer both run this; ``halves``: the
-    layer's work around the cache eager or compiled (the same tokens)."""
+def attention_bias(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """A boolean attention mask as the additive bias attention applies (0 where a row sees a key,
+    -inf where not): what ``scaled_dot_product_attention`` makes of a boolean mask itself, made
+    once for every layer of a pass instead of once a layer."""
+    if mask is None or mask.dtype != torch.bool:
+        return mask
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+
+
+def cached_layer(p: PackedLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor,
+                 slots: torch.Tensor, mask: torch.Tensor | None, keys: int, halves: LayerHalves = EAGER) -> torch.Tensor:
+    """A layer over rows ``x`` [n, hidden] of one sequence whose keys and values live in ``kv``
+    ([2, kv heads, slots, head dim], keys then values): the rows' own are written at ``slots``,
+    attention reads the first ``keys`` slots under ``mask`` ([n, keys]: bool, or its
+    ``attention_bias``; None: all). The device engine's target layers and its draft heads' layers
+    both run this; ``halves``: the layer's work around the cache eager or compiled (the same tokens)."""
     c = p.config
-    q, k, v = halves.first(x, cos, sin, p.input_norm, p.qkv, p.qkv_bias, p.eps, c.num_heads, c.num_kv_heads)
-    k_cache.index_copy_(1, slots, k)
-    v_cache.index_copy_(1, slots, v)
-    o = F.scaled_dot_product_attention(q[None], k_cache[None, :, :keys], v_cache[None, :, :keys], attn_mask=mask,
+    q, new = halves.first(x, cos, sin, p.input_norm, p.qkv, p.qkv_bias, p.eps, c.num_heads, c.num_kv_heads)
+    kv.index_copy_(2, slots, new)
+    o = F.scaled_dot_product_attention(q[None], kv[0, None, :, :keys], kv[1, None, :, :keys], attn_mask=mask,
                                        enable_gqa=c.num_heads != c.num_kv_heads)
     return halves.second(x, o[0], p.o, p.post_norm, p.gate_up, p.down, p.eps)
 

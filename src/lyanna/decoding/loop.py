@@ -19,7 +19,7 @@ import numpy as np
 
 from ..drafters.base import Drafter
 from ..drafters.tree import DraftTree
-from ..engines.base import Block, Cache, ForwardOutput, TargetEngine, Verification
+from ..engines.base import Block, Cache, ForwardOutput, LeftTree, PendingOutput, TargetEngine, Verification
 from .budget import Budget
 from .sampling import SamplingParams, next_token
 from .stopping import OutputTracker
@@ -189,21 +189,47 @@ def decode(state: DecodeState, drafter: Drafter, budget: Budget | None = None,
     return run_alone(rounds(state, drafter, budget, fallback), state.engine)
 
 
-@dataclass
-class _Launched:
-    """A round on its way: its tree (a ``DeviceTree`` until the pass brings it back), whether it
-    was drafted (not a free tree), whether the fallback judges it (a drafted tree, even one the
-    budget cut to nothing; None: known once a tree left on the device is back), its block's
-    start, and its times so far (drafting began, the pass was launched, the launch returned)."""
+@dataclass(frozen=True)
+class Plan:
+    """What the policy (budget and fallback) allows a round, decided before it drafts:
+    ``drafting`` (False: a plain step, or with ``free`` only a tree that costs no draft pass),
+    how deep (``depth``) and, where fixed before drafting, how many nodes (``nodes``; None: the
+    tree must be seen first)."""
 
-    tree: Any
+    drafting: bool
+    free: bool
+    depth: int
+    nodes: int | None
+
+
+@dataclass
+class Round:
+    """A round on its way: its tree (a tree left on the device until the pass brings it back),
+    its plan's ``drafting``, whether the fallback judges it (a drafted tree, even one the budget
+    cut to nothing; None: known once a tree left on the device is back), its block's start, its
+    times so far (drafting began, the pass was launched, the launch returned) and the pass's
+    output (a pending one for a block launched ``ahead``)."""
+
+    tree: DraftTree | LeftTree
     drafting: bool
     proposed: bool | None
     start: int
     t0: float
     t1: float
     t2: float
-    out: Any  # the pass's output, or a pending one (``Block.ahead``)
+    out: ForwardOutput | PendingOutput
+
+
+@dataclass
+class _Reading:
+    """A round's outcome as ``Rounds.read`` works through it: the tree (on the host now), the
+    pass's output, the verdict, and the drafting and verification seconds it counts."""
+
+    tree: DraftTree
+    out: ForwardOutput
+    verdict: Verdict
+    drafted: float
+    t_pass: float
 
 
 def _verification(state: DecodeState, nodes: int) -> Verification:
@@ -214,139 +240,216 @@ def _verification(state: DecodeState, nodes: int) -> Verification:
     return Verification(params.temperature, params.top_p, params.top_k, uniforms)
 
 
-def rounds(state: DecodeState, drafter: Drafter, budget: Budget | None = None,
-           fallback: Fallback | None = None) -> Forwards:
-    """The decode loop, as a generator that yields each round's verification block and is sent
-    the target's output for it (so one loop serves a sequence alone and inside a batch).
-    ``budget`` trims each proposed tree (None: verify it whole); ``fallback`` pauses drafting
-    while it does not pay. While the budget or the fallback makes drafting wait, a budget still
-    weighs the drafter's free tree (``Drafter.propose_free``). The drafter is told every commit,
-    paused or not, so it can draft again at any round. Where the state allows it (``DecodeState.
-    ahead``), a round whose tree the pass verifies on the device is launched without waiting for
-    its outcome, and the next round is drafted and launched from that outcome on the device
-    (``Drafter.propose_after``) before the host reads it: the host's reading of a round overlaps
-    the device's next one, and the budget and fallback decide a round from what they knew a
-    round earlier. Returns the rounds' statistics."""
-    cache, tracker = state.cache, state.tracker
-    stats = RoundStats()
-    drafter.start(state.prompt_ids, state.prefill_hidden)
-    passes_before = drafter.passes
-    root = next_token(state.last_logits, state.params, state.rng)
-    tracker.extend([root])
-    context = [*state.prompt_ids, root]  # prompt + committed tokens, grown in place
-    read = time.perf_counter()  # when the host last read a round's outcome
-    pending: _Launched | None = None  # a round launched ahead whose outcome is still on the device
+class Rounds:
+    """One generation's rounds, in phases: ``plan`` (what the budget and fallback allow), ``draft``
+    (the drafter's tree, cut by the budget), ``launch`` (the block the target runs) and ``read``
+    (verdict, commit, what the budget and fallback learn). Two drivers run them:
+    ``synchronous`` reads each round before the next; ``pipelined`` (engines that keep a pass
+    ``ahead``) drafts and launches round n on the device from round n-1's outcome there, and
+    reads round n-1 while round n runs. Both are generators that yield blocks and are sent the
+    target's outputs, so one loop serves a sequence alone and inside a batch."""
 
-    def finish(r: _Launched, handed_over: bool) -> None:
+    def __init__(self, state: DecodeState, drafter: Drafter, budget: Budget | None, fallback: Fallback | None):
+        self.state, self.drafter, self.budget, self.fallback = state, drafter, budget, fallback
+        self.stats = RoundStats()
+        drafter.start(state.prompt_ids, state.prefill_hidden)
+        self._passes_before = drafter.passes
+        self.root = next_token(state.last_logits, state.params, state.rng)
+        state.tracker.extend([self.root])
+        self.context = [*state.prompt_ids, self.root]  # prompt + committed tokens, grown in place
+        self.read_at = time.perf_counter()  # when the host last read a round's outcome
+
+    # -- phases --------------------------------------------------------------------------------
+
+    def gate(self) -> bool:
+        """Whether this round may draft: the fallback's pauses and the budget's waits, asked
+        once a round (each call counts one round of a pause)."""
+        budget, fallback = self.budget, self.fallback
+        return (fallback is None or fallback.wants_drafts()) and (budget is None or budget.wants_drafts())
+
+    def plan(self, drafting: bool) -> Plan:
+        """What this round may do, from the committed context as it stands and the gate's answer."""
+        budget = self.budget
+        room = self.state.tracker.max_new_tokens - len(self.state.tracker.tokens) - 1  # after the bonus token
+        free = not drafting and budget is not None and not budget.throughput_bound()
+        depth = room if budget is None else budget.limit_depth(room)
+        nodes = None if budget is None or not drafting else budget.nodes_ahead()
+        return Plan(drafting, free, depth, nodes)
+
+    def draft(self, plan: Plan, t0: float) -> tuple[DraftTree | LeftTree, bool | None]:
+        """The round's tree and whether the fallback judges it (None: a tree left on the device,
+        cut to a size fixed before drafting, is known after the pass)."""
+        drafter, budget = self.drafter, self.budget
+        if plan.drafting:  # a size fixed now lets a drafter on the target's device leave its tree there
+            sized = budget is None or plan.nodes is not None
+            tree = (drafter.propose_sized(self.context, plan.depth, plan.nodes) if sized
+                    else drafter.propose(self.context, plan.depth))
+        elif plan.free:  # drafting waits: only what costs no draft pass, if it pays
+            tree = drafter.propose_free(self.context, plan.depth)
+        else:  # paused by the fallback with every tree verified whole, or requests wait for the batch
+            drafter.skip()
+            tree = DraftTree.empty()
+        if not isinstance(tree, DraftTree):
+            return tree, None
+        tree = tree.prune_depth(plan.depth)
+        proposed = plan.drafting and len(tree) > 0  # judged by the fallback even when the budget keeps nothing
+        if len(tree) and budget is not None:
+            tree = budget.choose(tree, time.perf_counter() - t0, free=not plan.drafting)
+        return tree, proposed
+
+    def launch(self, tree: DraftTree | LeftTree, start: int) -> Block:
+        """The block that verifies root + ``tree`` from ``start``: a tree left on the device is
+        verified in its pass (returned pending where the engine keeps passes ahead), as is a plain
+        step there (so the next can follow it); a host tree is a block with its ancestor mask."""
+        state, drafter = self.state, self.drafter
+        if not isinstance(tree, DraftTree):
+            return Block([self.root], [start], state.cache, taps=drafter.taps, tree=tree,
+                         verification=_verification(state, tree.nodes), ahead=state.ahead)
+        if drafter.plain and state.ahead:
+            return Block([self.root], [start], state.cache, taps=drafter.taps, verification=_verification(state, 0),
+                         ahead=True)
+        tokens, positions, mask = _block(tree, self.root, start)
+        return Block(tokens, positions, state.cache, mask, taps=drafter.taps)
+
+    def launch_after(self, pending: Round, plan: Plan) -> DraftTree | LeftTree | None:
+        """A tree that continues ``pending``'s outcome on the device, before the host reads it
+        (None: the drafter cannot, or the plan does not draft: read ``pending`` first)."""
+        room = self.state.tracker.max_new_tokens - len(self.state.tracker.tokens) - 1 - (pending.out.levels + 1)
+        depth = min(plan.depth, room)  # if it keeps every level
+        if self.drafter.plain:  # a plain step follows as it is
+            return DraftTree.empty()
+        if plan.drafting and depth >= 1 and (self.budget is None or plan.nodes is not None):
+            return self.drafter.propose_after(pending.out, self.context, depth, plan.nodes)
+        return None
+
+    def read(self, r: Round, handed_over: bool) -> None:
         """Read round ``r``'s outcome: verdict, commit, what the budget and fallback learn.
         ``handed_over``: the drafter took its kept rows on the device already (``settle``)."""
-        nonlocal root, read
         began = time.perf_counter()
-        tree, out, synchronous = r.tree, r.out, isinstance(r.out, ForwardOutput)
+        got = self._outcome(r)
+        tree, out, verdict = got.tree, got.out, got.verdict
+        tracker = self.state.tracker
+        taken = tracker.extend(verdict.tokens)
+        self.context.extend(verdict.tokens[:taken])
+        keep = [0] + [1 + i for i in verdict.path]
+        if out.kept is None and len(tree):  # drop the rejected nodes (a lone root has none; a device tree's pass did)
+            self.state.cache.compact(r.start, keep)
+        t2 = time.perf_counter()
+        if self.budget is not None:
+            self.budget.observe(tree, len(verdict.path), got.t_pass)
+        self.stats.record(tree, verdict, min(len(verdict.path), taken))
+        if not tracker.finished:
+            tokens = np.concatenate([[self.root], tree.tokens])[keep].tolist()
+            if handed_over:
+                self.drafter.settle(tokens)
+            else:
+                hidden = out.hidden if out.kept is not None else {k: v[keep] for k, v in out.hidden.items()}
+                self.drafter.commit(tokens, hidden)
+            self.root = verdict.tokens[-1]
+        t3 = time.perf_counter()
+        # A round launched ahead took, as far as the host can tell, the time since the last read.
+        seconds = t3 - r.t0 if isinstance(r.out, ForwardOutput) else t3 - self.read_at
+        proposed = r.drafting and len(tree) > 0 if r.proposed is None else r.proposed
+        self._judge(proposed, seconds, taken)
+        self.stats.draft_seconds += got.drafted
+        self.stats.verify_seconds += got.t_pass + (t2 - began)
+        self.stats.other_seconds += t3 - t2
+        self.read_at = t3
+
+    def _outcome(self, r: Round) -> _Reading:
+        """``r``'s pass waited for (a pending one collected), its tree on the host (a tree left on
+        the device is weighed by the budget now), its verdict (the pass's own where it verified),
+        and the seconds drafting and verification took, the device's own where it keeps them."""
+        tree, out = r.tree, r.out
         on_device = not isinstance(tree, DraftTree)
         drafted, t_pass = r.t1 - r.t0, r.t2 - r.t1  # the host's times
-        if synchronous:  # the pass that read a tree left on the device also waited for the draft's device time
+        if isinstance(out, ForwardOutput):  # the pass that read a tree left on the device also waited for the draft
             waited = min(tree.device_seconds(), t_pass) if on_device else 0.0
             drafted, t_pass = drafted + waited, t_pass - waited
         else:  # launched ahead: wait for it now; the device's own times where it keeps them
-            out = out.collect()
-            drafted, t_pass = (on_device and tree.device_seconds()) or drafted, r.out.device_seconds() or t_pass
-        if on_device:  # the tree came back with the pass
+            out, pending = out.collect(), out
+            drafted, t_pass = (on_device and tree.device_seconds()) or drafted, pending.device_seconds() or t_pass
+        if not isinstance(tree, DraftTree):  # the tree came back with the pass
             tree = DraftTree.from_packed(out.tree)
-            if len(tree) and budget is not None:
-                budget.choose_after(tree, drafted)
-        proposed = r.drafting and len(tree) > 0 if r.proposed is None else r.proposed
-        state.target_passes += 1
+            if len(tree) and self.budget is not None:
+                self.budget.choose_after(tree, drafted)
+        self.state.target_passes += 1
         if out.kept is None:
-            verdict = verify(tree, out.logits, state.params, state.rng)
+            verdict = verify(tree, out.logits, self.state.params, self.state.rng)
         else:  # verified where it ran, the cache compacted there
             verdict = followed(tree, out.kept, out.bonus)
-        taken = tracker.extend(verdict.tokens)
-        context.extend(verdict.tokens[:taken])
-        keep = [0] + [1 + i for i in verdict.path]
-        if out.kept is None and len(tree):  # drop the rejected nodes (a lone root has none; a device tree's pass did)
-            cache.compact(r.start, keep)
-        t2 = time.perf_counter()
-        if budget is not None:
-            budget.observe(tree, len(verdict.path), t_pass)
-        stats.record(tree, verdict, min(len(verdict.path), taken))
-        if not tracker.finished:
-            tokens = np.concatenate([[root], tree.tokens])[keep].tolist()
-            if handed_over:
-                drafter.settle(tokens)
-            else:
-                hidden = out.hidden if out.kept is not None else {k: v[keep] for k, v in out.hidden.items()}
-                drafter.commit(tokens, hidden)
-            root = verdict.tokens[-1]
-        t3 = time.perf_counter()
-        # A round launched ahead took, as far as the host can tell, the time since the last read.
-        seconds = t3 - r.t0 if synchronous else t3 - read
-        if proposed and fallback is not None and not fallback.keep_drafting(seconds, taken):
-            if stats.fell_back_after_tokens is None:
-                stats.fell_back_after_tokens = len(tracker.tokens)
-            stats.fallback_pauses += 1
-        stats.draft_seconds += drafted
-        stats.verify_seconds += t_pass + (t2 - began)
-        stats.other_seconds += t3 - t2
-        read = t3
+        return _Reading(tree, out, verdict, drafted, t_pass)
 
-    while not tracker.finished:
-        t0 = time.perf_counter()
-        drafting = (fallback is None or fallback.wants_drafts()) and (budget is None or budget.wants_drafts())
-        if pending is not None:  # the last round's outcome is still on the device
-            room = tracker.max_new_tokens - len(tracker.tokens) - 1 - (pending.out.levels + 1)  # if it keeps every level
-            depth = room if budget is None else budget.limit_depth(room)
-            nodes = None if budget is None else budget.nodes_ahead()
-            tree = DraftTree.empty() if drafter.plain else None  # a plain step follows as it is
-            if drafting and depth >= 1 and (budget is None or nodes is not None) and not drafter.plain:
-                tree = drafter.propose_after(pending.out, context, depth, nodes)
-            if tree is not None:
-                t1 = time.perf_counter()
-                on_device = not isinstance(tree, DraftTree)
-                out = yield Block((), (), cache, taps=drafter.taps, tree=tree if on_device else None,
-                                  verification=_verification(state, tree.nodes if on_device else 0), ahead=True,
-                                  follows=pending.out)
-                launched = _Launched(tree, drafting, None if on_device else False, -1, t0, t1, time.perf_counter(), out)
-                finish(pending, handed_over=True)  # while the device runs the round just launched
-                pending = launched
-                continue
-            finish(pending, handed_over=False)  # read it first; this round starts from its outcome
-            pending = None
-            if tracker.finished:
-                break
-        depth = tracker.max_new_tokens - len(tracker.tokens) - 1  # room left after the bonus token
-        if budget is not None:
-            depth = budget.limit_depth(depth)
-        if drafting:  # a size fixed now lets a drafter on the target's device leave its tree there (unseen)
-            nodes = None if budget is None else budget.nodes_ahead()
-            sized = budget is None or nodes is not None
-            tree = drafter.propose_sized(context, depth, nodes) if sized else drafter.propose(context, depth)
-        elif budget is not None and not budget.throughput_bound():  # drafting waits: only what costs no draft pass, if it pays
-            tree = drafter.propose_free(context, depth)
-        else:  # paused by the fallback with every tree verified whole, or requests wait for the batch: a plain step
-            drafter.skip()
-            tree = DraftTree.empty()
-        on_device = not isinstance(tree, DraftTree)  # cut to size and left on the device: known after the pass
-        proposed = None
-        if not on_device:
-            tree = tree.prune_depth(depth)
-            proposed = drafting and len(tree) > 0  # judged by the fallback even when the budget keeps nothing
-            if len(tree) and budget is not None:
-                tree = budget.choose(tree, time.perf_counter() - t0, free=not drafting)
-        t1 = time.perf_counter()
-        start = cache.length
-        if on_device:
-            out = yield Block([root], [start], cache, taps=drafter.taps, tree=tree,
-                              verification=_verification(state, tree.nodes), ahead=state.ahead)
-        elif drafter.plain and state.ahead:  # a plain step the pass verifies, so that the next can follow it
-            out = yield Block([root], [start], cache, taps=drafter.taps, verification=_verification(state, 0), ahead=True)
-        else:
-            tokens, positions, mask = _block(tree, root, start)
-            out = yield Block(tokens, positions, cache, mask, taps=drafter.taps)
-        launched = _Launched(tree, drafting, proposed, start, t0, t1, time.perf_counter(), out)
-        if isinstance(out, ForwardOutput):
-            finish(launched, handed_over=False)
-        else:  # left on the device: the next round may start from it there
-            pending = launched
-    stats.draft_passes = drafter.passes - passes_before
-    return stats
+    def _judge(self, proposed: bool, seconds: float, taken: int) -> None:
+        """The fallback's verdict on a drafting round; a pause it starts is counted."""
+        if proposed and self.fallback is not None and not self.fallback.keep_drafting(seconds, taken):
+            if self.stats.fell_back_after_tokens is None:
+                self.stats.fell_back_after_tokens = len(self.state.tracker.tokens)
+            self.stats.fallback_pauses += 1
+
+    def _round(self, plan: Plan, t0: float) -> Generator[Block, ForwardOutput | PendingOutput, Round]:
+        """Draft and launch one round from the committed context."""
+        tree, proposed = self.draft(plan, t0)
+        t1, start = time.perf_counter(), self.state.cache.length
+        out = yield self.launch(tree, start)
+        return Round(tree, plan.drafting, proposed, start, t0, t1, time.perf_counter(), out)
+
+    def _done(self) -> RoundStats:
+        self.stats.draft_passes = self.drafter.passes - self._passes_before
+        return self.stats
+
+    # -- drivers -------------------------------------------------------------------------------
+
+    def synchronous(self) -> Forwards:
+        """Each round drafted, launched and read before the next."""
+        while not self.state.tracker.finished:
+            t0 = time.perf_counter()
+            r = yield from self._round(self.plan(self.gate()), t0)
+            self.read(r, handed_over=False)
+        return self._done()
+
+    def pipelined(self) -> Forwards:
+        """Rounds launched ahead where they can be: while round n-1's outcome is on the device,
+        round n is drafted and launched from it there (the budget and fallback decide from what
+        they knew a round earlier), then round n-1 is read while round n runs; where round n
+        cannot follow that way, round n-1 is read first and round n starts from the host."""
+        pending: Round | None = None  # a round launched ahead whose outcome is still on the device
+        while not self.state.tracker.finished:
+            t0 = time.perf_counter()
+            drafting = self.gate()
+            if pending is not None:
+                tree = self.launch_after(pending, self.plan(drafting))
+                if tree is not None:
+                    t1 = time.perf_counter()
+                    left = None if isinstance(tree, DraftTree) else tree
+                    out = yield Block((), (), self.state.cache, taps=self.drafter.taps, tree=left,
+                                      verification=_verification(self.state, 0 if left is None else left.nodes),
+                                      ahead=True, follows=pending.out)
+                    launched = Round(tree, drafting, None if left is not None else False, -1, t0, t1,
+                                     time.perf_counter(), out)
+                    self.read(pending, handed_over=True)  # while the device runs the round just launched
+                    pending = launched
+                    continue
+                self.read(pending, handed_over=False)  # read it first; this round starts from its outcome
+                pending = None
+                if self.state.tracker.finished:
+                    break
+            r = yield from self._round(self.plan(drafting), t0)  # planned from the context as read
+            if isinstance(r.out, ForwardOutput):
+                self.read(r, handed_over=False)
+            else:  # left on the device: the next round may start from it there
+                pending = r
+        return self._done()
+
+
+def rounds(state: DecodeState, drafter: Drafter, budget: Budget | None = None,
+           fallback: Fallback | None = None) -> Forwards:
+    """The decode loop (``Rounds``), as a generator that yields each round's verification block
+    and is sent the target's output for it. ``budget`` trims each proposed tree (None: verify it
+    whole); ``fallback`` pauses drafting while it does not pay; while either makes drafting
+    wait, a budget still weighs the drafter's free tree (``Drafter.propose_free``). The drafter
+    is told every commit, paused or not, so it can draft again at any round. Where the state
+    allows it (``DecodeState.ahead``) rounds are pipelined (``Rounds.pipelined``). Returns the
+    rounds' statistics."""
+    loop = Rounds(state, drafter, budget, fallback)
+    return (yield from (loop.pipelined() if state.ahead else loop.synchronous()))

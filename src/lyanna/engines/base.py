@@ -45,6 +45,28 @@ class DeviceLogits(Protocol):
     def argmax(self) -> np.ndarray: ...
 
 
+class LeftTree(Protocol):
+    """A draft tree its drafter left on the target's device (``engines.device.DeviceTree``): the
+    loop knows its size and depth, and, once the pass that read it is back, the draft call's
+    time on the device; its nodes come back with that pass (``ForwardOutput.tree``)."""
+
+    nodes: int
+    depth: int
+
+    def device_seconds(self) -> float: ...
+
+
+class PendingOutput(Protocol):
+    """A pass launched ahead (``Block.ahead``; ``engines.device.PendingPass``): its outcome stays
+    on the device until ``collect``; ``levels``: the most tree levels it can keep."""
+
+    levels: int
+
+    def collect(self) -> "ForwardOutput": ...
+
+    def device_seconds(self) -> float: ...
+
+
 @dataclass
 class ForwardOutput:
     logits: np.ndarray | DeviceLogits  # [rows, vocab] for the requested rows
@@ -164,7 +186,7 @@ class Block:
     # A draft tree its drafter left on the target's device (``engines.device.DeviceTree``): the
     # block is the root (``tokens``, at ``positions``) and the tree's nodes, which the engine of
     # that device reads where they are, so that no copy waits between drafting and verifying.
-    tree: Any = None
+    tree: LeftTree | None = None
     # How to verify that tree in the pass itself, compacting the cache there too
     # (``ForwardOutput.kept``); None: the loop verifies and compacts. With no tree: a plain step
     # whose next token the pass picks by the same rule (so that it can be launched ``ahead``).
@@ -175,7 +197,7 @@ class Block:
     # The pending pass (``ahead``) on the same cache this block continues on the device: the
     # root is that pass's bonus token, after its kept rows (``tokens``/``positions`` unused).
     # Only the cache's last pass, every pass before it read (the cache's length is its start).
-    follows: Any = None
+    follows: PendingOutput | None = None
 
     @property
     def rows(self) -> int:

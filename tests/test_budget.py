@@ -30,7 +30,7 @@ from lyanna.decoding.budget import (
     save_curve,
 )
 from lyanna.decoding.decoder import Decoder, GenerationRequest
-from lyanna.decoding.loop import FALLBACK_WARMUP_ROUNDS, FIRST_PAUSE_ROUNDS, PROBE_ROUNDS, Fallback
+from lyanna.decoding.policy import FALLBACK_WARMUP_ROUNDS, FIRST_PAUSE_ROUNDS, PROBE_ROUNDS, Fallback
 from lyanna.decoding.sampling import SamplingParams
 from lyanna.drafters.base import Drafter
 from lyanna.drafters.eagle import EagleDrafter

@@ -18,6 +18,7 @@ from lyanna.decoding.sampling import SamplingParams
 from lyanna.drafters.eagle import EagleDrafter
 from lyanna.drafters.head import DraftHead
 from lyanna.drafters.tree import DraftTree
+from lyanna.drafters.base import DeviceDrafter
 from lyanna.drafters.checkpoint import save_head
 from lyanna.drafters.device import DeviceChainHead, DeviceDraftHead
 from lyanna.drafters.lyanna import ChainHead, LyannaDrafter, TokenInfo, token_info_tree
@@ -132,7 +133,7 @@ def test_a_tree_left_on_the_device_verifies_like_the_host_block_of_it(tiny):
                                    rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="root alone"):
         e.forward_batch([Block([1, 2], [start, start + 1], caches[1], tree=DeviceTree(padded, n + pad, depth))])
-    with pytest.raises(ValueError, match="on that device's engine"):
+    with pytest.raises(ValueError, match="runs on a device engine"):
         Transformer(tiny.config, tiny.weights).forward_batch([Block([1], [0], caches[1], tree=DeviceTree(padded, 1, 1))])
 
 
@@ -248,6 +249,29 @@ def test_pooled_caches_serve_later_generations_with_the_same_passes(tiny):
     assert e.pool.idle == 1  # one slab served all three
 
 
+def test_a_blocks_kind_is_read_once_from_its_fields_and_host_engines_refuse_device_kinds(tiny):
+    """``Block.kind`` names what the loop sends (rows, a prefill, a tree left on the device, a
+    pass that verifies, one that follows a pending pass); an engine without a device refuses the
+    last three with one clear error; ``ForwardOutput.verified`` says who verified."""
+    from lyanna.engines.base import BlockKind, ForwardOutput, Verification
+    from lyanna.engines.device import DeviceTree
+
+    cache = Transformer(tiny.config, tiny.weights).new_cache(32)
+    tree = DeviceTree(torch.zeros(6), 1, 1)
+    kinds = {BlockKind.ROWS: Block([1], [0], cache), BlockKind.PREFILL: Block([1, 2], [0, 1], cache, prefill=True),
+             BlockKind.DEVICE_TREE: Block([1], [0], cache, tree=tree),
+             BlockKind.VERIFIED: Block([1], [0], cache, verification=Verification(0.0)),
+             BlockKind.FOLLOWS: Block((), (), cache, tree=tree, verification=Verification(0.0), follows=object())}
+    engine = Transformer(tiny.config, tiny.weights)
+    for kind, block in kinds.items():
+        assert block.kind is kind
+        if kind in (BlockKind.DEVICE_TREE, BlockKind.VERIFIED, BlockKind.FOLLOWS):
+            with pytest.raises(ValueError, match="runs on a device engine"):
+                engine.forward_batch([block])
+    assert ForwardOutput(np.zeros((1, 2)), kept=np.array([0]), bonus=1).verified
+    assert not ForwardOutput(np.zeros((1, 2))).verified
+
+
 def test_logits_left_on_the_device_read_like_host_logits():
     """Rows on demand, all rows through numpy, and numpy's argmax (ties: the first maximum)."""
     from lyanna.engines.device import _Logits
@@ -296,7 +320,7 @@ def test_gguf_blocks_load_dequantized_and_bad_settings_are_refused(tiny):
     assert DeviceEngine(tiny.config, tiny.weights, DEVICE, "bfloat16").name == f"device-{torch.device(DEVICE).type}-bfloat16"
 
 
-class DevicePeekingDrafter(PeekingDrafter):
+class DevicePeekingDrafter(PeekingDrafter, DeviceDrafter):
     """``PeekingDrafter``'s trees (the target's own likeliest tokens: most nodes accepted, the
     rest with much of the mass) left on the device, as a device head leaves its trees: they are
     verified in the target's pass."""

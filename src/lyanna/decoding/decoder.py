@@ -21,7 +21,8 @@ from ..engines.transformer import Transformer
 from ..errors import LyannaError
 from .batching import BatchScheduler
 from .budget import Budget, Evidence, LatencyCurve, Load, parse_budget
-from .loop import DecodeState, Fallback, rounds, run_alone
+from .loop import DecodeState, rounds, run_alone
+from .policy import Fallback
 from .prefix_cache import PrefixCache
 from .sampling import SamplingParams
 from .stopping import OutputTracker
@@ -215,7 +216,7 @@ class Decoder:
         Speculative methods only: ``budget`` is the number of draft nodes verified per round,
         ``"auto"`` (this machine's latency curve decides each round) or None (the drafter's whole
         tree); ``fallback`` pauses drafting while it is slower than plain decoding and probes
-        again later (``loop.Fallback``, one per method that carries over from one generation to
+        again later (``policy.Fallback``, one per method that carries over from one generation to
         the next; the command line turns it on by default)."""
         return run_alone(self.steps(prompt_ids, request, method, on_text, should_cancel, budget, fallback), self.engine)
 

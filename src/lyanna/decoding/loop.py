@@ -13,14 +13,15 @@ from __future__ import annotations
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable, Generator, TypeVar
+from typing import Any, Generator, TypeVar
 
 import numpy as np
 
-from ..drafters.base import Drafter
+from ..drafters.base import DeviceDrafter, Drafter
 from ..drafters.tree import DraftTree
 from ..engines.base import Block, Cache, ForwardOutput, LeftTree, PendingOutput, TargetEngine, Verification
 from .budget import Budget
+from .policy import Fallback, Plan, Policy
 from .sampling import SamplingParams, next_token
 from .stopping import OutputTracker
 from .verify import Verdict, followed, verify
@@ -95,66 +96,6 @@ class RoundStats:
         }
 
 
-FALLBACK_WARMUP_ROUNDS = 8  # drafting rounds judged before the fallback may first pause drafting
-# After a pause, a few drafting rounds judge whether drafting pays again: enough that one lucky or
-# unlucky round does not decide, few enough that a probe of a drafter that never pays costs little.
-PROBE_ROUNDS = 4
-# Plain rounds of the first pause, doubled after each probe that does not pay (up to the last):
-# text that turns repetitive (a summary quoting its source) is found again within a few dozen
-# tokens, while a drafter that never pays probes ever more rarely.
-FIRST_PAUSE_ROUNDS = 16
-MAX_PAUSE_ROUNDS = 256
-
-
-class Fallback:
-    """Pauses drafting while it does not pay, and probes again later.
-
-    Drafting rounds are judged in stretches (``FALLBACK_WARMUP_ROUNDS`` at first, ``PROBE_ROUNDS``
-    after a pause): a stretch whose rounds committed tokens more slowly than plain decoding would
-    (tokens times the one-token latency against their measured seconds) starts a pause of plain
-    rounds, each longer than the last; a stretch that paid keeps drafting, judged afresh. Rounds
-    where the drafter proposed nothing are plain decoding already and are not judged (so ``ar``
-    never needs the latency curve)."""
-
-    def __init__(self, step_seconds: Callable[[], float], warmup_rounds: int = FALLBACK_WARMUP_ROUNDS,
-                 probe_rounds: int = PROBE_ROUNDS, first_pause: int = FIRST_PAUSE_ROUNDS,
-                 max_pause: int = MAX_PAUSE_ROUNDS):
-        """``step_seconds``: the target's one-token latency, asked for only when first needed."""
-        self._step_seconds = step_seconds
-        self.warmup_rounds, self.probe_rounds = warmup_rounds, probe_rounds
-        self.first_pause, self.max_pause = first_pause, max_pause
-        self._stretch = warmup_rounds  # drafting rounds in the stretch being judged
-        self._rounds, self._seconds, self._tokens = 0, 0.0, 0
-        self._next_pause = first_pause
-        self._pause_left = 0
-        self.pauses = 0  # pauses started so far
-
-    def wants_drafts(self) -> bool:
-        """Whether this round may draft (False while a pause lasts; each call is one round)."""
-        if self._pause_left:
-            self._pause_left -= 1
-            return False
-        return True
-
-    def keep_drafting(self, seconds: float, tokens: int) -> bool:
-        """Account one drafting round (its seconds, the tokens it committed); False when it ends a
-        stretch that did not pay, which starts a pause."""
-        self._rounds += 1
-        self._seconds += seconds
-        self._tokens += tokens
-        if self._rounds < self._stretch:
-            return True
-        paid = self._tokens * self._step_seconds() >= self._seconds
-        self._rounds, self._seconds, self._tokens = 0, 0.0, 0
-        if paid:
-            self._stretch, self._next_pause = self.warmup_rounds, self.first_pause
-            return True
-        self._stretch, self._pause_left = self.probe_rounds, self._next_pause
-        self._next_pause = min(2 * self._next_pause, self.max_pause)
-        self.pauses += 1
-        return False
-
-
 def _block(tree: DraftTree, root: int, start: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """Tokens, positions and mask of root + tree as one verification block (no mask for the root
     alone: the plain decoding step, kept as cheap as a hand-written one)."""
@@ -187,19 +128,6 @@ def decode(state: DecodeState, drafter: Drafter, budget: Budget | None = None,
            fallback: Fallback | None = None) -> RoundStats:
     """Generate until the tracker finishes, alone on the engine (see ``rounds``)."""
     return run_alone(rounds(state, drafter, budget, fallback), state.engine)
-
-
-@dataclass(frozen=True)
-class Plan:
-    """What the policy (budget and fallback) allows a round, decided before it drafts:
-    ``drafting`` (False: a plain step, or with ``free`` only a tree that costs no draft pass),
-    how deep (``depth``) and, where fixed before drafting, how many nodes (``nodes``; None: the
-    tree must be seen first)."""
-
-    drafting: bool
-    free: bool
-    depth: int
-    nodes: int | None
 
 
 @dataclass
@@ -241,16 +169,16 @@ def _verification(state: DecodeState, nodes: int) -> Verification:
 
 
 class Rounds:
-    """One generation's rounds, in phases: ``plan`` (what the budget and fallback allow), ``draft``
-    (the drafter's tree, cut by the budget), ``launch`` (the block the target runs) and ``read``
-    (verdict, commit, what the budget and fallback learn). Two drivers run them:
+    """One generation's rounds, in phases: ``plan`` (what the drafting policy allows), ``draft``
+    (the drafter's tree, cut by the policy), ``launch`` (the block the target runs) and ``read``
+    (verdict, commit, what the policy learns). Two drivers run them:
     ``synchronous`` reads each round before the next; ``pipelined`` (engines that keep a pass
     ``ahead``) drafts and launches round n on the device from round n-1's outcome there, and
     reads round n-1 while round n runs. Both are generators that yield blocks and are sent the
     target's outputs, so one loop serves a sequence alone and inside a batch."""
 
-    def __init__(self, state: DecodeState, drafter: Drafter, budget: Budget | None, fallback: Fallback | None):
-        self.state, self.drafter, self.budget, self.fallback = state, drafter, budget, fallback
+    def __init__(self, state: DecodeState, drafter: Drafter, policy: Policy):
+        self.state, self.drafter, self.policy = state, drafter, policy
         self.stats = RoundStats()
         drafter.start(state.prompt_ids, state.prefill_hidden)
         self._passes_before = drafter.passes
@@ -261,29 +189,20 @@ class Rounds:
 
     # -- phases --------------------------------------------------------------------------------
 
-    def gate(self) -> bool:
-        """Whether this round may draft: the fallback's pauses and the budget's waits, asked
-        once a round (each call counts one round of a pause)."""
-        budget, fallback = self.budget, self.fallback
-        return (fallback is None or fallback.wants_drafts()) and (budget is None or budget.wants_drafts())
-
     def plan(self, drafting: bool) -> Plan:
-        """What this round may do, from the committed context as it stands and the gate's answer."""
-        budget = self.budget
+        """This round's ``Plan`` from the context as it stands and the gate's answer."""
         room = self.state.tracker.max_new_tokens - len(self.state.tracker.tokens) - 1  # after the bonus token
-        free = not drafting and budget is not None and not budget.throughput_bound()
-        depth = room if budget is None else budget.limit_depth(room)
-        nodes = None if budget is None or not drafting else budget.nodes_ahead()
-        return Plan(drafting, free, depth, nodes)
+        return self.policy.plan(drafting, room)
 
     def draft(self, plan: Plan, t0: float) -> tuple[DraftTree | LeftTree, bool | None]:
         """The round's tree and whether the fallback judges it (None: a tree left on the device,
         cut to a size fixed before drafting, is known after the pass)."""
-        drafter, budget = self.drafter, self.budget
+        drafter = self.drafter
         if plan.drafting:  # a size fixed now lets a drafter on the target's device leave its tree there
-            sized = budget is None or plan.nodes is not None
-            tree = (drafter.propose_sized(self.context, plan.depth, plan.nodes) if sized
-                    else drafter.propose(self.context, plan.depth))
+            if not plan.seen and isinstance(drafter, DeviceDrafter):
+                tree = drafter.propose_sized(self.context, plan.depth, plan.nodes)
+            else:
+                tree = drafter.propose(self.context, plan.depth)
         elif plan.free:  # drafting waits: only what costs no draft pass, if it pays
             tree = drafter.propose_free(self.context, plan.depth)
         else:  # paused by the fallback with every tree verified whole, or requests wait for the batch
@@ -293,9 +212,7 @@ class Rounds:
             return tree, None
         tree = tree.prune_depth(plan.depth)
         proposed = plan.drafting and len(tree) > 0  # judged by the fallback even when the budget keeps nothing
-        if len(tree) and budget is not None:
-            tree = budget.choose(tree, time.perf_counter() - t0, free=not plan.drafting)
-        return tree, proposed
+        return self.policy.cut(tree, time.perf_counter() - t0, free=not plan.drafting), proposed
 
     def launch(self, tree: DraftTree | LeftTree, start: int) -> Block:
         """The block that verifies root + ``tree`` from ``start``: a tree left on the device is
@@ -318,8 +235,9 @@ class Rounds:
         depth = min(plan.depth, room)  # if it keeps every level
         if self.drafter.plain:  # a plain step follows as it is
             return DraftTree.empty()
-        if plan.drafting and depth >= 1 and (self.budget is None or plan.nodes is not None):
-            return self.drafter.propose_after(pending.out, self.context, depth, plan.nodes)
+        drafter = self.drafter
+        if isinstance(drafter, DeviceDrafter) and plan.drafting and depth >= 1 and not plan.seen:
+            return drafter.propose_after(pending.out, self.context, depth, plan.nodes)
         return None
 
     def read(self, r: Round, handed_over: bool) -> None:
@@ -332,25 +250,28 @@ class Rounds:
         taken = tracker.extend(verdict.tokens)
         self.context.extend(verdict.tokens[:taken])
         keep = [0] + [1 + i for i in verdict.path]
-        if out.kept is None and len(tree):  # drop the rejected nodes (a lone root has none; a device tree's pass did)
+        if not out.verified and len(tree):  # drop the rejected nodes (a lone root has none; a device tree's pass did)
             self.state.cache.compact(r.start, keep)
         t2 = time.perf_counter()
-        if self.budget is not None:
-            self.budget.observe(tree, len(verdict.path), got.t_pass)
         self.stats.record(tree, verdict, min(len(verdict.path), taken))
         if not tracker.finished:
             tokens = np.concatenate([[self.root], tree.tokens])[keep].tolist()
-            if handed_over:
-                self.drafter.settle(tokens)
+            if handed_over:  # a plain drafter has nothing to settle
+                if isinstance(self.drafter, DeviceDrafter):
+                    self.drafter.settle(tokens)
             else:
-                hidden = out.hidden if out.kept is not None else {k: v[keep] for k, v in out.hidden.items()}
+                hidden = out.hidden if out.verified else {k: v[keep] for k, v in out.hidden.items()}
                 self.drafter.commit(tokens, hidden)
             self.root = verdict.tokens[-1]
-        t3 = time.perf_counter()
         # A round launched ahead took, as far as the host can tell, the time since the last read.
-        seconds = t3 - r.t0 if isinstance(r.out, ForwardOutput) else t3 - self.read_at
+        now = time.perf_counter()
+        seconds = now - r.t0 if isinstance(r.out, ForwardOutput) else now - self.read_at
         proposed = r.drafting and len(tree) > 0 if r.proposed is None else r.proposed
-        self._judge(proposed, seconds, taken)
+        if self.policy.observe(tree, len(verdict.path), got.t_pass, proposed, seconds, taken):
+            if self.stats.fell_back_after_tokens is None:
+                self.stats.fell_back_after_tokens = len(tracker.tokens)
+            self.stats.fallback_pauses += 1
+        t3 = time.perf_counter()
         self.stats.draft_seconds += got.drafted
         self.stats.verify_seconds += got.t_pass + (t2 - began)
         self.stats.other_seconds += t3 - t2
@@ -371,21 +292,13 @@ class Rounds:
             drafted, t_pass = (on_device and tree.device_seconds()) or drafted, pending.device_seconds() or t_pass
         if not isinstance(tree, DraftTree):  # the tree came back with the pass
             tree = DraftTree.from_packed(out.tree)
-            if len(tree) and self.budget is not None:
-                self.budget.choose_after(tree, drafted)
+            self.policy.sized(tree, drafted)
         self.state.target_passes += 1
-        if out.kept is None:
+        if not out.verified:
             verdict = verify(tree, out.logits, self.state.params, self.state.rng)
         else:  # verified where it ran, the cache compacted there
             verdict = followed(tree, out.kept, out.bonus)
         return _Reading(tree, out, verdict, drafted, t_pass)
-
-    def _judge(self, proposed: bool, seconds: float, taken: int) -> None:
-        """The fallback's verdict on a drafting round; a pause it starts is counted."""
-        if proposed and self.fallback is not None and not self.fallback.keep_drafting(seconds, taken):
-            if self.stats.fell_back_after_tokens is None:
-                self.stats.fell_back_after_tokens = len(self.state.tracker.tokens)
-            self.stats.fallback_pauses += 1
 
     def _round(self, plan: Plan, t0: float) -> Generator[Block, ForwardOutput | PendingOutput, Round]:
         """Draft and launch one round from the committed context."""
@@ -404,7 +317,7 @@ class Rounds:
         """Each round drafted, launched and read before the next."""
         while not self.state.tracker.finished:
             t0 = time.perf_counter()
-            r = yield from self._round(self.plan(self.gate()), t0)
+            r = yield from self._round(self.plan(self.policy.gate()), t0)
             self.read(r, handed_over=False)
         return self._done()
 
@@ -416,7 +329,7 @@ class Rounds:
         pending: Round | None = None  # a round launched ahead whose outcome is still on the device
         while not self.state.tracker.finished:
             t0 = time.perf_counter()
-            drafting = self.gate()
+            drafting = self.policy.gate()
             if pending is not None:
                 tree = self.launch_after(pending, self.plan(drafting))
                 if tree is not None:
@@ -451,5 +364,5 @@ def rounds(state: DecodeState, drafter: Drafter, budget: Budget | None = None,
     is told every commit, paused or not, so it can draft again at any round. Where the state
     allows it (``DecodeState.ahead``) rounds are pipelined (``Rounds.pipelined``). Returns the
     rounds' statistics."""
-    loop = Rounds(state, drafter, budget, fallback)
+    loop = Rounds(state, drafter, Policy(budget, fallback))
     return (yield from (loop.pipelined() if state.ahead else loop.synchronous()))

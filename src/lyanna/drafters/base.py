@@ -12,11 +12,11 @@ from typing import TYPE_CHECKING, Any, ClassVar, Sequence
 
 import numpy as np
 
+from ..engines.base import LeftTree, PendingOutput
 from .tree import DraftTree
 
 if TYPE_CHECKING:  # annotations only: engines sit below drafters, nothing here runs them
     from ..engines.base import TargetEngine
-    from ..engines.device import DeviceTree
     from ..engines.loading import Target
 
 
@@ -61,32 +61,10 @@ class Drafter(ABC):
         """A tree continuing ``context`` (prompt + committed tokens; the last one is the root; the
         loop grows this list afterwards, so keep a copy of what must outlive the call)."""
 
-    def propose_sized(self, context: Sequence[int], max_depth: int, nodes: int | None) -> "DraftTree | DeviceTree":
-        """``propose``, with the size the budget fixes before drafting (``Budget.nodes_ahead``:
-        its best ``nodes``; None: the drafter's own cut). A drafter on the target's device may
-        cut its tree there and leave it there (``engines.device.DeviceTree``) for the
-        verification pass to read, so that nothing waits for a copy between drafting and
-        verifying. The default proposes on the host, where the budget cuts the tree it sees."""
-        return self.propose(context, max_depth)
-
-    def propose_after(self, pending: Any, context: Sequence[int], max_depth: int,
-                      nodes: int | None) -> "DeviceTree | None":
-        """A tree for the round after one whose pass the host has not read yet (``pending``: an
-        ``engines.device.PendingPass``, verified on the device; ``context`` still ends at that
-        round's root), drafted on the device from what that pass left there, so the host reads
-        one round while the device runs the next; ``max_depth`` and ``nodes`` as for
-        ``propose_sized``. None, the default: the loop reads the pending round first."""
-        return None
-
     @abstractmethod
     def commit(self, tokens: Sequence[int], hidden: dict[int, np.ndarray]) -> None:
         """Tokens just written to the target cache (root + accepted path) and their hidden rows
         (one per token)."""
-
-    def settle(self, tokens: Sequence[int]) -> None:
-        """``commit`` of a round whose kept rows ``propose_after`` took on the device already:
-        the host's count of them. Only a drafter whose ``propose_after`` gave a tree is told."""
-        raise NotImplementedError(f"{type(self).__name__} drafts no round ahead, so it settles none")
 
     def fork(self) -> "Drafter | None":
         """The same drafter (weights, settings) with fresh per-generation state, so several
@@ -105,6 +83,33 @@ class Drafter(ABC):
         default has none, and the round is a ``skip``."""
         self.skip()
         return DraftTree.empty()
+
+
+class DeviceDrafter(Drafter):
+    """A drafter whose trees can stay on the target's device (the lyanna and eagle heads on a
+    ``DeviceEngine``): three hooks the loop uses where a drafter has them, so that a round waits
+    for no copy between drafting and verifying, and the host reads one round while the device
+    runs the next. A drafter on the host needs none of this."""
+
+    def propose_sized(self, context: Sequence[int], max_depth: int, nodes: int | None) -> DraftTree | LeftTree:
+        """``propose``, with the size the budget fixes before drafting (``Budget.nodes_ahead``:
+        its best ``nodes``; None: the drafter's own cut): a tree cut and left on the device
+        (``engines.device.DeviceTree``) for the verification pass to read. The default
+        proposes on the host, where the budget cuts the tree it sees."""
+        return self.propose(context, max_depth)
+
+    def propose_after(self, pending: PendingOutput, context: Sequence[int], max_depth: int,
+                      nodes: int | None) -> LeftTree | None:
+        """A tree for the round after one whose pass the host has not read yet (``pending``,
+        verified on the device; ``context`` still ends at that round's root), drafted on the
+        device from what that pass left there; ``max_depth`` and ``nodes`` as for
+        ``propose_sized``. None, the default: the loop reads the pending round first."""
+        return None
+
+    def settle(self, tokens: Sequence[int]) -> None:
+        """``commit`` of a round whose kept rows ``propose_after`` took on the device already:
+        the host's count of them. Only a drafter whose ``propose_after`` gave a tree is told."""
+        raise NotImplementedError(f"{type(self).__name__} drafts no round ahead, so it settles none")
 
 
 def can_fork(drafter: Drafter) -> bool:
@@ -133,7 +138,4 @@ class NoDrafter(Drafter):
         return DraftTree.empty()
 
     def commit(self, tokens: Sequence[int], hidden: dict[int, np.ndarray]) -> None:
-        pass
-
-    def settle(self, tokens: Sequence[int]) -> None:
         pass

@@ -12,14 +12,14 @@ form the tree (a child never scores above its parent, so the set is ancestor-clo
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
-from ..engines.base import TargetEngine
+from ..engines.base import PendingOutput, TargetEngine
 from ..engines.loading import Target
 from ..errors import LyannaError
-from .base import Drafter
+from .base import DeviceDrafter, Drafter
 from .checkpoint import decode_settings, head_taps, load_head
 from .head import DraftHead
 from .registry import register
@@ -35,7 +35,7 @@ DECODE_DEFAULTS = {"depth": 5, "topk": 4, "width": 4, "max_nodes": 64}
 
 
 @register
-class EagleDrafter(Drafter):
+class EagleDrafter(DeviceDrafter):
     ARCH = ARCH
     VARIANTS = {ARCH: {}}
     TENSORS = ("fc.weight", "fc.bias")
@@ -81,14 +81,14 @@ class EagleDrafter(Drafter):
         self.context.commit(hidden)
 
     def propose_sized(self, context: Sequence[int], max_depth: int, nodes: int | None) -> "DraftTree | DeviceTree":
-        """A device head leaves its best ``nodes`` on the device (``Drafter.propose_sized``)."""
+        """A device head leaves its best ``nodes`` on the device (``DeviceDrafter.propose_sized``)."""
         depth = min(self.depth, max_depth)
         if isinstance(self.head, DraftHead) or depth < 1 or nodes == 0:
             return self.propose(context, max_depth)
         return self.head.eagle_tree(self.context, np.asarray(context, np.int64), depth, self.topk, self.width,
                                     self.max_nodes, nodes, ahead=True)
 
-    def propose_after(self, pending: Any, context: Sequence[int], max_depth: int,
+    def propose_after(self, pending: PendingOutput, context: Sequence[int], max_depth: int,
                       nodes: int | None) -> "DeviceTree | None":
         """A device head's next tree grown from the pending pass's outcome on the device
         (``DeviceDraftHead.eagle_tree_after``), left there as ``propose_sized``'s is."""

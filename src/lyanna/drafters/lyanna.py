@@ -22,16 +22,16 @@ sampling, re-sampling after a rejection, and verification fusion.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 from numba import njit
 
-from ..engines.base import TargetEngine
+from ..engines.base import PendingOutput, TargetEngine
 from ..engines.kernels import exp_nonpositive, linear, rms_norm
 from ..engines.loading import Target
 from ..errors import LyannaError
-from .base import Drafter
+from .base import DeviceDrafter, Drafter
 from .checkpoint import decode_settings, head_taps, load_head
 from .head import DraftHead, PairContext
 from .registry import register
@@ -141,6 +141,45 @@ def _add_low_rank(a: np.ndarray, b: np.ndarray, token: int, out: np.ndarray) -> 
             out[j] += aq * b[q, j]
 
 
+@njit(cache=True)
+def _branch_logits(raw: np.ndarray, tok: int, table: np.ndarray, row_of: np.ndarray, filled: np.ndarray,
+                   a: np.ndarray, b: np.ndarray, lowrank: bool, x: np.ndarray) -> None:  # pragma: no cover - compiled
+    """``x = raw + TI(tok)``: a hot parent's row from the table; a cold one's formed into the
+    table once (while it has room), else on the fly."""
+    r = row_of[tok]
+    if r < 0 and lowrank and filled[0] < table.shape[0]:  # a cold parent: form its row once
+        r = filled[0]
+        table[r] = 0.0
+        _add_low_rank(a, b, tok, table[r])
+        row_of[tok] = r
+        filled[0] += 1
+    if r >= 0:
+        for j in range(x.shape[0]):
+            x[j] = raw[j] + table[r, j]
+    else:  # the table is full: this cold row is formed on the fly
+        x[:] = raw
+        if lowrank:
+            _add_low_rank(a, b, tok, x)
+
+
+@njit(cache=True)
+def _top_k(x: np.ndarray, top_v: np.ndarray, top_i: np.ndarray) -> None:  # pragma: no cover - compiled
+    """The ``len(top_v)`` largest of ``x`` and their columns, largest first, earlier columns
+    first among equals."""
+    k = top_v.shape[0]
+    top_v[:] = -np.inf
+    top_i[:] = -1
+    for j in range(x.shape[0]):
+        if x[j] > top_v[k - 1]:
+            p = k - 1
+            while p > 0 and x[j] > top_v[p - 1]:
+                top_v[p] = top_v[p - 1]
+                top_i[p] = top_i[p - 1]
+                p -= 1
+            top_v[p] = x[j]
+            top_i[p] = j
+
+
 # Reassociation lets LLVM vectorize the softmax sums (a draft tree needs no fixed rounding). The GIL
 # stays held: the kernel writes new cold rows into the token-info table every fork shares.
 @njit(cache=True, fastmath={"reassoc", "contract", "nsz", "arcp"})
@@ -167,32 +206,8 @@ def _tree_candidates(raw: np.ndarray, root: int, table: np.ndarray, row_of: np.n
     for d in range(depth):
         start = n
         for f in range(nf):
-            tok = f_tok[f]
-            r = row_of[tok]
-            if r < 0 and lowrank and filled[0] < table.shape[0]:  # a cold parent: form its row once
-                r = filled[0]
-                table[r] = 0.0
-                _add_low_rank(a, b, tok, table[r])
-                row_of[tok] = r
-                filled[0] += 1
-            if r >= 0:
-                for j in range(v):
-                    x[j] = raw[d, j] + table[r, j]
-            else:  # the table is full: this cold row is formed on the fly
-                x[:] = raw[d]
-                if lowrank:
-                    _add_low_rank(a, b, tok, x)
-            top_v[:] = -np.inf
-            top_i[:] = -1
-            for j in range(v):  # the k largest, earlier columns first among equals
-                if x[j] > top_v[k - 1]:
-                    p = k - 1
-                    while p > 0 and x[j] > top_v[p - 1]:
-                        top_v[p] = top_v[p - 1]
-                        top_i[p] = top_i[p - 1]
-                        p -= 1
-                    top_v[p] = x[j]
-                    top_i[p] = j
+            _branch_logits(raw[d], f_tok[f], table, row_of, filled, a, b, lowrank, x)
+            _top_k(x, top_v, top_i)
             mx = top_v[0]
             total = np.float32(0.0)
             for j in range(v):
@@ -223,7 +238,7 @@ def token_info_tree(raw: np.ndarray, root: int, ti: TokenInfo, d2t: np.ndarray, 
 
 
 @register
-class LyannaDrafter(Drafter):
+class LyannaDrafter(DeviceDrafter):
     ARCH = ARCH
     # The methods one checkpoint provides: Lyanna and its ablations (no re-sampling; re-sampling
     # without fusion, its tree verified alone whenever it has one).
@@ -298,7 +313,7 @@ class LyannaDrafter(Drafter):
         if self._chain is not None:
             self._leftover = self._chain[len(tokens):]
 
-    def propose_after(self, pending: Any, context: Sequence[int], max_depth: int,
+    def propose_after(self, pending: PendingOutput, context: Sequence[int], max_depth: int,
                       nodes: int | None) -> "DeviceTree | None":
         """A device head's next round drafted from the pending pass's outcome on the device
         (``DeviceChainHead.draft_trees_after``), for trees left there as ``propose_sized``'s
@@ -327,7 +342,7 @@ class LyannaDrafter(Drafter):
         return self._with_suffix(self._propose_chain(context, max_depth), context, max_depth)
 
     def propose_sized(self, context: Sequence[int], max_depth: int, nodes: int | None) -> "DraftTree | DeviceTree":
-        """A device head leaves its best ``nodes`` on the device (``Drafter.propose_sized``), but
+        """A device head leaves its best ``nodes`` on the device (``DeviceDrafter.propose_sized``), but
         for trees the host still changes (suffix matches merged in, policy ``reuse``'s choice)."""
         if isinstance(self.head, ChainHead) or self.suffix is not None or self.policy == "reuse" or nodes == 0:
             return self.propose(context, max_depth)

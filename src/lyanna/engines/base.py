@@ -3,6 +3,7 @@ return logits and tapped hidden states, keep the accepted cache rows."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any, NamedTuple, Protocol, Sequence
 
 import numpy as np
@@ -84,6 +85,12 @@ class ForwardOutput:
     kept: np.ndarray | None = None
     bonus: int | None = None
 
+    @property
+    def verified(self) -> bool:
+        """Whether the engine verified the block in its pass (and compacted the cache there):
+        the loop then follows ``kept`` and ``bonus`` instead of verifying the logits itself."""
+        return self.kept is not None
+
 
 class Cache(Protocol):
     """One sequence's target KV cache as the loop sees it: ``length`` committed positions
@@ -147,8 +154,8 @@ class TargetEngine(Protocol):
 def block_inputs(c: ModelConfig, b: "Block") -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """A block's tokens, positions and within-block mask (None: a single row), checked against the
     model and the block's cache the same way by every engine."""
-    if b.tree is not None:
-        raise ValueError("a block whose tree was left on a device runs on that device's engine")
+    if b.kind in ON_DEVICE:
+        raise ValueError("a block whose tree was left on a device, or verified in its pass, runs on a device engine")
     tokens = np.asarray(b.tokens, dtype=np.int64).reshape(-1)
     positions = np.asarray(b.positions, dtype=np.int64)
     n = tokens.shape[0]
@@ -167,6 +174,19 @@ def block_inputs(c: ModelConfig, b: "Block") -> tuple[np.ndarray, np.ndarray, np
     if within.shape != (n, n):
         raise ValueError(f"block_mask must be [{n}, {n}], got {within.shape}")
     return tokens, positions, within
+
+
+class BlockKind(Enum):
+    """What a block is, read from its fields once (``Block.kind``)."""
+
+    PREFILL = "prefill"  # a prompt's causal rows from an empty cache
+    ROWS = "rows"  # tokens at positions under a mask (a plain step, or root + a host tree): the loop verifies
+    DEVICE_TREE = "device-tree"  # root + a tree left on the device; the loop verifies
+    VERIFIED = "verified"  # root + a tree left on the device, or a plain step, verified in the pass
+    FOLLOWS = "follows"  # as VERIFIED, continuing on the device a pass the host has not read
+
+
+ON_DEVICE = frozenset({BlockKind.DEVICE_TREE, BlockKind.VERIFIED, BlockKind.FOLLOWS})  # what only a device engine runs
 
 
 @dataclass
@@ -198,6 +218,16 @@ class Block:
     # root is that pass's bonus token, after its kept rows (``tokens``/``positions`` unused).
     # Only the cache's last pass, every pass before it read (the cache's length is its start).
     follows: PendingOutput | None = None
+
+    @property
+    def kind(self) -> BlockKind:
+        if self.follows is not None:
+            return BlockKind.FOLLOWS
+        if self.verification is not None:
+            return BlockKind.VERIFIED
+        if self.tree is not None:
+            return BlockKind.DEVICE_TREE
+        return BlockKind.PREFILL if self.prefill else BlockKind.ROWS
 
     @property
     def rows(self) -> int:

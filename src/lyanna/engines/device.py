@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from ..errors import LyannaError
-from .base import Block, ForwardOutput, TargetEngine, block_inputs
+from .base import ON_DEVICE, Block, ForwardOutput, TargetEngine, block_inputs
 from .config import ModelConfig, rope_inv_freq
 from .device_passes import PendingPass, _fetch, _Logits, _StaticPass, _TreeBlockPass
 from .device_slabs import (HANDOFF_BONUS, HANDOFF_COUNT, HANDOFF_START, HANDOFF_TOKENS, KEY_BUCKET_MIN,
@@ -40,6 +40,43 @@ __all__ = ["DTYPES", "DeviceEngine", "DeviceTree", "FixedShapeCall", "HANDOFF_BO
            "load_device_target", "pow2_at_least"]
 
 DTYPES = ("float32", "bfloat16", "float16")
+
+
+def torch_device(device: str) -> torch.device:
+    """``device`` checked; a CUDA device named by its index, as its tensors name it (cuda:N)."""
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise LyannaError(f"device {device!r}: {e}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise LyannaError(f"device {device!r}: this torch ({torch.__version__}) sees no CUDA device")
+    return torch.device("cuda", torch.cuda.current_device()) if dev.type == "cuda" and dev.index is None else dev
+
+
+class _Weights:
+    """A checkpoint's weights by Hugging Face name (fp32 arrays, GGUF blocks or a model's own
+    tensors) as the engine reads them: host fp32 arrays, or tensors (a torch tensor as it is: a
+    model's own, shared, not copied)."""
+
+    def __init__(self, weights: dict[str, Any], c: ModelConfig):
+        self.weights, self.config = weights, c
+
+    def _get(self, name: str) -> Any:
+        try:
+            return self.weights[name]
+        except KeyError:
+            raise LyannaError(f"weight {name!r} is missing from the checkpoint; is it a complete "
+                              f"{self.config.architecture}?") from None
+
+    def host(self, name: str) -> np.ndarray:
+        w = self._get(name)
+        if isinstance(w, torch.Tensor):
+            return w.detach().float().cpu().numpy()
+        return w.dense() if isinstance(w, QuantMatrix) else np.ascontiguousarray(w, dtype=np.float32)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        w = self._get(name)
+        return w.detach() if isinstance(w, torch.Tensor) else torch.from_numpy(self.host(name))
 
 
 class DeviceEngine(TargetEngine):
@@ -61,60 +98,14 @@ class DeviceEngine(TargetEngine):
         model's step time."""
         if dtype not in DTYPES:
             raise LyannaError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
-        try:
-            self.device = torch.device(device)
-        except RuntimeError as e:
-            raise LyannaError(f"device {device!r}: {e}") from None
-        if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise LyannaError(f"device {device!r}: this torch ({torch.__version__}) sees no CUDA device")
-        if self.device.type == "cuda" and self.device.index is None:  # "cuda" as its tensors name it: cuda:N
-            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device = torch_device(device)
         self.config = c = config
         self.dtype = getattr(torch, dtype)
         self.name = f"device-{self.device.type}-{dtype}"
-        self.pipelines = self.device.type == "cuda" if pipelines is None else pipelines
-        self.halves = LayerHalves(self.device.type == "cuda" if compiled is None else compiled)
-
-        def fetch(name: str) -> Any:
-            try:
-                return weights[name]
-            except KeyError:
-                raise LyannaError(f"weight {name!r} is missing from the checkpoint; is it a complete {c.architecture}?") from None
-
-        def host(name: str) -> np.ndarray:
-            w = fetch(name)
-            if isinstance(w, torch.Tensor):
-                return w.detach().float().cpu().numpy()
-            return w.dense() if isinstance(w, QuantMatrix) else np.ascontiguousarray(w, dtype=np.float32)
-
-        def tensor(name: str) -> torch.Tensor:
-            """A weight as a tensor: a torch tensor as it is (a model's own, shared, not copied)."""
-            w = fetch(name)
-            return w.detach() if isinstance(w, torch.Tensor) else torch.from_numpy(host(name))
-
-        # What the drafters share, as host fp32 arrays (base.TargetEngine).
-        self.embed = host("model.embed_tokens.weight")
-        if self.embed.shape != (c.vocab_size, c.hidden_size):
-            raise LyannaError(f"embedding shape {self.embed.shape} does not match config ({c.vocab_size}, {c.hidden_size})")
-        self.lm_head = self.embed if c.tie_word_embeddings or "lm_head.weight" not in weights else host("lm_head.weight")
-        self.final_norm = host("model.norm.weight")
-        self.inv_freq = rope_inv_freq(c)
-
-        # ``assign``: the modules hold the given tensors; ``to`` copies only what is not already
-        # on the device in the dtype (so a model's own weights are shared, never duplicated).
-        # Each layer packed for few kernels (``PackedLayer``); the module it was read into goes.
-        self.layers: list[PackedLayer] = []
-        for i in range(c.num_layers):
-            layer = DecoderLayer(c)
-            layer.load_state_dict({k: tensor(f"model.layers.{i}.{k}") for k in layer.state_dict()}, assign=True)
-            with torch.no_grad():
-                self.layers.append(PackedLayer(layer.to(self.device, self.dtype).requires_grad_(False), c))
-        self._norm = tensor("model.norm.weight").to(self.device, self.dtype)
-        self._embed = tensor("model.embed_tokens.weight").to(self.device, self.dtype)
-        tied = self.lm_head is self.embed
-        self._lm_head = self._embed if tied else tensor("lm_head.weight").to(self.device, self.dtype)
-        self._inv_freq = torch.from_numpy(self.inv_freq).to(self.device)
         cuda = self.device.type == "cuda"
+        self.pipelines = cuda if pipelines is None else pipelines
+        self.halves = LayerHalves(cuda if compiled is None else compiled)
+        self._load(_Weights(weights, c))
         if graphs and not cuda:
             raise LyannaError(f"CUDA graphs need a CUDA device, not {device!r}")
         # None: fixed-shape calls run eagerly (not CUDA, or --no-cuda-graphs)
@@ -125,6 +116,30 @@ class DeviceEngine(TargetEngine):
         # The tree of a plain step verified in its pass (``_tree_of``): no nodes.
         self._no_tree = DeviceTree(torch.zeros(1, dtype=torch.float64, device=self.device), 0, 0)
 
+    def _load(self, w: "_Weights") -> None:
+        """The host arrays the drafters share (``base.TargetEngine``) and the device's tensors."""
+        c = self.config
+        self.embed = w.host("model.embed_tokens.weight")
+        if self.embed.shape != (c.vocab_size, c.hidden_size):
+            raise LyannaError(f"embedding shape {self.embed.shape} does not match config ({c.vocab_size}, {c.hidden_size})")
+        self.lm_head = self.embed if c.tie_word_embeddings or "lm_head.weight" not in w.weights else w.host("lm_head.weight")
+        self.final_norm = w.host("model.norm.weight")
+        self.inv_freq = rope_inv_freq(c)
+        # ``assign``: the modules hold the given tensors; ``to`` copies only what is not already
+        # on the device in the dtype (so a model's own weights are shared, never duplicated).
+        # Each layer packed for few kernels (``PackedLayer``); the module it was read into goes.
+        self.layers: list[PackedLayer] = []
+        for i in range(c.num_layers):
+            layer = DecoderLayer(c)
+            layer.load_state_dict({k: w.tensor(f"model.layers.{i}.{k}") for k in layer.state_dict()}, assign=True)
+            with torch.no_grad():
+                self.layers.append(PackedLayer(layer.to(self.device, self.dtype).requires_grad_(False), c))
+        self._norm = w.tensor("model.norm.weight").to(self.device, self.dtype)
+        self._embed = w.tensor("model.embed_tokens.weight").to(self.device, self.dtype)
+        tied = self.lm_head is self.embed
+        self._lm_head = self._embed if tied else w.tensor("lm_head.weight").to(self.device, self.dtype)
+        self._inv_freq = torch.from_numpy(self.inv_freq).to(self.device)
+
     def new_cache(self, capacity: int) -> StaticCache:
         """A cache for ``capacity`` positions, from the pool of caches no generation holds."""
         return self.pool.cache(capacity)
@@ -133,7 +148,7 @@ class DeviceEngine(TargetEngine):
         """The blocks one after another, each on its own cache; every block is checked before any runs."""
         if len({id(b.cache) for b in blocks}) != len(blocks):
             raise ValueError("each block of a batch needs its own cache")
-        passes = [b.tree is not None or b.verification is not None for b in blocks]  # a tree, or a step verified there
+        passes = [b.kind in ON_DEVICE for b in blocks]  # a tree left here, or a step verified in its pass
         prepared = [(b, *(self._tree_inputs(b) if t else block_inputs(self.config, b))) for b, t in zip(blocks, passes)]
         with torch.inference_mode():
             return [self._run_tree(*p) if t else self._run(*p) for p, t in zip(prepared, passes)]

@@ -107,14 +107,11 @@ class TorchEngine(TargetEngine):
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
+        from .device import torch_device
+
         if dtype not in DTYPES:
             raise LyannaError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
-        try:
-            dev = torch.device(device)
-        except RuntimeError as e:
-            raise LyannaError(f"device {device!r}: {e}") from None
-        if dev.type == "cuda" and not torch.cuda.is_available():
-            raise LyannaError(f"device {device!r}: this torch ({torch.__version__}) sees no CUDA device")
+        dev = torch_device(device)
         hf_logging.set_verbosity_error()
         hf_logging.disable_progress_bar()
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype))

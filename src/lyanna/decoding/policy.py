@@ -1,0 +1,128 @@
+"""Whether a round drafts and how much: one policy over the tree budget (``budget.Budget``: tree
+sizes, depth, the waits after trees that did not pay, the rule for requests waiting in a batch)
+and the fallback (``Fallback``: pauses of plain decoding while drafting does not pay, and probes
+after them). The loop asks it once a round (``gate``, then ``plan``), has it cut the trees it sees
+(``cut``, ``sized``) and tells it each round's outcome (``observe``)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from ..drafters.tree import DraftTree
+from .budget import Budget
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the policy allows a round, decided before it drafts: ``drafting`` (False: a plain
+    step, or with ``free`` only a tree that costs no draft pass), how deep (``depth``), how many
+    nodes where fixed before drafting (``nodes``; None: the drafter's own cut, or, with ``seen``
+    False, a size the policy must see the tree to choose)."""
+
+    drafting: bool
+    free: bool
+    depth: int
+    nodes: int | None
+    seen: bool  # the tree must come to the host before it is cut (no size can be fixed ahead)
+
+
+FALLBACK_WARMUP_ROUNDS = 8  # drafting rounds judged before the fallback may first pause drafting
+# After a pause, a few drafting rounds judge whether drafting pays again: enough that one lucky or
+# unlucky round does not decide, few enough that a probe of a drafter that never pays costs little.
+PROBE_ROUNDS = 4
+# Plain rounds of the first pause, doubled after each probe that does not pay (up to the last):
+# text that turns repetitive (a summary quoting its source) is found again within a few dozen
+# tokens, while a drafter that never pays probes ever more rarely.
+FIRST_PAUSE_ROUNDS = 16
+MAX_PAUSE_ROUNDS = 256
+
+
+class Fallback:
+    """Pauses drafting while it does not pay, and probes again later.
+
+    Drafting rounds are judged in stretches (``FALLBACK_WARMUP_ROUNDS`` at first, ``PROBE_ROUNDS``
+    after a pause): a stretch whose rounds committed tokens more slowly than plain decoding would
+    (tokens times the one-token latency against their measured seconds) starts a pause of plain
+    rounds, each longer than the last; a stretch that paid keeps drafting, judged afresh. Rounds
+    where the drafter proposed nothing are plain decoding already and are not judged (so ``ar``
+    never needs the latency curve)."""
+
+    def __init__(self, step_seconds: Callable[[], float], warmup_rounds: int = FALLBACK_WARMUP_ROUNDS,
+                 probe_rounds: int = PROBE_ROUNDS, first_pause: int = FIRST_PAUSE_ROUNDS,
+                 max_pause: int = MAX_PAUSE_ROUNDS):
+        """``step_seconds``: the target's one-token latency, asked for only when first needed."""
+        self._step_seconds = step_seconds
+        self.warmup_rounds, self.probe_rounds = warmup_rounds, probe_rounds
+        self.first_pause, self.max_pause = first_pause, max_pause
+        self._stretch = warmup_rounds  # drafting rounds in the stretch being judged
+        self._rounds, self._seconds, self._tokens = 0, 0.0, 0
+        self._next_pause = first_pause
+        self._pause_left = 0
+        self.pauses = 0  # pauses started so far
+
+    def wants_drafts(self) -> bool:
+        """Whether this round may draft (False while a pause lasts; each call is one round)."""
+        if self._pause_left:
+            self._pause_left -= 1
+            return False
+        return True
+
+    def keep_drafting(self, seconds: float, tokens: int) -> bool:
+        """Account one drafting round (its seconds, the tokens it committed); False when it ends a
+        stretch that did not pay, which starts a pause."""
+        self._rounds += 1
+        self._seconds += seconds
+        self._tokens += tokens
+        if self._rounds < self._stretch:
+            return True
+        paid = self._tokens * self._step_seconds() >= self._seconds
+        self._rounds, self._seconds, self._tokens = 0, 0.0, 0
+        if paid:
+            self._stretch, self._next_pause = self.warmup_rounds, self.first_pause
+            return True
+        self._stretch, self._pause_left = self.probe_rounds, self._next_pause
+        self._next_pause = min(2 * self._next_pause, self.max_pause)
+        self.pauses += 1
+        return False
+
+
+
+class Policy:
+    """The budget and the fallback as one drafting policy (either may be None: verify every tree
+    whole, never pause)."""
+
+    def __init__(self, budget: Budget | None, fallback: Fallback | None):
+        self.budget, self.fallback = budget, fallback
+
+    def gate(self) -> bool:
+        """Whether this round may draft: the fallback's pauses and the budget's waits, asked
+        once a round (each call counts one round of a pause)."""
+        budget, fallback = self.budget, self.fallback
+        return (fallback is None or fallback.wants_drafts()) and (budget is None or budget.wants_drafts())
+
+    def plan(self, drafting: bool, room: int) -> Plan:
+        """The round's ``Plan`` from the gate's answer, ``room`` tokens left after the bonus token."""
+        budget = self.budget
+        if budget is None:
+            return Plan(drafting, False, room, None, False)
+        free = not drafting and not budget.throughput_bound()
+        nodes = budget.nodes_ahead() if drafting else None
+        return Plan(drafting, free, budget.limit_depth(room), nodes, drafting and nodes is None)
+
+    def cut(self, tree: DraftTree, seconds: float, free: bool) -> DraftTree:
+        """The nodes of a tree seen on the host to verify (``seconds``: its drafting time)."""
+        return self.budget.choose(tree, seconds, free=free) if len(tree) and self.budget is not None else tree
+
+    def sized(self, tree: DraftTree, seconds: float) -> None:
+        """Told a tree cut to a size fixed before drafting, once it is seen (after its pass)."""
+        if len(tree) and self.budget is not None:
+            self.budget.choose_after(tree, seconds)
+
+    def observe(self, tree: DraftTree, accepted: int, pass_seconds: float, judged: bool, seconds: float,
+                committed: int) -> bool:
+        """A round's outcome: the budget learns how many of ``tree``'s nodes were accepted and
+        what the pass cost; a ``judged`` round (a drafted tree) is the fallback's to weigh, its
+        ``seconds`` against the ``committed`` tokens. True when that starts a pause."""
+        if self.budget is not None:
+            self.budget.observe(tree, accepted, pass_seconds)
+        return judged and self.fallback is not None and not self.fallback.keep_drafting(seconds, committed)

@@ -986,10 +986,10 @@ def test_a_fixed_shape_calls_inputs_travel_together_and_arrive_whole():
 
 @pytest.mark.parametrize("method", ["ar", "lyanna-device", "eagle-device"])
 def test_compiled_layers_give_the_eager_tokens(tiny, method):
-    """Layers whose glue runs through ``torch.compile`` (``LayerHalves``, the default on CUDA)
-    give the eager layers' greedy tokens, the target's and the device heads' alike, over
-    prefills, one-token steps and verified trees of several sizes; and Dynamo really compiled
-    them (its counters: graphs captured, none broken, since the halves compile with fullgraph)."""
+    """Layers whose glue runs through ``torch.compile`` (``LayerHalves``, the default on CUDA),
+    and with them lyanna's round tree, give the eager greedy tokens, the target's and the device
+    heads' alike, over prefills, one-token steps and verified trees of several sizes; and Dynamo
+    really compiled them (its counters: graphs captured, none broken, as with fullgraph)."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
@@ -1005,3 +1005,7 @@ def test_compiled_layers_give_the_eager_tokens(tiny, method):
         got = compiled.generate(prompt, req, method=method, budget=None)
         assert got.tokens == want.tokens, (method, prompt)
     assert counters["stats"]["unique_graphs"] >= 2 and not counters["graph_break"]
+    if method == "lyanna-device":  # a round's tree (growth, choice, union) compiled with the layers
+        from lyanna.drafters import device_calls
+
+        assert device_calls._COMPILED_ROUND_TREE

@@ -13,7 +13,7 @@ import torch
 
 from ..engines.config import ModelConfig
 from ..engines.device_slabs import HANDOFF_BONUS, HANDOFF_COUNT, HANDOFF_TOKENS, FixedShapeCall, Slab
-from ..engines.torch_layers import rms_norm
+from ..engines.torch_layers import LayerHalves, rms_norm
 from .device_tree import PaddedTrees, best, packed, union
 
 
@@ -45,6 +45,7 @@ class ChainCallHead(CallHead, Protocol):
     _ti_b: torch.Tensor
     ti_full: torch.Tensor
     ti_rows: torch.Tensor
+    _halves: LayerHalves  # the layers compiled or not: the tree's code follows
 
 
 # Committed pairs one fixed-shape catch-up takes (the root and the tokens accepted since the last
@@ -182,17 +183,9 @@ class _DraftTreesPass(_DraftPass):
         if self.handoff is not None:
             self._follow()
         super()._forward()
-        h, depth = self.head, self.depth
         raw = self.raw[None] if self.leftover is None else torch.stack([self.raw, self.leftover])
-        ids, parents, scores, depths = _grow(h, raw, self.root_info, self.topk, self.width, self.layout)
-        origin = torch.arange(raw.shape[0], device=h.device)[:, None].expand_as(ids)  # the re-sampled tree: 1
-        valid = depths <= self.levels
-        if self.leftover is None:  # the best ``nodes`` of the best ``max_nodes`` (``nodes`` <= ``max_nodes``)
-            self.tree = _packed_draft(h, ids, parents, scores, depths, origin, valid, self.nodes, depth, leveled=True)
-            return
-        kept = best(ids, parents, scores, depths, origin, valid, self.max_nodes, depth, joint=True, leveled=True)
-        fused, valid = union(PaddedTrees(*(t[:1] for t in kept)), PaddedTrees(*(t[1:] for t in kept)), depth)
-        self.tree = _packed_draft(h, *fused[:5], valid, self.nodes, depth, leveled=False)
+        self.tree = _tree_tail(self.head)(self.head, raw, self.root_info, self.levels, self.topk, self.width,
+                                          self.layout, self.max_nodes, self.nodes, self.depth)
 
 
 class _EagleTreePass(_CatchUpCall):
@@ -266,6 +259,35 @@ class _EagleTreePass(_CatchUpCall):
         self.tree = packed(best(tokens, parents, torch.cat(scores)[None].exp(), depths, torch.zeros_like(tokens),
                                 torch.ones_like(tokens, dtype=torch.bool), self.max_nodes, self.depth, joint=True,
                                 leveled=True))
+
+
+def _round_tree(h: ChainCallHead, raw: torch.Tensor, root_info: torch.Tensor, levels: torch.Tensor, topk: int,
+                width: int, layout: tuple[torch.Tensor, ...], max_nodes: int, nodes: int, depth: int) -> torch.Tensor:
+    """A round's tree from its raw logits (``raw`` [trees, depth, draft vocab]: the chain's, and
+    the re-sampled rows' as a second tree whose ``levels`` are valid): grown (``_grow``), each
+    cut to its best ``max_nodes``, fused (``device_tree.union``), the best ``nodes`` packed."""
+    ids, parents, scores, depths = _grow(h, raw, root_info, topk, width, layout)
+    origin = torch.arange(raw.shape[0], device=raw.device)[:, None].expand_as(ids)  # the re-sampled tree: 1
+    valid = depths <= levels
+    if raw.shape[0] == 1:  # the best ``nodes`` of the best ``max_nodes`` (``nodes`` <= ``max_nodes``)
+        return _packed_draft(h, ids, parents, scores, depths, origin, valid, nodes, depth, leveled=True)
+    kept = best(ids, parents, scores, depths, origin, valid, max_nodes, depth, joint=True, leveled=True)
+    fused, valid = union(PaddedTrees(*(t[:1] for t in kept)), PaddedTrees(*(t[1:] for t in kept)), depth)
+    return _packed_draft(h, *fused[:5], valid, nodes, depth, leveled=False)
+
+
+_COMPILED_ROUND_TREE: list[Any] = []  # torch.compile of _round_tree, made on first use
+
+
+def _tree_tail(h: ChainCallHead) -> Any:
+    """``_round_tree`` as the head runs its layers: through ``torch.compile`` where those are
+    (on a GPU the tree's growth, choice and union are a hundred small kernels eagerly; fused,
+    fewer; the same rules, so the same tokens), else as it is."""
+    if not h._halves.compiled:
+        return _round_tree
+    if not _COMPILED_ROUND_TREE:
+        _COMPILED_ROUND_TREE.append(torch.compile(_round_tree, fullgraph=True))
+    return _COMPILED_ROUND_TREE[0]
 
 
 def _grow_layout(depth: int, topk: int, width: int, device: torch.device) -> tuple[torch.Tensor, ...]:

@@ -60,17 +60,23 @@ def main() -> None:
 
     run_fixed = device.FixedShapeCall.run_fixed
     timing = {"on": False, "seconds": defaultdict(float)}
+    # Each kind of call's runs, and of those how many replayed a captured CUDA graph (a call whose
+    # capture failed runs eagerly, each of its operations launched from the host).
+    runs: dict[str, list[int]] = defaultdict(lambda: [0, 0])
 
     def sync() -> None:
         if torch.device(args.device).type == "cuda":
             torch.cuda.synchronize()
 
     def marked(self, timed: bool = False) -> None:
+        name = type(self).__name__ + (f"[{self.rows}]" if isinstance(self, (device._StaticPass, device._TreeBlockPass)) else "")
+        replay = self.graph is not None
+        runs[name][0] += 1
+        runs[name][1] += replay
         if not timing["on"]:
             with record_function(MARK):
                 run_fixed(self, timed)
             return
-        name = type(self).__name__ + (f"[{self.rows}]" if isinstance(self, (device._StaticPass, device._TreeBlockPass)) else "")
         sync()
         start = time.perf_counter()
         run_fixed(self, timed)
@@ -209,7 +215,9 @@ def main() -> None:
         if "draft_call_phases" in rows[-1]:
             print(f"{spec}: the draft call by phase, per call ({rows[-1]['draft_calls']} calls): {rows[-1]['draft_call_phases']}")
     report = {"model": args.model, "engine": engine.name, **script_record("count-device-ops.py", vars(args)),
-              "rows": rows}
+              "rows": rows, "graph_replays": {name: {"runs": n, "replayed": r} for name, (n, r) in sorted(runs.items())}}
+    print("runs of each call, and of those replays of a captured graph:",
+          {name: f"{r}/{n}" for name, (n, r) in sorted(runs.items())})
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
         print(f"wrote {args.out}")

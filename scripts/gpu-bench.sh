@@ -16,8 +16,9 @@
 #
 # ($HEADS: src/lyanna/drafts/smollm2-135m-instruct/{lyanna,eagle}/model.safetensors.)
 # `run` reassembles and checks the GGUF, then, each step time-boxed so that a failure or a hang
-# costs only its own step: the bench in bfloat16 (ar, suffix, eagle, lyanna, lyanna+suffix, HF
-# generate() and its prompt lookup; Spec-Bench, 26 prompts x 128 tokens, cut by --time-limit),
+# costs only its own step: the bench in bfloat16 (ar, suffix, eagle, lyanna, lyanna+suffix;
+# Spec-Bench, 26 prompts x 128 tokens, cut by --time-limit; HF generate() and its prompt lookup
+# beside ar on 4 prompts in a step of their own),
 # where a round's time goes (scripts/count-device-ops.py: each fixed-shape call's device time and
 # the host's gap, per round, and lyanna's draft call by phase: kernels and device ms of its layers,
 # tree growth, node choice, union), fixed budgets without the fallback, the bench in float32,
@@ -26,7 +27,7 @@
 # (the default on CUDA) and eager. It is meant to fit one 10-minute
 # command (the first H200 run, with longer bench steps and no fixed-budget step, took 8 minutes);
 # BF16_S, FIXED_S, FP32_S and TESTS_S set the steps' seconds, BENCH_LIMIT and BENCH_TOKENS the bench,
-# STEPS which steps run (bf16,latency,latency-eager,tests,fp32,ops,fixed: all, in that order).
+# STEPS which steps run (bf16,latency,latency-eager,tests,fp32,ops,peers,fixed: all, in that order).
 # `local` runs the same steps here on the CPU (device cpu, a short bench) to check the script.
 #
 # Growing a self-distillation run on lent GPUs (the heads' data at scale), a session at a time:
@@ -64,7 +65,7 @@ PART_MB=${PART_MB:-47}
 PARCEL=${FIT_PARCEL:-.gpu/fit}  # a fit's parcel (prepare-fit, receive, fit); paths are from the repository root
 DATA=${DATA_PARCEL:-.gpu/data}  # what `data` needs (prepare-data)
 GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
-METHODS=${METHODS:-ar,suffix,eagle,lyanna,lyanna+suffix,hf,hf-pld}
+METHODS=${METHODS:-ar,suffix,eagle,lyanna,lyanna+suffix}
 LATENCY_DTYPE=${LATENCY_DTYPE:-bfloat16}
 
 prepare() {
@@ -145,12 +146,17 @@ measure() {  # measure DEVICE OUT LIMIT TOKENS; the headline comes first, each s
               --no-progress --json "$out/bench-float32.json" ;;
       ops) step 180 "where a round's time goes ($device, bfloat16)" "${PY:-python3}" scripts/count-device-ops.py --device "$device" \
              --dtype bfloat16 --methods "ar,suffix,eagle@16,lyanna@16" --out "$out/device-ops-bfloat16.json" ;;
+      # Hugging Face generate() and its prompt lookup beside our ar, on a few prompts: at 5-13 s a
+      # prompt on a GPU they would take the other methods' time inside one --time-limit.
+      peers) step 240 "Hugging Face generate() (bfloat16)" "${lyanna[@]}" --backend torch --device "$device" --dtype bfloat16 \
+               bench --methods ar,hf,hf-pld --limit 4 --max-new-tokens "$tokens" --no-progress \
+               --json "$out/bench-bfloat16-peers.json" ;;
       # Fixed budgets with the fallback off: what each head's trees accept and cost where a tree of
       # 64 verifies at a token's price (the auto budget and the fallback hide that when drafting loses).
       fixed) step $((FIXED_S + 120)) "fixed budgets, no fallback (bfloat16)" "${lyanna[@]}" --backend torch --device "$device" \
                --dtype bfloat16 bench --methods ar,eagle@16,lyanna@16,lyanna@64,lyanna+suffix@64 --no-fallback --limit 8 \
                --max-new-tokens 96 --time-limit "$FIXED_S" --no-progress --json "$out/bench-bfloat16-fixed.json" ;;
-      *) echo "!! unknown step $s (steps: bf16 latency latency-eager tests fp32 ops fixed)" ;;
+      *) echo "!! unknown step $s (steps: bf16 latency latency-eager tests fp32 ops peers fixed)" ;;
     esac
   done
   echo "== done $(date -u +%T)"
@@ -159,7 +165,7 @@ measure() {  # measure DEVICE OUT LIMIT TOKENS; the headline comes first, each s
 # Seconds of prompts per step (see step()); the defaults fit one 10-minute command: bf16 is the
 # headline, fp32 shows equality with ar.
 BF16_S=${BF16_S:-150} FIXED_S=${FIXED_S:-45} FP32_S=${FP32_S:-75} TESTS_S=${TESTS_S:-150}
-STEPS=${STEPS:-bf16,latency,latency-eager,tests,fp32,ops,fixed}  # which steps, in this order
+STEPS=${STEPS:-bf16,latency,latency-eager,tests,fp32,ops,peers,fixed}  # which steps, in this order
 
 prepare_data() {  # prepare_data RUN PROMPTS
   local run=${1:?usage: scripts/gpu-bench.sh prepare-data RUN PROMPTS} prompts=${2:?the prompts file of RUN}

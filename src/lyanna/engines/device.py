@@ -93,7 +93,7 @@ class DeviceEngine(TargetEngine):
         ``PendingPass``); False: every round is read before the next. Default:
         on a CUDA device, where the device runs while the host reads (elsewhere each call runs
         as it is made, so launching ahead overlaps nothing). ``compiled``: each layer's work around
-        its cache write and attention through ``torch.compile`` (``torch_layers.LayerHalves``; the
+        its attention, the cache write included, through ``torch.compile`` (``torch_layers.LayerHalves``; the
         same tokens); default: on a CUDA device, where eager mode's many small kernels set a small
         model's step time."""
         if dtype not in DTYPES:

@@ -96,13 +96,14 @@ def _qkv(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, qkv: torch.Tenso
 
 
 def _attention_inputs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, norm: torch.Tensor, qkv: torch.Tensor,
-                      qkv_bias: torch.Tensor | None, eps: float, heads: int,
-                      kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A layer's first half: the input norm, the q/k/v product and RoPE; the queries
-    ``[heads, n, head dim]`` and the rows' keys and values as one ``[2, kv heads, n, head dim]``
-    (written into the cache with one copy)."""
+                      qkv_bias: torch.Tensor | None, eps: float, heads: int, kv_heads: int, kv: torch.Tensor,
+                      slots: torch.Tensor) -> torch.Tensor:
+    """A layer's first half: the input norm, the q/k/v product and RoPE; the rows' keys and
+    values written into the cache ``kv`` at ``slots`` (compiled, in RoPE's kernel: Inductor
+    scatters into the cache in place, no copy of it); the queries ``[heads, n, head dim]``."""
     q, k, v = _qkv(rms_norm(x, norm, eps), cos, sin, qkv, qkv_bias, heads, kv_heads)
-    return q, torch.stack([k, v])
+    kv.index_copy_(2, slots, torch.stack([k, v]))
+    return q
 
 
 def _layer_rest(x: torch.Tensor, o: torch.Tensor, o_w: torch.Tensor, norm: torch.Tensor, gate_up: torch.Tensor,
@@ -115,11 +116,11 @@ def _layer_rest(x: torch.Tensor, o: torch.Tensor, o_w: torch.Tensor, norm: torch
 
 
 class LayerHalves:
-    """The two halves of a layer around its cache write and attention, run as they are or
+    """The two halves of a layer around its attention, run as they are or
     compiled (``torch.compile``: on a GPU, Inductor fuses each half's norms, RoPE, residuals
     and SiLU·mul into a few kernels around the matmuls, where eager mode launches one kernel an
-    operation). The cache write and attention stay outside: compiled code that writes into two
-    views of one slab (keys and values) would have to treat them as aliased inputs."""
+    operation). The cache write is in the first half (keys and values as one view of the slab,
+    so no two inputs alias); attention stays outside, as one fused kernel of its own."""
 
     def __init__(self, compiled: bool):
         self.compiled = compiled
@@ -156,8 +157,7 @@ def cached_layer(p: PackedLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.
     ``attention_bias``; None: all). The device engine's target layers and its draft heads' layers
     both run this; ``halves``: the layer's work around the cache eager or compiled (the same tokens)."""
     c = p.config
-    q, new = halves.first(x, cos, sin, p.input_norm, p.qkv, p.qkv_bias, p.eps, c.num_heads, c.num_kv_heads)
-    kv.index_copy_(2, slots, new)
+    q = halves.first(x, cos, sin, p.input_norm, p.qkv, p.qkv_bias, p.eps, c.num_heads, c.num_kv_heads, kv, slots)
     o = F.scaled_dot_product_attention(q[None], kv[0, None, :, :keys], kv[1, None, :, :keys], attn_mask=mask,
                                        enable_gqa=c.num_heads != c.num_kv_heads)
     return halves.second(x, o[0], p.o, p.post_norm, p.gate_up, p.down, p.eps)

@@ -5,7 +5,9 @@ target itself hesitates (a top-1 probability near the second's), a head that lea
 distribution perfectly still picks the second token about as often as it is nearly as likely, and
 a small head far more often. This measures, over greedy replies to training prompts (benchmark
 questions excluded), the target's top-1 probability and its top-1 minus top-2 margin at every
-reply position, their means and how often the margin is small.
+reply position, their means and how often the margin is small; and, for a Lyanna head's draft
+vocabulary (``--head``, default the shipped head), the share of reply tokens inside it and the
+target's probability mass inside it (a token outside is never drafted).
 
     python scripts/target-ceiling.py --prompts PROMPTS.jsonl --limit 200 --max-new-tokens 128 \
         --out docs/bench/target-ceiling.json
@@ -45,13 +47,19 @@ def main() -> int:
     ap.add_argument("--limit", type=int, default=200)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0, help="which prompts (a seeded random order)")
+    ap.add_argument("--head", type=Path, default=Path(__file__).resolve().parents[1] / "src/lyanna/drafts"
+                    / "smollm2-135m-instruct/lyanna/model.safetensors",
+                    help="a Lyanna head's model.safetensors, whose d2t is its draft vocabulary")
     ap.add_argument("--out", type=Path, required=True)
     own, engine_args = ap.parse_known_args()
     args = build_parser().parse_args([*engine_args, "bench"])
     decoder = _decoder(args)
     engine = decoder.engine
     rows = read_prompts(own.prompts, own.limit, own.seed, benchmark_prompts())
-    top1, margin = [], []
+    from safetensors.numpy import load_file
+
+    d2t = load_file(str(own.head))["d2t"] if own.head.is_file() else None
+    top1, margin, inside, mass = [], [], [], []
     for row in tqdm(rows, desc="replies", unit="prompt"):
         ids = decoder.encode(row["prompt"])
         reply = decoder.generate(ids, GenerationRequest(max_new_tokens=own.max_new_tokens), method="ar").tokens
@@ -60,9 +68,14 @@ def main() -> int:
         tokens = np.asarray([*ids, *reply[:-1]], np.int64)  # the logits before each reply token
         cache = engine.new_cache(len(tokens))
         out = engine.forward(tokens, np.arange(len(tokens)), cache, logit_rows=slice(len(ids) - 1, len(tokens)))
-        p1, m = position_stats(np.asarray(out.logits, np.float64))
+        logits = np.asarray(out.logits, np.float64)
+        p1, m = position_stats(logits)
         top1.append(p1)
         margin.append(m)
+        if d2t is not None:
+            inside.append(np.isin(np.asarray(reply), d2t))
+            z = np.exp(logits - logits.max(-1, keepdims=True))
+            mass.append(z[:, d2t].sum(-1) / z.sum(-1))
     p1, m = np.concatenate(top1), np.concatenate(margin)
     report = {
         "command": "python scripts/target-ceiling.py " + shlex.join(sys.argv[1:]),
@@ -73,6 +86,10 @@ def main() -> int:
         "share_with_margin_below": {str(t): round(float((m < t).mean()), 4) for t in MARGINS},
         "share_top1_at_least_0.9": round(float((p1 >= 0.9).mean()), 4),
     }
+    if d2t is not None:
+        report["draft_vocabulary"] = {"head": "/".join(own.head.resolve().parts[-4:]), "size": int(d2t.size),
+                                      "share_of_reply_tokens_inside": round(float(np.concatenate(inside).mean()), 4),
+                                      "mean_probability_mass_inside": round(float(np.concatenate(mass).mean()), 4)}
     own.out.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))
     return 0

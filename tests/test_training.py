@@ -251,6 +251,38 @@ def test_a_continued_fit_resumed_without_its_init_keeps_the_checkpoints_draft_vo
         np.testing.assert_array_equal(a[k], b[k], err_msg=k)
 
 
+def test_a_draft_vocabulary_sized_by_coverage_and_an_inits_coverage_reported(run_dir, tmp_path, capsys):
+    """``--draft-vocab 0.9``: as few of the most frequent target tokens as cover 90% of them (a
+    size covers less than its share one token fewer would not); the fit records its vocabulary's
+    coverage, and a fit continued from an ``--init`` head with a smaller vocabulary says how much
+    of this run's tokens that head's vocabulary holds."""
+    from lyanna.train import build_parser
+    from lyanna.training.run import coverage, draft_vocabulary
+
+    counts = np.array([5, 0, 40, 10, 25, 20])
+    assert draft_vocabulary(counts, 0.6).tolist() == [2, 4]  # 40 + 25 of 100 tokens
+    assert draft_vocabulary(counts, 0.65).tolist() == [2, 4]  # exactly reached
+    assert draft_vocabulary(counts, 0.66).tolist() == [2, 4, 5]
+    assert draft_vocabulary(counts, 3).tolist() == [2, 4, 5] and coverage(counts, [2, 4, 5]) == 0.85
+    with pytest.raises(LyannaError, match="coverage"):
+        draft_vocabulary(counts, 1.5)
+    args = ["fit", "--run-dir", "r", "--arch", "lyanna"]
+    assert build_parser().parse_args([*args, "--draft-vocab", "0.97"]).draft_vocab == 0.97
+    assert build_parser().parse_args([*args, "--draft-vocab", "4096"]).draft_vocab == 4096
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([*args, "--draft-vocab", "1.5"])
+    kw = dict(batch=2, lr=2e-3, depth=2, rank=4, eval_every=2, row_len=64)
+    wide = fit_stage.stage_fit(run_dir, "lyanna", steps=2, draft_vocab=0.9, name="cover", **kw)
+    assert 0.9 <= wide["draft_vocab_coverage"] < 0.95
+    small = fit_stage.stage_fit(run_dir, "lyanna", steps=2, draft_vocab=20, name="small", **kw)
+    export.stage_export(run_dir, "lyanna", tmp_path / "small", name="small", hot=8)
+    capsys.readouterr()
+    grown = fit_stage.stage_fit(run_dir, "lyanna", steps=1, name="grown", init=tmp_path / "small", **kw)
+    said = capsys.readouterr().out
+    assert grown["draft_vocab_coverage"] == small["draft_vocab_coverage"] < wide["draft_vocab_coverage"]
+    assert "20 tokens (the --init head's)" in said and f"{grown['draft_vocab_coverage']:.1%}" in said
+
+
 @pytest.mark.parametrize("arch", ["lyanna", "eagle"])
 def test_a_deeper_head_starts_as_its_one_layer_init_fits_and_decodes_losslessly(run_dir, tiny_model_dir, tmp_path, arch):
     """`fit --head-layers 2 --init` a one-layer head: the second layer starts by passing its input

@@ -29,6 +29,19 @@ def _taps(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"taps must be comma-separated layer indices, got {text!r}") from None
 
 
+def _draft_vocab(text: str) -> int | float:
+    """``--draft-vocab``: a token count, or a share in (0, 1) of the target tokens to cover."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a size nor a share to cover") from None
+    if value.is_integer() and value >= 1:
+        return int(value)
+    if 0.0 < value < 1.0:
+        return value
+    raise argparse.ArgumentTypeError(f"{text!r}: a size of at least 1, or a share between 0 and 1")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="lyanna train", description="Train draft heads (resumable stages).")
     sub = p.add_subparsers(dest="stage", required=True)
@@ -84,7 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--lr", type=float, default=3e-4)
     t.add_argument("--depth", type=int, default=4, help="unrolled chain steps")
     t.add_argument("--rank", type=int, default=32, help="token-info rank (lyanna)")
-    t.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary size (lyanna); eagle: the vocabulary of its classification loss")
+    t.add_argument("--draft-vocab", type=_draft_vocab, default=8192,
+                   help="draft vocabulary (lyanna; eagle: the vocabulary of its classification loss): a size (8192, "
+                        "default), or a share of the training data's target tokens to cover (0.97: as few of the most "
+                        "frequent tokens as cover it)")
     t.add_argument("--selection", default=None, help="a file name under RUN/select/ (default: all examples)")
     t.add_argument("--name", default=None, help="name of this fit under RUN/fit/ (default: the arch)")
     t.add_argument("--eval-every", type=int, default=50)

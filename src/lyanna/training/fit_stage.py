@@ -12,8 +12,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..errors import LyannaError
-from .run import (TRAINING_WEIGHTS, feature_taps, fitted_taps, head_layers_of, load_data_examples, load_examples, run_info,
-                  split_held_out, token_frequencies, training_engine)
+from .run import (TRAINING_WEIGHTS, coverage, draft_vocabulary, feature_taps, fitted_taps, head_layers_of,
+                  load_data_examples, load_examples, run_info, split_held_out, token_frequencies, training_engine)
 
 
 def _distributed() -> tuple[int, int]:
@@ -187,7 +187,7 @@ def _loss_module(fit: _Fit, depth: int, labels: str, world: int):
 
 
 def stage_fit(run: Path, arch: str, steps: int, batch: int = 8, lr: float = 3e-4, depth: int = 4, rank: int = 32,
-              draft_vocab: int = 8192, selection: str | None = None, seed: int = 0, eval_every: int = 50,
+              draft_vocab: int | float = 8192, selection: str | None = None, seed: int = 0, eval_every: int = 50,
               save_every: int = 50, name: str | None = None, row_len: int = 2048, warmup: int = 0,
               labels: str = "soft", device: str = "cpu", eval_run: Path | None = None, max_train_tokens: int | None = None,
               eval_examples: int = 64, init: Path | None = None, until: int | None = None,
@@ -288,8 +288,9 @@ def stage_fit(run: Path, arch: str, steps: int, batch: int = 8, lr: float = 3e-4
                               "pass --head-layers")
         state.setdefault("init", {"path": str(init), "settings": init_config.get("settings", {})})
     counts = token_frequencies(train, target.config.vocab_size)
-    d2t = np.argsort(-counts, kind="stable")[: min(state["settings"]["draft_vocab"], target.config.vocab_size)]
+    d2t = draft_vocabulary(counts, state["settings"]["draft_vocab"])
     head = recipe.init_head(engine, target.weights, d2t, state["settings"], start, seed)
+    _report_coverage(state, counts, getattr(head, "d2t", None), start is not None and rank_id == 0)
     if start is not None:  # a one-tap head continued on several taps keeps the projection's start (the final tap)
         head.load_state_dict({**head.state_dict(),
                               **{k: torch.from_numpy(np.asarray(v)) for k, v in start.items() if k not in recipe.EXPORT_ONLY}})
@@ -311,6 +312,20 @@ def stage_fit(run: Path, arch: str, steps: int, batch: int = 8, lr: float = 3e-4
         dist.barrier()
         dist.destroy_process_group()
     return state
+
+
+def _report_coverage(state: dict[str, Any], counts: np.ndarray, d2t: Any, inherited: bool) -> None:
+    """Record (and say) how much of this run's target tokens the head's draft vocabulary holds:
+    a token outside it is never drafted. An ``--init`` head keeps its own vocabulary, chosen on
+    its first data, which may cover less of this run's."""
+    if d2t is None:  # a head without a draft vocabulary (eagle's full one)
+        return
+    vocabulary = np.asarray(d2t.cpu() if hasattr(d2t, "cpu") else d2t)
+    state["draft_vocab_coverage"] = round(coverage(counts, vocabulary), 4)
+    if inherited:
+        print(f"draft vocabulary: {vocabulary.size} tokens (the --init head's), covering "
+              f"{state['draft_vocab_coverage']:.1%} of this run's target tokens; this run's most frequent "
+              f"{vocabulary.size} would cover {coverage(counts, draft_vocabulary(counts, vocabulary.size)):.1%}")
 
 
 def _train(fit: _Fit, train: list, held: list, steps: int, until: int | None, lr: float, warmup: int, depth: int,

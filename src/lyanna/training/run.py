@@ -191,6 +191,28 @@ def token_frequencies(examples, vocab: int) -> np.ndarray:
     return counts
 
 
+def draft_vocabulary(counts: np.ndarray, spec: int | float) -> np.ndarray:
+    """The draft vocabulary: the most frequent target tokens (``counts``), ``spec`` of them, or,
+    for ``spec`` in (0, 1), as few as cover that share of the target tokens (a token outside it
+    is never drafted, so its coverage caps every depth's agreement)."""
+    order = np.argsort(-counts, kind="stable")
+    if isinstance(spec, float):
+        if not 0.0 < spec < 1.0:
+            raise LyannaError(f"a draft vocabulary's coverage must lie in (0, 1), got {spec}")
+        covered = np.cumsum(counts[order]) / max(int(counts.sum()), 1)
+        size = int(np.searchsorted(covered, spec)) + 1
+    else:
+        if spec < 1:
+            raise LyannaError(f"a draft vocabulary needs at least one token, got {spec}")
+        size = spec
+    return order[: min(size, counts.size)]
+
+
+def coverage(counts: np.ndarray, vocabulary: np.ndarray) -> float:
+    """The share of the target tokens (``counts``) inside ``vocabulary``."""
+    return float(counts[np.asarray(vocabulary)].sum() / max(int(counts.sum()), 1))
+
+
 def write_features(out: Path, k: int, shard: list[dict[str, Any]], feats: list[np.ndarray], taps: Sequence[int]) -> None:
     """Features shard ``k``: tokens, fp16 features and assistant mask of each example, the
     shard's example ids and taps in its metadata (how a stale shard is recognized)."""

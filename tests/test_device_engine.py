@@ -364,12 +364,16 @@ def _with_heads(decoder, target):
     return decoder
 
 
+@pytest.mark.parametrize("ahead", [False, True], ids=["read", "ahead"])
 @pytest.mark.parametrize("method", ["suffix", "eagle", "eagle-device", "lyanna", "lyanna-device", "lyanna-device+suffix",
                                     "peek", "peek-device"])
-def test_greedy_on_the_device_equals_ar_there_and_the_numpy_engine(tiny, method):
+def test_greedy_on_the_device_equals_ar_there_and_the_numpy_engine(tiny, method, ahead):
     """Every method's greedy tokens are the device ``ar``'s, which are the numpy engine's; ``peek``
-    makes sure accepted and rejected nodes both go through the static cache's compaction."""
-    device = _with_heads(Decoder(tiny, engine=DeviceEngine(tiny.config, tiny.weights, DEVICE), default_drafts=False), tiny)
+    makes sure accepted and rejected nodes both go through the static cache's compaction. With
+    rounds launched ahead of the host's reading too (``pipelines``, CUDA's default), so the
+    pipelined driver's paths run here as on a GPU."""
+    engine = DeviceEngine(tiny.config, tiny.weights, DEVICE, pipelines=ahead)
+    device = _with_heads(Decoder(tiny, engine=engine, default_drafts=False), tiny)
     numpy_ar = Decoder(tiny, default_drafts=False)
     tried = accepted = 0
     for prompt in ([1, 40, 41, 42, 40, 41, 42], [1, 100, 101], list(range(3, 60))):

@@ -37,8 +37,8 @@ def record(argv: list[str]) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--no-fallback", action="store_true", help="judge drafting only by the budget")
     own, engine_args = ap.parse_known_args(argv)
-    args = build_parser().parse_args([*engine_args, "bench"])  # the engine options as `lyanna` reads them
-    decoder = _decoder(args)
+    # Not ``decoder_from_options``: this script also runs an older commit's package (same-tokens.sh).
+    decoder = _decoder(build_parser().parse_args([*engine_args, "bench"]))
     questions = load_questions(None, own.limit)
     prompts = [decoder.encode(q.prompt) for q in questions]
     req = GenerationRequest(max_new_tokens=own.max_new_tokens)

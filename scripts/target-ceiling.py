@@ -38,7 +38,7 @@ def position_stats(logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def main() -> int:
     from tqdm import tqdm
 
-    from lyanna.cli import _decoder, build_parser
+    from lyanna.cli import decoder_from_options
     from lyanna.decoding.decoder import GenerationRequest
     from lyanna.training.data import benchmark_prompts, read_prompts
 
@@ -52,8 +52,7 @@ def main() -> int:
                     help="a Lyanna head's model.safetensors, whose d2t is its draft vocabulary")
     ap.add_argument("--out", type=Path, required=True)
     own, engine_args = ap.parse_known_args()
-    args = build_parser().parse_args([*engine_args, "bench"])
-    decoder = _decoder(args)
+    decoder = decoder_from_options(engine_args)
     engine = decoder.engine
     rows = read_prompts(own.prompts, own.limit, own.seed, benchmark_prompts())
     from safetensors.numpy import load_file

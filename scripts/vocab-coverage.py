@@ -27,7 +27,7 @@ def main() -> int:
     from safetensors.numpy import load_file
     from tqdm import tqdm
 
-    from lyanna.cli import _decoder, build_parser
+    from lyanna.cli import decoder_from_options
     from lyanna.decoding.decoder import GenerationRequest
     from lyanna.training.data import benchmark_prompts, read_prompts
 
@@ -40,7 +40,7 @@ def main() -> int:
                     / "smollm2-135m-instruct/lyanna/model.safetensors")
     ap.add_argument("--out", type=Path, required=True)
     own, engine_args = ap.parse_known_args()
-    decoder = _decoder(build_parser().parse_args([*engine_args, "bench"]))
+    decoder = decoder_from_options(engine_args)
     vocab = decoder.engine.config.vocab_size
     exclude = benchmark_prompts()
     held = read_prompts(own.prompts, own.limit, 1, exclude)

@@ -221,6 +221,13 @@ def _generate(args: argparse.Namespace) -> None:
     print(_stats_line(result), file=sys.stderr)
 
 
+def decoder_from_options(options: Sequence[str]):
+    """A ``Decoder`` built from ``lyanna``'s engine options (``--model``, ``--backend``,
+    ``--device``, ``--dtype``, ...), read as ``lyanna`` reads them: for a script that takes them
+    beside its own."""
+    return _decoder(build_parser().parse_args([*options, "bench"]))
+
+
 def _decoder(args: argparse.Namespace):
     from .decoding.decoder import Decoder
     from .engines.loading import load_target

@@ -191,8 +191,11 @@ class Rounds:
 
     def plan(self, drafting: bool) -> Plan:
         """This round's ``Plan`` from the context as it stands and the gate's answer."""
-        room = self.state.tracker.max_new_tokens - len(self.state.tracker.tokens) - 1  # after the bonus token
-        return self.policy.plan(drafting, room)
+        return self.policy.plan(drafting, self._room())
+
+    def _room(self) -> int:
+        """Tokens the reply may still take after this round's bonus token."""
+        return self.state.tracker.max_new_tokens - len(self.state.tracker.tokens) - 1
 
     def draft(self, plan: Plan, t0: float) -> tuple[DraftTree | LeftTree, bool | None]:
         """The round's tree and whether the fallback judges it (None: a tree left on the device,
@@ -231,14 +234,21 @@ class Rounds:
     def launch_after(self, pending: Round, plan: Plan) -> DraftTree | LeftTree | None:
         """A tree that continues ``pending``'s outcome on the device, before the host reads it
         (None: the drafter cannot, or the plan does not draft: read ``pending`` first)."""
-        room = self.state.tracker.max_new_tokens - len(self.state.tracker.tokens) - 1 - (pending.out.levels + 1)
-        depth = min(plan.depth, room)  # if it keeps every level
-        if self.drafter.plain:  # a plain step follows as it is
-            return DraftTree.empty()
+        depth = min(plan.depth, self._room() - (pending.out.levels + 1))  # if it keeps every level
         drafter = self.drafter
+        if drafter.plain:  # a plain step follows as it is
+            return DraftTree.empty()
         if isinstance(drafter, DeviceDrafter) and plan.drafting and depth >= 1 and not plan.seen:
             return drafter.propose_after(pending.out, self.context, depth, plan.nodes)
         return None
+
+    def launch_following(self, tree: DraftTree | LeftTree, pending: Round) -> Block:
+        """The block of ``launch_after``'s tree (an empty one: a plain step), verified in its pass
+        on the device after ``pending``'s, whose bonus token is its root."""
+        left = None if isinstance(tree, DraftTree) else tree
+        return Block((), (), self.state.cache, taps=self.drafter.taps, tree=left,
+                     verification=_verification(self.state, 0 if left is None else left.nodes), ahead=True,
+                     follows=pending.out)
 
     def read(self, r: Round, handed_over: bool) -> None:
         """Read round ``r``'s outcome: verdict, commit, what the budget and fallback learn.
@@ -290,7 +300,7 @@ class Rounds:
         else:  # launched ahead: wait for it now; the device's own times where it keeps them
             out, pending = out.collect(), out
             drafted, t_pass = (on_device and tree.device_seconds()) or drafted, pending.device_seconds() or t_pass
-        if not isinstance(tree, DraftTree):  # the tree came back with the pass
+        if on_device:  # the tree came back with the pass
             tree = DraftTree.from_packed(out.tree)
             self.policy.sized(tree, drafted)
         self.state.target_passes += 1
@@ -334,12 +344,9 @@ class Rounds:
                 tree = self.launch_after(pending, self.plan(drafting))
                 if tree is not None:
                     t1 = time.perf_counter()
-                    left = None if isinstance(tree, DraftTree) else tree
-                    out = yield Block((), (), self.state.cache, taps=self.drafter.taps, tree=left,
-                                      verification=_verification(self.state, 0 if left is None else left.nodes),
-                                      ahead=True, follows=pending.out)
-                    launched = Round(tree, drafting, None if left is not None else False, -1, t0, t1,
-                                     time.perf_counter(), out)
+                    out = yield self.launch_following(tree, pending)
+                    on_device = not isinstance(tree, DraftTree)  # its size known after the pass
+                    launched = Round(tree, drafting, None if on_device else False, -1, t0, t1, time.perf_counter(), out)
                     self.read(pending, handed_over=True)  # while the device runs the round just launched
                     pending = launched
                     continue

@@ -109,6 +109,33 @@ def test_a_querys_attention_does_not_depend_on_masked_keys_after_it(cached: int,
     assert np.array_equal(attention(q, k, v, cached + 1 + extra, bias), alone)
 
 
+@pytest.mark.parametrize("hd", [64, 12])
+@pytest.mark.parametrize("cached", [3, 40])
+def test_a_tree_rows_attention_is_its_paths_attention_alone(hd: int, cached: int) -> None:
+    """Bit for bit: every row of a tree block (siblings and cousins interleaved among its
+    ancestors, rows run several to a task) gets what the same query gets alone over the
+    cache holding only its path, as after acceptance. Head sizes with and without dimensions
+    past the last full vector."""
+    rng = np.random.default_rng(hd + cached)
+    kv, groups, n = 3, 3, 13
+    parents = [-1] + [int(rng.integers(0, i)) for i in range(1, n)]
+    within = np.zeros((n, n), bool)
+    for i in range(n):
+        j = i
+        while j >= 0:
+            within[i, j], j = True, parents[j]
+    q = rng.standard_normal((n, kv * groups, hd)).astype(np.float32)
+    k = rng.standard_normal((kv, cached + n, hd)).astype(np.float32)
+    v = rng.standard_normal((kv, cached + n, hd)).astype(np.float32)
+    bias = np.zeros((n, cached + n), np.float32)
+    bias[:, cached:] = np.where(within, 0.0, -np.inf)
+    block = attention(q, k, v, cached + n, bias)
+    for i in range(n):
+        keep = np.concatenate([np.arange(cached), cached + np.flatnonzero(within[i])])
+        alone = attention(q[i : i + 1], k[:, keep], v[:, keep], keep.size, None)
+        assert np.array_equal(block[i : i + 1], alone), i
+
+
 def test_exp_nonpositive_is_float32_exp() -> None:
     """The attention kernel's own exp: within 4e-7 relative of the true value over the whole
     range a softmax meets, exactly 1 at 0, and exactly 0 for masked keys and underflow."""
@@ -120,6 +147,36 @@ def test_exp_nonpositive_is_float32_exp() -> None:
     assert np.max(np.abs(got - true) / true) < 4e-7  # a few float32 ulps (worst 3.0e-7 near -86.6)
     assert exp_nonpositive(np.float32(0.0)) == 1.0
     assert exp_nonpositive(np.float32(-np.inf)) == 0.0 and exp_nonpositive(np.float32(-88.0)) == 0.0
+
+
+def test_attention_softmax_weights_are_exp_in_vectors_and_alone() -> None:
+    """The attention kernel's vectorized softmax weights: exp(x - max) within 4e-7 relative over
+    the range a softmax meets, 0 for masked keys and underflow, and each weight the same bits
+    in a vector or in the scalar tail (rows of every length up to two vectors, and alone)."""
+    from numba import njit
+
+    from lyanna.engines.attention import _softmax_weights
+
+    @njit
+    def weights(row):
+        _softmax_weights(row, 0, row.shape[0])
+
+    xs = np.concatenate([[0.0], -np.geomspace(1e-8, 86.9, 20_000), np.linspace(-86.9, 0, 20_001),
+                         [-np.inf, -88.0, -1e30]]).astype(np.float32)
+    got = xs.copy()
+    weights(got)
+    true = np.exp(xs.astype(np.float64))
+    live = xs >= -87
+    assert np.max(np.abs(got[live] - true[live]) / true[live]) < 4e-7 and got[0] == 1.0
+    assert np.all(got[-3:] == 0.0)
+    for size in range(1, 34):
+        row = np.concatenate([[0.0], xs[1 : size]]).astype(np.float32)
+        weights(row)
+        assert np.array_equal(row, got[:size]), size
+    for x in xs[1:200]:
+        alone = np.array([0.0, x], np.float32)
+        weights(alone)
+        assert alone[1] == got[np.flatnonzero(xs == x)[0]]
 
 
 @pytest.mark.parametrize("n", [48, 61, 130])

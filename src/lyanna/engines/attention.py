@@ -9,7 +9,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .kernels import _FAST, LANES, _aligned, _launch, exp_nonpositive, ir_muladd, ir_splat
+from .kernels import _EXP_FLOOR, _FAST, _LN2_HI, _LN2_LO, _LOG2E, LANES, _aligned, _launch, ir_muladd, ir_splat
 
 
 def prefill_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, bias: np.ndarray) -> np.ndarray:
@@ -38,87 +38,300 @@ def prefill_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, b
     return out.view(kv, groups, n, hd).permute(2, 0, 1, 3).reshape(n, heads * hd).numpy()
 
 
-_PV_VECTORS = 4  # accumulators per pass over the keys: 64 dimensions of a head on AVX-512
+_PV_VECTORS = 4  # accumulators per query and pass over the keys: 64 dimensions of a head on AVX-512
+QUERIES = 4  # query rows of one head per task: they share each key's and value's loads
+_KEYS = 8  # keys scored together: 8 lanes of a 256-bit vector, one key's dot product per lane
+
+
+def _reduce_pairs(b: ir.IRBuilder, x: ir.Value, y: ir.Value) -> ir.Value:
+    """Neighbouring lanes of ``x`` and ``y`` added per 128-bit half (``vhaddps``'s rule):
+    ``[x0+x1, x2+x3, y0+y1, y2+y3, x4+x5, x6+x7, y4+y5, y6+y7]``."""
+    i32 = ir.IntType(32)
+    pick = lambda idx: b.shuffle_vector(x, y, ir.Constant(ir.VectorType(i32, 8), idx))  # noqa: E731
+    return b.fadd(pick([0, 2, 8, 10, 4, 6, 12, 14]), pick([1, 3, 9, 11, 5, 7, 13, 15]))
+
+
+class _Scores:
+    """The IR of ``_dot_keys`` (see there)."""
+
+    def __init__(self, context, builder, signature, args):
+        self.b = b = builder
+        self.qp, self.kp, self.sp = (context.make_array(signature.args[i])(context, b, args[i]).data for i in (0, 4, 8))
+        self.qoff, self.qstride, self.nq, self.koff, self.hd, self.nkeys, self.sstride = (args[i] for i in (1, 2, 3, 5, 6, 7, 9))
+        self.intp, self.i32 = self.qoff.type, ir.IntType(32)
+        self.v8 = ir.VectorType(ir.FloatType(), 8)
+        self.full = b.mul(b.sdiv(self.hd, self.intp(8)), self.intp(8))  # dimensions in whole vectors of 8
+
+    def _at(self, base, offset):
+        return self.b.bitcast(self.b.gep(base, [offset]), self.v8.as_pointer())
+
+    def _pick(self, x, y, idx):
+        return self.b.shuffle_vector(x, y, ir.Constant(ir.VectorType(self.i32, len(idx)), idx))
+
+    def lane_sums(self, query, keys):
+        """The 8 lane sums of each of ``keys`` with query ``query`` over dimensions [0, full)."""
+        b, intp, v8 = self.b, self.intp, self.v8
+        muladd = ir_muladd(b, v8)
+        entry = b.block
+        body, done = b.append_basic_block("dims.body"), b.append_basic_block("dims.done")
+        zero = ir.Constant(v8, [0.0] * 8)
+        b.cbranch(b.icmp_signed(">", self.full, intp(0)), body, done)
+        b.position_at_end(body)
+        d = b.phi(intp)
+        d.add_incoming(intp(0), entry)
+        acc = [b.phi(v8) for _ in keys]
+        for a in acc:
+            a.add_incoming(zero, entry)
+        qv = b.load(self._at(self.qp, b.add(query, d)), align=4)
+        new = [muladd(qv, b.load(self._at(self.kp, b.add(b.add(self.koff, b.mul(key, self.hd)), d)), align=4), a)
+               for key, a in zip(keys, acc)]
+        d_next = b.add(d, intp(8))
+        d.add_incoming(d_next, b.block)
+        for a, x in zip(acc, new):
+            a.add_incoming(x, b.block)
+        b.cbranch(b.icmp_signed("<", d_next, self.full), body, done)
+        b.position_at_end(done)
+        sums = [b.phi(v8) for _ in keys]
+        for total, x in zip(sums, new):
+            total.add_incoming(zero, entry)
+            total.add_incoming(x, body)
+        return sums
+
+    def store(self, query, out, key, total) -> None:
+        """``total`` plus the dimensions past ``full`` in order, at ``s[out + key]``."""
+        b, intp = self.b, self.intp
+        row = b.add(self.koff, b.mul(key, self.hd))
+        slot = cgutils.alloca_once_value(b, total)
+        with cgutils.for_range_slice(b, self.full, self.hd, intp(1)) as (d, _):
+            qd, kd = b.load(b.gep(self.qp, [b.add(query, d)])), b.load(b.gep(self.kp, [b.add(row, d)]))
+            b.store(ir_muladd(b, ir.FloatType())(qd, kd, b.load(slot)), slot)
+        b.store(b.load(slot), b.gep(self.sp, [b.add(out, key)]))
+
+    def eight_keys(self, j) -> None:
+        """Keys j .. j + 7 for every query: eight lane sums reduced together."""
+        b, intp = self.b, self.intp
+        keys = [b.add(j, intp(i)) for i in range(_KEYS)]
+        with cgutils.for_range(b, self.nq) as loop:
+            query, out = b.add(self.qoff, b.mul(loop.index, self.qstride)), b.mul(loop.index, self.sstride)
+            a = self.lane_sums(query, keys)
+            h = [_reduce_pairs(b, a[2 * i], a[2 * i + 1]) for i in range(4)]
+            h = [_reduce_pairs(b, h[0], h[1]), _reduce_pairs(b, h[2], h[3])]
+            scores = b.fadd(self._pick(h[0], h[1], [0, 1, 2, 3, 8, 9, 10, 11]), self._pick(h[0], h[1], [4, 5, 6, 7, 12, 13, 14, 15]))
+            with b.if_else(b.icmp_signed("==", self.full, self.hd)) as (exact, longer):
+                with exact:  # no dimensions past the last full 8: the scores as they are
+                    b.store(scores, self._at(self.sp, b.add(out, j)), align=4)
+                with longer:
+                    for i, key in enumerate(keys):
+                        self.store(query, out, key, b.extract_element(scores, self.i32(i)))
+
+    def one_key(self, key) -> None:
+        """Key ``key`` for every query, by the same rule."""
+        b = self.b
+        with cgutils.for_range(b, self.nq) as loop:
+            query, out = b.add(self.qoff, b.mul(loop.index, self.qstride)), b.mul(loop.index, self.sstride)
+            (v,) = self.lane_sums(query, [key])
+            quad = b.fadd(self._pick(v, v, [0, 2, 4, 6]), self._pick(v, v, [1, 3, 5, 7]))
+            pair = b.fadd(self._pick(quad, quad, [0, 2]), self._pick(quad, quad, [1, 3]))
+            self.store(query, out, key, b.fadd(b.extract_element(pair, self.i32(0)), b.extract_element(pair, self.i32(1))))
+
+    def emit(self) -> None:
+        b, intp = self.b, self.intp
+        groups = b.mul(b.sdiv(self.nkeys, intp(_KEYS)), intp(_KEYS))
+        with cgutils.for_range_slice(b, intp(0), groups, intp(_KEYS)) as (j, _):
+            self.eight_keys(j)
+        with cgutils.for_range_slice(b, groups, self.nkeys, intp(1)) as (key, _):
+            self.one_key(key)
 
 
 @intrinsic
-def _weighted_rows(typingctx, p, v, voff, n, hd, out, ooff, scale):
-    """``out[ooff + e] = scale * sum(p[j] * v[voff + j * hd + e] for j < n if p[j] != 0)`` for
-    e < hd, keys in order, as one ``fma`` per term (``v``, ``out``: C-contiguous float32).
+def _dot_keys(typingctx, q, qoff, qstride, nq, k, koff, hd, nkeys, s, sstride):
+    """For each query r < nq: ``s[r * sstride + j] = q[qoff + r * qstride : ... + hd] .
+    k[koff + j * hd : ... + hd]`` for j < nkeys, each in one fixed order whatever ``nkeys`` and
+    ``nq`` are: lane l of 8 adds dimensions l, l + 8, ... by fused multiply-adds, the lanes are
+    added pairwise ``((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7))``, then any dimensions past the last
+    full 8 in order. Eight keys at a time share one transposing reduction (``_reduce_pairs``), so
+    a score costs its multiply-adds and about one more vector operation (a dot product per key
+    reduced its lanes alone); every query meets the eight keys while they are in L1. Keys past
+    the last full eight go one by one by the same rule."""
+    def codegen(context, builder, signature, args):
+        _Scores(context, builder, signature, args).emit()
+        return context.get_dummy_value()
+
+    return types.void(q, qoff, qstride, nq, k, koff, hd, nkeys, s, sstride), codegen
 
 
-    Why IR: the same sum written as a numba loop keeps the head's accumulator in memory, a load
-    and a store per key and vector, and was two thirds of the attention kernel's time. Here the
-    accumulators of up to ``_PV_VECTORS`` vectors stay in registers across the keys, which was
-    faster for tree blocks and long prompts alike on the 2-core AMD EPYC (2026-11-23). The terms
-    are those of that loop in the same order (keys
-    of weight 0 are skipped, not added), so a row gets the same bits alone, in a batch or in a tree
-    block whose other keys it cannot see."""
-    if not (isinstance(v, types.Array) and isinstance(out, types.Array) and v.layout == "C" and out.layout == "C"):
-        return None
+def _ir_exp(b: ir.IRBuilder, x: ir.Value) -> ir.Value:
+    """``kernels.exp_nonpositive``'s arithmetic on ``x`` (float32 or a vector of them), with
+    every multiply-add an explicit ``fma``: a lane of a vector and the same value alone get the
+    same bits (no contraction left to the compiler), 0 below -87 and for -inf."""
+    kind = x.type
+    lanes = kind.count if isinstance(kind, ir.VectorType) else 1
+    c = lambda v: ir_splat(b, ir.Constant(ir.FloatType(), float(v)), kind)  # noqa: E731
+    fma = cgutils.get_or_insert_function(b.module, ir.FunctionType(kind, [kind] * 3),
+                                         f"llvm.fma.v{lanes}f32" if lanes > 1 else "llvm.fma.f32")
+    floor = cgutils.get_or_insert_function(b.module, ir.FunctionType(kind, [kind]),
+                                           f"llvm.floor.v{lanes}f32" if lanes > 1 else "llvm.floor.f32")
+    n = b.call(floor, [b.call(fma, [x, c(_LOG2E), c(0.5)])])
+    neg = b.fneg(n)
+    r = b.call(fma, [neg, c(_LN2_LO), b.call(fma, [neg, c(_LN2_HI), x])])
+    poly = c(1.0 / 5040.0)
+    for coef in (1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0):
+        poly = b.call(fma, [poly, r, c(coef)])
+    ints = ir.VectorType(ir.IntType(32), lanes) if lanes > 1 else ir.IntType(32)
+    bias = ir_splat(b, ir.IntType(32)(127), ints)
+    safe = b.select(b.fcmp_ordered(">=", x, c(_EXP_FLOOR)), n, c(0.0))  # -inf and far below: any exponent, unused
+    two_n = b.bitcast(b.shl(b.add(b.fptosi(safe, ints), bias), ir_splat(b, ir.IntType(32)(23), ints)), kind)
+    return b.select(b.fcmp_ordered(">=", x, c(_EXP_FLOOR)), b.fmul(poly, two_n), c(0.0))
 
 
+@intrinsic
+def _softmax_weights(typingctx, p, off, n):
+    """``p[off + j] = exp(p[off + j] - max(p[off : off + n]))`` for j < n by ``_ir_exp``, in
+    vectors of ``LANES`` then one by one (the same bits either way). Why IR: numba's loop did
+    not vectorize the maximum or the exponential, and together they were a third of a 64-row
+    block's attention."""
     def codegen(context, builder, signature, args):
         b = builder
-        pp, vp, op = (context.make_array(signature.args[i])(context, builder, args[i]).data for i in (0, 1, 5))
-        voff, n, hd, ooff, scale = (args[i] for i in (2, 3, 4, 6, 7))
-        intp, f32 = voff.type, ir.FloatType()
+        pp = context.make_array(signature.args[0])(context, builder, args[0]).data
+        off, n = args[1], args[2]
+        intp, f32, i32 = off.type, ir.FloatType(), ir.IntType(32)
+        vec = ir.VectorType(f32, LANES)
+        at = lambda j, kind: b.bitcast(b.gep(pp, [b.add(off, j)]), kind.as_pointer())  # noqa: E731
+        vmax = cgutils.get_or_insert_function(b.module, ir.FunctionType(vec, [vec, vec]), f"llvm.maxnum.v{LANES}f32")
+        smax = cgutils.get_or_insert_function(b.module, ir.FunctionType(f32, [f32, f32]), "llvm.maxnum.f32")
+        full = b.mul(b.sdiv(n, intp(LANES)), intp(LANES))
+        top_v = cgutils.alloca_once_value(b, ir_splat(b, f32(float("-inf")), vec))
+        with cgutils.for_range_slice(b, intp(0), full, intp(LANES)) as (j, _):
+            b.store(b.call(vmax, [b.load(top_v), b.load(at(j, vec), align=4)]), top_v)
+        top = cgutils.alloca_once_value(b, f32(float("-inf")))
+        for lane in range(LANES):  # a maximum is exact in any order
+            b.store(b.call(smax, [b.load(top), b.extract_element(b.load(top_v), i32(lane))]), top)
+        with cgutils.for_range_slice(b, full, n, intp(1)) as (j, _):
+            b.store(b.call(smax, [b.load(top), b.load(at(j, f32))]), top)
+        shift = b.load(top)
+        with cgutils.for_range_slice(b, intp(0), full, intp(LANES)) as (j, _):
+            x = b.fsub(b.load(at(j, vec), align=4), ir_splat(b, shift, vec))
+            b.store(_ir_exp(b, x), at(j, vec), align=4)
+        with cgutils.for_range_slice(b, full, n, intp(1)) as (j, _):
+            b.store(_ir_exp(b, b.fsub(b.load(at(j, f32)), shift)), at(j, f32))
+        return context.get_dummy_value()
+
+    return types.void(p, off, n), codegen
 
 
-        def pass_over_keys(e, kind, width: int) -> None:
-            """Dimensions [e, e + width * lanes of ``kind``) of the weighted sum."""
-            lanes = kind.count if isinstance(kind, ir.VectorType) else 1
-            muladd = ir_muladd(b, kind)
+class _Weighted:
+    """The IR of ``_weighted_rows`` (see there)."""
 
+    def __init__(self, context, builder, signature, args):
+        self.b = b = builder
+        self.pp, self.vp, self.op, self.scp = (context.make_array(signature.args[i])(context, b, args[i]).data
+                                               for i in (0, 3, 7, 10))
+        self.pstride, self.nq, self.voff, self.n, self.hd, self.ooff, self.ostride = (args[i] for i in (1, 2, 4, 5, 6, 8, 9))
+        self.intp = self.voff.type
 
-            def at(base, offset):
-                return b.bitcast(b.gep(base, [offset]), kind.as_pointer())
-
-
-            zero = ir.Constant(kind, [0.0] * lanes if lanes > 1 else 0.0)
-            entry = b.block
-            body, done = b.append_basic_block("keys.body"), b.append_basic_block("keys.done")
-            b.cbranch(b.icmp_signed(">", n, intp(0)), body, done)
-            b.position_at_end(body)
-            j = b.phi(intp)
-            j.add_incoming(intp(0), entry)
-            acc = [b.phi(kind) for _ in range(width)]
-            for a in acc:
-                a.add_incoming(zero, entry)
-            pj = b.load(b.gep(pp, [j]))
-            weighs = b.fcmp_ordered("!=", pj, ir.Constant(f32, 0.0))
-            pv = ir_splat(b, pj, kind)
-            row = b.add(b.add(voff, b.mul(j, hd)), e)
-            new = [b.select(weighs, muladd(pv, b.load(at(vp, b.add(row, intp(r * lanes))), align=4), acc[r]), acc[r])
-                   for r in range(width)]
-            j_next = b.add(j, intp(1))
-            j.add_incoming(j_next, b.block)
-            for a, x in zip(acc, new):
+    def pass_over_keys(self, e, kind, width: int, queries: int) -> None:
+        """Dimensions [e, e + width * lanes of ``kind``) of the weighted sums of ``queries``."""
+        b, intp, n = self.b, self.intp, self.n
+        lanes = kind.count if isinstance(kind, ir.VectorType) else 1
+        muladd = ir_muladd(b, kind)
+        at = lambda base, offset: b.bitcast(b.gep(base, [offset]), kind.as_pointer())  # noqa: E731
+        zero = ir.Constant(kind, [0.0] * lanes if lanes > 1 else 0.0)
+        entry = b.block
+        body, done = b.append_basic_block("keys.body"), b.append_basic_block("keys.done")
+        b.cbranch(b.icmp_signed(">", n, intp(0)), body, done)
+        b.position_at_end(body)
+        j = b.phi(intp)
+        j.add_incoming(intp(0), entry)
+        acc = [[b.phi(kind) for _ in range(width)] for _ in range(queries)]
+        for a in (x for row in acc for x in row):
+            a.add_incoming(zero, entry)
+        row = b.add(b.add(self.voff, b.mul(j, self.hd)), e)
+        vals = [b.load(at(self.vp, b.add(row, intp(w * lanes))), align=4) for w in range(width)]
+        new = []
+        for r in range(queries):
+            pv = ir_splat(b, b.load(b.gep(self.pp, [b.add(b.mul(intp(r), self.pstride), j)])), kind)
+            new.append([muladd(pv, vals[w], acc[r][w]) for w in range(width)])
+        j_next = b.add(j, intp(1))
+        j.add_incoming(j_next, b.block)
+        for r in range(queries):
+            for a, x in zip(acc[r], new[r]):
                 a.add_incoming(x, b.block)
-            b.cbranch(b.icmp_signed("<", j_next, n), body, done)
-            b.position_at_end(done)
-            sums = [b.phi(kind) for _ in range(width)]
-            for total, x in zip(sums, new):
+        b.cbranch(b.icmp_signed("<", j_next, n), body, done)
+        b.position_at_end(done)
+        totals = [[b.phi(kind) for _ in range(width)] for _ in range(queries)]  # phis first in a block
+        for r in range(queries):
+            for total, x in zip(totals[r], new[r]):
                 total.add_incoming(zero, entry)
                 total.add_incoming(x, body)
-            for r, total in enumerate(sums):
-                b.store(b.fmul(total, ir_splat(b, scale, kind)), at(op, b.add(b.add(ooff, e), intp(r * lanes))), align=4)
+        for r in range(queries):
+            scale = ir_splat(b, b.load(b.gep(self.scp, [intp(r)])), kind)
+            for w, total in enumerate(totals[r]):
+                dst = b.add(b.add(b.add(self.ooff, b.mul(intp(r), self.ostride)), e), intp(w * lanes))
+                b.store(b.fmul(total, scale), at(self.op, dst), align=4)
 
-
-        vector = ir.VectorType(f32, LANES)
+    def emit(self) -> None:
+        """A switch on the number of queries, each case over the head's dimensions."""
+        b, intp, hd = self.b, self.intp, self.hd
+        vector = ir.VectorType(ir.FloatType(), LANES)
         wide, one = intp(_PV_VECTORS * LANES), intp(LANES)
         wide_end = b.mul(b.sdiv(hd, wide), wide)
         vector_end = b.add(wide_end, b.mul(b.sdiv(b.sub(hd, wide_end), one), one))
-        with cgutils.for_range_slice(b, intp(0), wide_end, wide) as (e, _):
-            pass_over_keys(e, vector, _PV_VECTORS)
-        with cgutils.for_range_slice(b, wide_end, vector_end, one) as (e, _):
-            pass_over_keys(e, vector, 1)
-        with cgutils.for_range_slice(b, vector_end, hd, intp(1)) as (e, _):  # a head_dim not a multiple of LANES
-            pass_over_keys(e, f32, 1)
+        merge = b.append_basic_block("queries.end")
+        switch = b.switch(self.nq, merge)
+        for queries in range(1, QUERIES + 1):
+            case = b.append_basic_block(f"queries{queries}")
+            switch.add_case(self.nq.type(queries), case)
+            b.position_at_end(case)
+            with cgutils.for_range_slice(b, intp(0), wide_end, wide) as (e, _):
+                self.pass_over_keys(e, vector, _PV_VECTORS, queries)
+            with cgutils.for_range_slice(b, wide_end, vector_end, one) as (e, _):
+                self.pass_over_keys(e, vector, 1, queries)
+            with cgutils.for_range_slice(b, vector_end, hd, intp(1)) as (e, _):  # a head_dim not a multiple of LANES
+                self.pass_over_keys(e, ir.FloatType(), 1, queries)
+            b.branch(merge)
+        b.position_at_end(merge)
+
+
+@intrinsic
+def _weighted_rows(typingctx, p, pstride, nq, v, voff, n, hd, out, ooff, ostride, scales):
+    """For each query r < nq (1..``QUERIES``): ``out[ooff + r * ostride + e] = scales[r] *
+    sum(p[r * pstride + j] * v[voff + j * hd + e] for j < n)`` for e < hd, keys in order, one
+    ``fma`` per term, starting from +0 (``v``, ``out``: C-contiguous float32).
+
+    Why IR: numba's loop keeps the accumulators in memory; here the accumulators of every query
+    stay in registers across the keys and each value vector is loaded once for all of them. A
+    key of weight 0 (masked, or past a query's last visible key) adds ``0 * v``: the sum is the
+    same bits as without that key (an exact 0 added to a nonzero sum leaves it; added to +0, the
+    only zero a sum from +0 can reach, it gives +0), so a row gets the same numbers alone, in a
+    batch or in a tree block whose other keys it cannot see."""
+    if not (isinstance(v, types.Array) and isinstance(out, types.Array) and v.layout == "C" and out.layout == "C"):
+        return None
+
+    def codegen(context, builder, signature, args):
+        _Weighted(context, builder, signature, args).emit()
         return context.get_dummy_value()
 
+    return types.void(p, pstride, nq, v, voff, n, hd, out, ooff, ostride, scales), codegen
 
-    return types.void(p, v, voff, n, hd, out, ooff, scale), codegen
+
+@njit(cache=True, nogil=True)
+def _row_chunks(span_of: np.ndarray) -> np.ndarray:  # pragma: no cover - compiled
+    """Start of each run of up to ``QUERIES`` consecutive rows of one span (rows of span -1
+    skipped), and the end of the last, as one array of bounds."""
+    bounds = [0]
+    bounds.clear()
+    i, n = 0, span_of.shape[0]
+    while i < n:
+        if span_of[i] < 0:
+            i += 1
+            continue
+        j = i + 1
+        while j < n and j - i < QUERIES and span_of[j] == span_of[i]:
+            j += 1
+        bounds.append(i)
+        bounds.append(j)
+        i = j
+    return np.array(bounds, np.int64).reshape(-1, 2)
 
 
 @njit(parallel=True, fastmath=_FAST, cache=True, nogil=True)
@@ -127,44 +340,49 @@ def _attention_kernel(q: np.ndarray, ks, vs, layer: int, span_of: np.ndarray, lo
     """Row ``i`` of ``q`` belongs to span ``span_of[i]`` (-1: skipped) and attends to keys
     [0, ends[s]) of layer ``layer`` of that span's caches ``ks[s]``/``vs[s]`` ([layers, kv_heads,
     capacity, head_dim]; tuples or typed lists: one launch for every sequence of a batch), plus its
-    row of the span's additive mask when ``bias_at[s] >= 0``."""
+    row of the span's additive mask when ``bias_at[s] >= 0``. One task per head and run of up to
+    ``QUERIES`` rows of a span: the run's rows share each key's and value's loads."""
     n, heads, hd = q.shape
     groups = heads // ks[0].shape[1]
-    for t in prange(n * heads):
-        i = t // heads
-        s = span_of[i]
-        if s < 0:
-            continue
+    chunks = _row_chunks(span_of)
+    for t in prange(chunks.shape[0] * heads):
+        r0, r1 = chunks[t // heads, 0], chunks[t // heads, 1]
         h = t % heads
-        g = h // groups
+        s = span_of[r0]
         k = ks[s][layer]
         v = vs[s][layer]
-        end = ends[s]
+        g = h // groups
         masked = bias_at[s] >= 0
-        row_bias = bias_at[s] + (i - lo[s]) * end
-        if masked:  # keys after the row's last visible one weigh exactly 0: skip them (half of a causal block)
-            while end > 1 and bias[row_bias + end - 1] == -np.inf:
-                end -= 1
-        scores = np.empty(end, np.float32)
-        top = -np.inf
-        for j in range(end):
-            sc = np.float32(0.0)
-            for d in range(hd):
-                sc += q[i, h, d] * k[g, j, d]
+        last = np.empty(r1 - r0, np.int64)
+        for r in range(r1 - r0):
+            end = ends[s]
+            if masked:  # keys after the row's last visible one weigh exactly 0: skip them (half of a causal block)
+                row_bias = bias_at[s] + (r0 + r - lo[s]) * ends[s]
+                while end > 1 and bias[row_bias + end - 1] == -np.inf:
+                    end -= 1
+            last[r] = end
+        width = last.max()
+        p = np.empty((r1 - r0, width), np.float32)
+        inv = np.empty(r1 - r0, np.float32)
+        _dot_keys(q, (r0 * heads + h) * hd, heads * hd, r1 - r0, k, g * k.shape[1] * hd, hd, width, p, width)
+        for r in range(r1 - r0):
+            i, end = r0 + r, last[r]
+            for j in range(end, width):
+                p[r, j] = 0.0
             if masked:
-                sc += bias[row_bias + j]
-            scores[j] = sc
-            top = max(top, sc)
-        for j in range(end):
-            scores[j] = exp_nonpositive(scores[j] - top)  # masked keys (-inf) get exactly 0
-        # The vectorized sum visits keys in an order that depends on how many there are; in
-        # float64 that order no longer shows once rounded to float32, so a query gets the same
-        # denominator alone, in a tree block whose later keys it cannot see, or in a batch.
-        total64 = 0.0
-        for j in range(end):
-            total64 += np.float64(scores[j])
-        inv = np.float32(1.0) / np.float32(total64)
-        _weighted_rows(scores, v, g * v.shape[1] * hd, end, hd, out, i * out.shape[1] + h * hd, inv)
+                row_bias = bias_at[s] + (i - lo[s]) * ends[s]
+                for j in range(end):
+                    p[r, j] += bias[row_bias + j]
+            _softmax_weights(p, r * width, end)  # masked keys (-inf) get exactly 0
+            # The vectorized sum visits keys in an order that depends on how many there are; in
+            # float64 that order no longer shows once rounded to float32, so a query gets the same
+            # denominator alone, in a tree block whose later keys it cannot see, or in a batch.
+            total64 = 0.0
+            for j in range(end):
+                total64 += np.float64(p[r, j])
+            inv[r] = np.float32(1.0) / np.float32(total64)
+        _weighted_rows(p, width, r1 - r0, v, g * v.shape[1] * hd, width, hd, out, r0 * out.shape[1] + h * hd,
+                       out.shape[1], inv)
 
 
 class AttentionSpan(NamedTuple):

@@ -37,7 +37,7 @@ def inputs(rows: int, k: int, seed: int) -> np.ndarray:
 @pytest.mark.parametrize("path", intdot.PATHS)
 @pytest.mark.parametrize("kind", ["Q4_1", "Q4_0", "Q8_0"])
 @pytest.mark.parametrize("shape,half", [((8, 32), False), ((64, 96), False), ((1040, 608), False), ((64, 96), True),
-                                        ((1040, 608), True)])
+                                        ((1040, 608), True), ((24, 64), True)])
 def test_each_path_equals_the_reference(path, kind, shape, half):
     d, m, q = matrix(kind, *shape, seed=1, half=half)
     packed = intdot.pack(d, m, q)
@@ -45,6 +45,8 @@ def test_each_path_equals_the_reference(path, kind, shape, half):
     assert (packed[1].shape[2] == 0) == (kind != "Q4_1")  # an all-zero m is left out
     if shape[0] == 1040:  # enough tiles for the many-tile row group (``MANY_TILES``), groups crossed by ROWS
         assert packed[2].shape[0] >= intdot.MANY_TILES
+    else:  # few tiles: blocks of TILE_MIN_ROWS rows and more take the tile kernel (24: a chunk of one vector)
+        assert packed[2].shape[0] < intdot.MANY_TILES and intdot.TILE_MIN_ROWS <= max(ROWS)
     x = inputs(max(ROWS), shape[1], seed=2)
     want = intdot.reference(x, d, m, q)
     for rows in ROWS:

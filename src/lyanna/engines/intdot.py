@@ -44,8 +44,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from .intdot_ir import (ALL_PATHS, BYTE_BYTES, GROUP, HAS_512, HAS_AVX2, HAS_F16C, HAS_VNNI, MANY_TILES,  # noqa: F401
-                        MANY_TILES_GROUP, MAX_TILE, NIBBLE_BYTES, OUT, PATHS, PREFETCH_BYTES, QK, _block_avx2,
-                        _block_portable, _block_vnni)
+                        MANY_TILES_GROUP, MAX_TILE, NIBBLE_BYTES, OUT, PATHS, PREFETCH_BYTES, QK, TILE_GROUP,
+                        TILE_MIN_ROWS, _block_avx2, _block_portable, _block_vnni, _tile_avx2, _tile_portable, _tile_vnni)
 from .kernels import ir_splat
 
 
@@ -149,6 +149,21 @@ def int_linear_kernel(x, d, m, q, out, path):  # pragma: no cover - compiled
     xq, dx, xs = quantize_rows(x)
     flat, xflat, dflat, sflat = q.reshape(-1), xq.reshape(-1), dx.reshape(-1), xs.reshape(-1)
     width = out.shape[1]
+    if rows >= TILE_MIN_ROWS and tiles < MANY_TILES:  # see intdot_ir.TILE_MIN_ROWS
+        for c in prange(tiles):
+            i = 0
+            while i < rows:
+                group = min(TILE_GROUP, rows - i)
+                args = (flat, c * nb * nvec * q.shape[3], nvec, nibbles, xflat, i * k, k, dflat, sflat, i * nb, nb, d, m,
+                        c * nb * tw, out, i * width + c * tw, width, group, 0, offsets)
+                if path == 0:
+                    _tile_vnni(*args)
+                elif path == 1:
+                    _tile_avx2(*args)
+                else:
+                    _tile_portable(*args)
+                i += group
+        return
     for c in prange(tiles):
         out[:, c * tw : (c + 1) * tw] = 0
         for b in range(nb):

@@ -7,13 +7,21 @@ logits for every row as verification needs, in a child process: a native build t
 SIGILL on an AMX host leaves its reason in the JSON's ``llamacpp`` and the other rows intact).
 Also each block's cost in one-token steps. Each engine's row is the fastest of ``ROUNDS``
 interleaved measurements, size by size.
-Writes docs/bench/blocks.json. Usage: .venv/bin/python scripts/measure-blocks.py
+
+``--against DIR``: also the default engine (``ours-gguf``) of another checkout of this repository
+(e.g. ``git worktree add /tmp/before <commit>``), in a child process that imports that checkout's
+``src`` each round, interleaved with ours: a change's speed measured beside what it changed, on
+the same host at the same time (row ``ours-gguf@<commit>``).
+Writes docs/bench/blocks.json. Usage: .venv/bin/python scripts/measure-blocks.py [--against DIR]
 """
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import os
+import subprocess
+import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -53,12 +61,40 @@ def llamacpp_ms(gguf: Path, vocab: int) -> list[float]:
     return out
 
 
+_AGAINST = """
+import json
+from lyanna.decoding.budget import calibrate
+from lyanna.engines.loading import load_target
+from lyanna.engines.transformer import Transformer
+target = load_target({model!r}, weight_format="gguf")
+engine = Transformer(target.config, target.weights)
+curve = calibrate(engine, {model!r}, sizes={sizes!r}, context={context!r}, repeats={repeats!r})
+print(json.dumps([round(s * 1e3, 2) for s in curve.seconds]))
+"""
+
+
+def against_ms(checkout: Path) -> list[float]:
+    """The default engine's row of ms in a child that imports ``checkout``'s package."""
+    code = _AGAINST.format(model=DEFAULT_MODEL, sizes=SIZES, context=CONTEXT, repeats=REPEATS)
+    env = dict(os.environ, PYTHONPATH=str(checkout / "src"))
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def commit_of(checkout: Path) -> str:
+    return subprocess.run(["git", "-C", str(checkout), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
 def fastest(kept: list[float] | None, new: list[float]) -> list[float]:
     """Size by size, the faster of two rows of ms (``kept`` None: the new row)."""
     return new if kept is None else [min(a, b) for a, b in zip(kept, new)]
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--against", type=Path, help="another checkout of this repository to measure beside ours")
+    args = parser.parse_args()
     kernels = {}
     default_path = intdot.PATH
     # The default engine on each integer path this CPU runs (the same bits, different instructions).
@@ -82,6 +118,10 @@ def main() -> None:
             intdot.PATH = path
             curve = calibrate(engine, DEFAULT_MODEL, sizes=SIZES, context=CONTEXT, repeats=REPEATS)
             ms[name] = fastest(ms.get(name), [round(s * 1e3, 2) for s in curve.seconds])
+        if args.against is not None:
+            name = f"ours-gguf@{commit_of(args.against)}"
+            ms[name] = fastest(ms.get(name), against_ms(args.against.resolve()))
+            kernels[name] = kernels["ours-gguf"]
         if llamacpp_failed is None:  # in a child (loading the model each round, as before): a crash kills only it
             try:
                 row = call_in_child(llamacpp_ms, gguf, vocab, kind="llamacpp", hint=LLAMACPP_HINT)
@@ -90,7 +130,8 @@ def main() -> None:
                 llamacpp_failed = f"round {i + 1} of {ROUNDS}: {e}"  # rounds before it stay in ms
     intdot.PATH = default_path
     report = {
-        "command": "python scripts/measure-blocks.py",
+        "command": "python scripts/measure-blocks.py" + (" --against CHECKOUT" if args.against else ""),
+        "commit": commit_of(Path(__file__).resolve().parent.parent),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": machine_info(),
         "model": DEFAULT_MODEL,

@@ -7,7 +7,7 @@ import pytest
 
 from lyanna.engines import intdot
 
-ROWS = (1, 2, 3, 7, 8, 9, 16, 33)
+ROWS = (1, 2, 3, 7, 8, 9, 14, 15, 16, 33)  # 12 and more: the tile kernel, in groups of 4 and a rest of 2, 3, 4 and 1
 
 
 def matrix(kind: str, n: int, k: int, seed: int, half: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

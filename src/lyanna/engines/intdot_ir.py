@@ -353,13 +353,15 @@ _TILE_COLS_32 = {1: 4, 2: 4, 3: 2, 4: 2}
 _TILE_BYTE_COLS_32 = {1: 4, 2: 4, 3: 2, 4: 2}
 _TILE_COLS_16 = {1: 2, 2: 1, 3: 1, 4: 1}
 # Which matrices take ``_TileEmitter``: blocks of at least TILE_MIN_ROWS rows on matrices of fewer
-# than MANY_TILES tiles (a layer's qkv, o and down projections). Measured in one process on the
-# 2-core Zen 4 (2026-11-27, each kind over all 30 layers, ABAB medians): those three took 0.68x /
-# 0.55x / 0.58x the block-by-block kernel's time at 16 rows and 0.61x / 0.55x / 0.58x at 64, about
-# the same at 2, while the gate/up projections and the LM head (four rows by four vectors, the sums
-# of a block in L1) were the same or slower on the tile kernel, and one row slower (it streams
-# each block's row of the weights, the tile kernel strides across them).
-TILE_MIN_ROWS = 4
+# than MANY_TILES tiles (a layer's qkv, o and down projections). On the 2-core Zen 4 (2026-11-27),
+# each kind of matrix over all 30 layers in one process (ABAB medians), those three took 0.68x /
+# 0.55x / 0.58x the block-by-block kernel's time at 16 rows and 0.61x / 0.55x / 0.58x at 64, while
+# the gate/up projections and the LM head (four rows by four vectors, a block's sums in L1) were the
+# same or slower. Whole passes after 256 cached tokens (this engine beside the previous one in one
+# process) lost with the tile kernel at 4 and 8 rows (1.12x, 1.03-1.06x the time without it) and
+# gained from 12 (0.92-0.95x): its chunks stride across each block's row of the weights, which a
+# pass streams from memory, while the block-by-block kernel reads them in order.
+TILE_MIN_ROWS = 12
 TILE_AHEAD = 4  # chunks ahead that ``_TileEmitter`` prefetches
 
 

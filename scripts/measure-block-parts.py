@@ -13,11 +13,13 @@ the integer peak and its attention at the fp32 peak, next to the measured one-to
 
 Why: a draft tree pays only if verifying it costs little more than one token, and the block's
 cost in one-token steps (``scripts/measure-blocks.py``) says how far it is from that, not why.
-Each part is the fastest of ``ROUNDS`` interleaved medians. Writes docs/bench/block-parts.json.
-Usage: .venv/bin/python scripts/measure-block-parts.py
+Each part is the fastest of ``ROUNDS`` interleaved medians.
+Writes docs/bench/block-parts.json (``--out`` elsewhere).
+Usage: .venv/bin/python scripts/measure-block-parts.py [--out PATH]
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import time
@@ -139,7 +141,20 @@ def median_ms(run, repeats: int = REPEATS) -> float:
     return float(np.median(times)) * 1e3
 
 
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_OUT = REPO / "docs" / "bench" / "block-parts.json"
+
+
+def _shown(path: Path) -> str:
+    """``path`` relative to the repository where it lies inside it."""
+    path = path.resolve()
+    return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="where the JSON goes (default: docs/bench/block-parts.json)")
+    args = parser.parse_args()
     target = load_target(DEFAULT_MODEL)
     engine = Transformer(target.config, target.weights)
     c = engine.config
@@ -203,7 +218,7 @@ def main() -> None:
         one = ms["pass"][0] / 1e3
         at_peaks = {str(n): round((one + (n - 1) * per_row) * 1e3, 2) for n in SIZES}
     report = {
-        "command": "python scripts/measure-block-parts.py",
+        "command": "python scripts/measure-block-parts.py" + (f" --out {_shown(args.out)}" if args.out != DEFAULT_OUT else ""),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": machine,
         "model": DEFAULT_MODEL,
@@ -224,8 +239,7 @@ def main() -> None:
         # fastest each block could be here, whatever the kernels (None: a peak not measured).
         "block_ms_at_cpu_peaks": at_peaks,
     }
-    path = Path(__file__).resolve().parent.parent / "docs" / "bench" / "block-parts.json"
-    path.write_text(json.dumps(report, indent=2) + "\n")
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps({k: report[k] for k in ("ms", "hot_kernel_gmac_per_s", "least_ms_per_extra_row",
                                              "cpu_int8_peak_gmac_per_s", "cpu_fp32_fma_peak_g_per_s",
                                              "block_ms_at_cpu_peaks")}, indent=1))

@@ -10,9 +10,11 @@ interleaved measurements, size by size.
 
 ``--against DIR``: also the default engine (``ours-gguf``) of another checkout of this repository
 (e.g. ``git worktree add /tmp/before <commit>``), in a child process that imports that checkout's
-``src`` each round, interleaved with ours: a change's speed measured beside what it changed, on
-the same host at the same time (row ``ours-gguf@<commit>``).
-Writes docs/bench/blocks.json. Usage: .venv/bin/python scripts/measure-blocks.py [--against DIR]
+``src`` each round, and ours in a child alike, interleaved: a change's speed measured beside what
+it changed, on the same host at the same time (rows ``ours-gguf@<commit>``; a child holds one
+engine, where this process holds four).
+Writes docs/bench/blocks.json (``--out`` elsewhere).
+Usage: .venv/bin/python scripts/measure-blocks.py [--against DIR] [--out PATH]
 """
 from __future__ import annotations
 
@@ -81,6 +83,16 @@ def against_ms(checkout: Path) -> list[float]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_OUT = REPO / "docs" / "bench" / "blocks.json"
+
+
+def _shown(path: Path) -> str:
+    """``path`` relative to the repository where it lies inside it."""
+    path = path.resolve()
+    return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
+
+
 def commit_of(checkout: Path) -> str:
     return subprocess.run(["git", "-C", str(checkout), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                           check=True).stdout.strip()
@@ -94,6 +106,7 @@ def fastest(kept: list[float] | None, new: list[float]) -> list[float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--against", type=Path, help="another checkout of this repository to measure beside ours")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="where the JSON goes (default: docs/bench/blocks.json)")
     args = parser.parse_args()
     kernels = {}
     default_path = intdot.PATH
@@ -118,9 +131,9 @@ def main() -> None:
             intdot.PATH = path
             curve = calibrate(engine, DEFAULT_MODEL, sizes=SIZES, context=CONTEXT, repeats=REPEATS)
             ms[name] = fastest(ms.get(name), [round(s * 1e3, 2) for s in curve.seconds])
-        if args.against is not None:
-            name = f"ours-gguf@{commit_of(args.against)}"
-            ms[name] = fastest(ms.get(name), against_ms(args.against.resolve()))
+        for checkout in () if args.against is None else (REPO, args.against.resolve()):  # alike: each in a child
+            name = f"ours-gguf@{commit_of(checkout)}"
+            ms[name] = fastest(ms.get(name), against_ms(checkout))
             kernels[name] = kernels["ours-gguf"]
         if llamacpp_failed is None:  # in a child (loading the model each round, as before): a crash kills only it
             try:
@@ -130,8 +143,9 @@ def main() -> None:
                 llamacpp_failed = f"round {i + 1} of {ROUNDS}: {e}"  # rounds before it stay in ms
     intdot.PATH = default_path
     report = {
-        "command": "python scripts/measure-blocks.py" + (" --against CHECKOUT" if args.against else ""),
-        "commit": commit_of(Path(__file__).resolve().parent.parent),
+        "command": "python scripts/measure-blocks.py" + (" --against CHECKOUT" if args.against else "")
+                   + (f" --out {_shown(args.out)}" if args.out != DEFAULT_OUT else ""),
+        "commit": commit_of(REPO),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": machine_info(),
         "model": DEFAULT_MODEL,
@@ -142,7 +156,7 @@ def main() -> None:
     }
     if llamacpp_failed is not None:
         report["llamacpp"] = llamacpp_failed
-    out = Path(__file__).resolve().parent.parent / "docs" / "bench" / "blocks.json"
+    out = args.out
     report["x_one_token"] = {k: [round(t / v[0], 2) for t in v] for k, v in report["ms"].items()}
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps({k: report[k] for k in ("ms", "x_one_token")}, indent=1))

@@ -316,11 +316,11 @@ def _weighted_rows(typingctx, p, pstride, nq, v, voff, n, hd, out, ooff, ostride
 
 @njit(cache=True, nogil=True)
 def _row_chunks(span_of: np.ndarray) -> np.ndarray:  # pragma: no cover - compiled
-    """Start of each run of up to ``QUERIES`` consecutive rows of one span (rows of span -1
-    skipped), and the end of the last, as one array of bounds."""
-    bounds = [0]
-    bounds.clear()
-    i, n = 0, span_of.shape[0]
+    """[first, end) of each run of up to ``QUERIES`` consecutive rows of one span (rows of span -1
+    skipped)."""
+    n = span_of.shape[0]
+    bounds = np.empty((n, 2), np.int64)
+    count, i = 0, 0
     while i < n:
         if span_of[i] < 0:
             i += 1
@@ -328,10 +328,10 @@ def _row_chunks(span_of: np.ndarray) -> np.ndarray:  # pragma: no cover - compil
         j = i + 1
         while j < n and j - i < QUERIES and span_of[j] == span_of[i]:
             j += 1
-        bounds.append(i)
-        bounds.append(j)
+        bounds[count, 0], bounds[count, 1] = i, j
+        count += 1
         i = j
-    return np.array(bounds, np.int64).reshape(-1, 2)
+    return bounds[:count]
 
 
 @njit(parallel=True, fastmath=_FAST, cache=True, nogil=True)
@@ -345,6 +345,10 @@ def _attention_kernel(q: np.ndarray, ks, vs, layer: int, span_of: np.ndarray, lo
     n, heads, hd = q.shape
     groups = heads // ks[0].shape[1]
     chunks = _row_chunks(span_of)
+    # every task's scratch in one allocation: its rows' last visible key, weights and scales
+    last_all = np.empty((chunks.shape[0] * heads, QUERIES), np.int64)
+    inv_all = np.empty((chunks.shape[0] * heads, QUERIES), np.float32)
+    p_all = np.empty((chunks.shape[0] * heads, QUERIES * ends.max()), np.float32)
     for t in prange(chunks.shape[0] * heads):
         r0, r1 = chunks[t // heads, 0], chunks[t // heads, 1]
         h = t % heads
@@ -353,7 +357,7 @@ def _attention_kernel(q: np.ndarray, ks, vs, layer: int, span_of: np.ndarray, lo
         v = vs[s][layer]
         g = h // groups
         masked = bias_at[s] >= 0
-        last = np.empty(r1 - r0, np.int64)
+        last, inv = last_all[t], inv_all[t]
         for r in range(r1 - r0):
             end = ends[s]
             if masked:  # keys after the row's last visible one weigh exactly 0: skip them (half of a causal block)
@@ -361,9 +365,8 @@ def _attention_kernel(q: np.ndarray, ks, vs, layer: int, span_of: np.ndarray, lo
                 while end > 1 and bias[row_bias + end - 1] == -np.inf:
                     end -= 1
             last[r] = end
-        width = last.max()
-        p = np.empty((r1 - r0, width), np.float32)
-        inv = np.empty(r1 - r0, np.float32)
+        width = last[: r1 - r0].max()
+        p = p_all[t, : (r1 - r0) * width].reshape(r1 - r0, width)
         _dot_keys(q, (r0 * heads + h) * hd, heads * hd, r1 - r0, k, g * k.shape[1] * hd, hd, width, p, width)
         for r in range(r1 - r0):
             i, end = r0 + r, last[r]

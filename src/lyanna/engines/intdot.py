@@ -135,35 +135,55 @@ def quantize_rows(x):  # pragma: no cover - compiled
     return xq, dx, xs
 
 
-@njit(parallel=True, cache=True, nogil=True)
+@njit(cache=True, nogil=True)
 def int_linear_kernel(x, d, m, q, out, path):  # pragma: no cover - compiled
     """``out = x @ W.T`` by the module's rule on path ``ALL_PATHS[path]``; ``q`` [tiles, blocks,
     vectors, bytes] (32 * 4 bytes per vector when packed, 32 * 8 when not), ``d``/``m`` [tiles,
-    blocks, tile width]."""
-    rows, k = x.shape
+    blocks, tile width]. Blocks of ``TILE_MIN_ROWS`` rows and more on matrices of fewer than
+    ``MANY_TILES`` tiles take the tile kernel (see ``intdot_ir``), others go block by block."""
+    xq, dx, xs = quantize_rows(x)
+    if x.shape[0] >= TILE_MIN_ROWS and d.shape[0] < MANY_TILES:
+        _by_tiles(xq, dx, xs, d, m, q, out, path)
+    else:
+        _by_blocks(xq, dx, xs, d, m, q, out, path)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _by_tiles(xq, dx, xs, d, m, q, out, path):  # pragma: no cover - compiled
+    """``int_linear_kernel`` on the tile kernel: each tile's outputs for up to TILE_GROUP rows a call."""
+    rows, k = xq.shape
+    tiles, nb, tw = d.shape
+    nvec = tw // OUT
+    nibbles = 1 if q.shape[3] == NIBBLE_BYTES else 0
+    offsets = 1 if m.size else 0  # ``pack`` leaves out an all-zero m
+    flat, xflat, dflat, sflat = q.reshape(-1), xq.reshape(-1), dx.reshape(-1), xs.reshape(-1)
+    width = out.shape[1]
+    for c in prange(tiles):
+        i = 0
+        while i < rows:
+            group = min(TILE_GROUP, rows - i)
+            args = (flat, c * nb * nvec * q.shape[3], nvec, nibbles, xflat, i * k, k, dflat, sflat, i * nb, nb, d, m,
+                    c * nb * tw, out, i * width + c * tw, width, group, 0, offsets)
+            if path == 0:
+                _tile_vnni(*args)
+            elif path == 1:
+                _tile_avx2(*args)
+            else:
+                _tile_portable(*args)
+            i += group
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _by_blocks(xq, dx, xs, d, m, q, out, path):  # pragma: no cover - compiled
+    """``int_linear_kernel`` block by block: each block of every tile for up to GROUP rows a call."""
+    rows, k = xq.shape
     tiles, nb, tw = d.shape
     nvec = tw // OUT
     nibbles = 1 if q.shape[3] == NIBBLE_BYTES else 0
     offsets = 1 if m.size else 0  # ``pack`` leaves out an all-zero m
     most = MANY_TILES_GROUP if tiles >= MANY_TILES and path == 0 and HAS_512 else GROUP  # measured there only
-    xq, dx, xs = quantize_rows(x)
     flat, xflat, dflat, sflat = q.reshape(-1), xq.reshape(-1), dx.reshape(-1), xs.reshape(-1)
     width = out.shape[1]
-    if rows >= TILE_MIN_ROWS and tiles < MANY_TILES:  # see intdot_ir.TILE_MIN_ROWS
-        for c in prange(tiles):
-            i = 0
-            while i < rows:
-                group = min(TILE_GROUP, rows - i)
-                args = (flat, c * nb * nvec * q.shape[3], nvec, nibbles, xflat, i * k, k, dflat, sflat, i * nb, nb, d, m,
-                        c * nb * tw, out, i * width + c * tw, width, group, 0, offsets)
-                if path == 0:
-                    _tile_vnni(*args)
-                elif path == 1:
-                    _tile_avx2(*args)
-                else:
-                    _tile_portable(*args)
-                i += group
-        return
     for c in prange(tiles):
         out[:, c * tw : (c + 1) * tw] = 0
         for b in range(nb):

@@ -148,16 +148,20 @@ def int_linear_kernel(x, d, m, q, out, path):  # pragma: no cover - compiled
         _by_blocks(xq, dx, xs, d, m, q, out, path)
 
 
+@njit(cache=True, nogil=True)
+def _shapes(xq, d, m, q):  # pragma: no cover - compiled
+    """What both kernels read of the operands' shapes: rows, inputs, tiles, blocks, tile width,
+    output vectors a tile, whether the weights are packed nibbles, whether ``m`` was kept."""
+    tiles, nb, tw = d.shape
+    # ``pack`` leaves out an all-zero m
+    return xq.shape[0], xq.shape[1], tiles, nb, tw, tw // OUT, 1 if q.shape[3] == NIBBLE_BYTES else 0, 1 if m.size else 0
+
+
 @njit(parallel=True, cache=True, nogil=True)
 def _by_tiles(xq, dx, xs, d, m, q, out, path):  # pragma: no cover - compiled
     """``int_linear_kernel`` on the tile kernel: each tile's outputs for up to TILE_GROUP rows a call."""
-    rows, k = xq.shape
-    tiles, nb, tw = d.shape
-    nvec = tw // OUT
-    nibbles = 1 if q.shape[3] == NIBBLE_BYTES else 0
-    offsets = 1 if m.size else 0  # ``pack`` leaves out an all-zero m
-    flat, xflat, dflat, sflat = q.reshape(-1), xq.reshape(-1), dx.reshape(-1), xs.reshape(-1)
-    width = out.shape[1]
+    rows, k, tiles, nb, tw, nvec, nibbles, offsets = _shapes(xq, d, m, q)
+    flat, xflat, dflat, sflat, width = q.reshape(-1), xq.reshape(-1), dx.reshape(-1), xs.reshape(-1), out.shape[1]
     for c in prange(tiles):
         i = 0
         while i < rows:
@@ -176,14 +180,9 @@ def _by_tiles(xq, dx, xs, d, m, q, out, path):  # pragma: no cover - compiled
 @njit(parallel=True, cache=True, nogil=True)
 def _by_blocks(xq, dx, xs, d, m, q, out, path):  # pragma: no cover - compiled
     """``int_linear_kernel`` block by block: each block of every tile for up to GROUP rows a call."""
-    rows, k = xq.shape
-    tiles, nb, tw = d.shape
-    nvec = tw // OUT
-    nibbles = 1 if q.shape[3] == NIBBLE_BYTES else 0
-    offsets = 1 if m.size else 0  # ``pack`` leaves out an all-zero m
+    rows, k, tiles, nb, tw, nvec, nibbles, offsets = _shapes(xq, d, m, q)
     most = MANY_TILES_GROUP if tiles >= MANY_TILES and path == 0 and HAS_512 else GROUP  # measured there only
-    flat, xflat, dflat, sflat = q.reshape(-1), xq.reshape(-1), dx.reshape(-1), xs.reshape(-1)
-    width = out.shape[1]
+    flat, xflat, dflat, sflat, width = q.reshape(-1), xq.reshape(-1), dx.reshape(-1), xs.reshape(-1), out.shape[1]
     for c in prange(tiles):
         out[:, c * tw : (c + 1) * tw] = 0
         for b in range(nb):

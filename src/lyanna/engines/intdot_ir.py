@@ -118,15 +118,22 @@ class _Emitter:
             with plain:
                 self._switch(False)
 
+    group = GROUP  # the most input rows of one call
+
+    def _cols(self, nibbles: bool, rows: int) -> int:
+        """Output vectors a chunk takes for ``rows`` input rows."""
+        return self.cols.get(rows, 1)
+
     def _switch(self, nibbles: bool) -> None:
+        """A case per number of rows, each over the tile's output vectors in chunks (``_chunk``)."""
         b, intp = self.b, self.intp
         merge = b.append_basic_block("rows.end")
         switch = b.switch(self.rows, merge)
-        for rows in range(1, GROUP + 1):
+        for rows in range(1, self.group + 1):
             case = b.append_basic_block(f"rows{rows}")
             switch.add_case(self.rows.type(rows), case)
             b.position_at_end(case)
-            cols = self.cols.get(rows, 1)
+            cols = self._cols(nibbles, rows)
             full = b.sdiv(self.nvec, intp(cols))
             with cgutils.for_range(b, full) as loop:
                 self._chunk(nibbles, rows, cols, b.mul(loop.index, intp(cols)))
@@ -244,6 +251,25 @@ class _Emitter:
         return [[b.sub(a, o) for a, o in zip(row, offset)] for row in acc]
 
 
+TILE_GROUP = 4  # input rows per call of the tile kernel
+# Output vectors per chunk of the tile kernel, by rows: float sums (rows x cols) stay in
+# registers across the blocks beside each block's integer sums, the weights and the inputs.
+_TILE_COLS_32 = {1: 4, 2: 4, 3: 2, 4: 2}
+_TILE_BYTE_COLS_32 = {1: 4, 2: 4, 3: 2, 4: 2}
+_TILE_COLS_16 = {1: 2, 2: 1, 3: 1, 4: 1}
+# Which matrices take ``_TileEmitter``: blocks of at least TILE_MIN_ROWS rows on matrices of fewer
+# than MANY_TILES tiles (a layer's qkv, o and down projections). On the 2-core Zen 4 (2026-11-27),
+# each kind of matrix over all 30 layers in one process (ABAB medians), those three took 0.68x /
+# 0.55x / 0.58x the block-by-block kernel's time at 16 rows and 0.61x / 0.55x / 0.58x at 64, while
+# the gate/up projections and the LM head (four rows by four vectors, a block's sums in L1) were the
+# same or slower. Whole passes after 256 cached tokens (this engine beside the previous one in one
+# process) lost with the tile kernel at 4 and 8 rows (1.12x, 1.03-1.06x the time without it) and
+# gained from 12 (0.92-0.95x): its chunks stride across each block's row of the weights, which a
+# pass streams from memory, while the block-by-block kernel reads them in order.
+TILE_MIN_ROWS = 12
+TILE_AHEAD = 4  # chunks ahead that ``_TileEmitter`` prefetches
+
+
 class _TileEmitter(_Emitter):
     """One tile's outputs for up to ``TILE_GROUP`` input rows over every block of the inputs:
     each chunk of output vectors keeps its fp32 sums in registers from the first block to the
@@ -260,31 +286,18 @@ class _TileEmitter(_Emitter):
                 with b.if_else(b.icmp_signed("!=", self.offsets, self.offsets.type(0))) as (with_m, without):
                     with with_m:
                         self.with_m = True
-                        self._rows_switch(nibbles)
+                        self._switch(nibbles)
                     with without:
                         self.with_m = False
-                        self._rows_switch(nibbles)
+                        self._switch(nibbles)
 
-    def _rows_switch(self, nibbles: bool) -> None:
-        b, intp = self.b, self.intp
-        merge = b.append_basic_block("trows.end")
-        switch = b.switch(self.rows, merge)
+    group = TILE_GROUP
+
+    def _cols(self, nibbles: bool, rows: int) -> int:
         table = (_TILE_COLS_32 if nibbles else _TILE_BYTE_COLS_32) if HAS_512 and not self.portable else _TILE_COLS_16
-        for rows in range(1, TILE_GROUP + 1):
-            case = b.append_basic_block(f"trows{rows}")
-            switch.add_case(self.rows.type(rows), case)
-            b.position_at_end(case)
-            cols = table[rows]
-            full = b.sdiv(self.nvec, intp(cols))
-            with cgutils.for_range(b, full) as loop:
-                self._columns(nibbles, rows, cols, b.mul(loop.index, intp(cols)))
-            if cols > 1:
-                with cgutils.for_range_slice(b, b.mul(full, intp(cols)), self.nvec, intp(1)) as (j, _):
-                    self._columns(nibbles, rows, 1, j)
-            b.branch(merge)
-        b.position_at_end(merge)
+        return table[rows]
 
-    def _columns(self, nibbles: bool, rows: int, cols: int, j) -> None:
+    def _chunk(self, nibbles: bool, rows: int, cols: int, j) -> None:
         """Output vectors ``j .. j + cols - 1`` for ``rows`` rows, every block, sums in registers."""
         b, intp = self.b, self.intp
         size = NIBBLE_BYTES if nibbles else BYTE_BYTES
@@ -344,25 +357,6 @@ class _TileEmitter(_Emitter):
                     term = b.fadd(term, b.fmul(mv, xs))
                 new[r][c] = b.fadd(acc[r][c], term)
         return new
-
-
-TILE_GROUP = 4  # input rows per call of the tile kernel
-# Output vectors per chunk of the tile kernel, by rows: float sums (rows x cols) stay in
-# registers across the blocks beside each block's integer sums, the weights and the inputs.
-_TILE_COLS_32 = {1: 4, 2: 4, 3: 2, 4: 2}
-_TILE_BYTE_COLS_32 = {1: 4, 2: 4, 3: 2, 4: 2}
-_TILE_COLS_16 = {1: 2, 2: 1, 3: 1, 4: 1}
-# Which matrices take ``_TileEmitter``: blocks of at least TILE_MIN_ROWS rows on matrices of fewer
-# than MANY_TILES tiles (a layer's qkv, o and down projections). On the 2-core Zen 4 (2026-11-27),
-# each kind of matrix over all 30 layers in one process (ABAB medians), those three took 0.68x /
-# 0.55x / 0.58x the block-by-block kernel's time at 16 rows and 0.61x / 0.55x / 0.58x at 64, while
-# the gate/up projections and the LM head (four rows by four vectors, a block's sums in L1) were the
-# same or slower. Whole passes after 256 cached tokens (this engine beside the previous one in one
-# process) lost with the tile kernel at 4 and 8 rows (1.12x, 1.03-1.06x the time without it) and
-# gained from 12 (0.92-0.95x): its chunks stride across each block's row of the weights, which a
-# pass streams from memory, while the block-by-block kernel reads them in order.
-TILE_MIN_ROWS = 12
-TILE_AHEAD = 4  # chunks ahead that ``_TileEmitter`` prefetches
 
 
 def _block_intrinsic(path: str, emitter: type = _Emitter):

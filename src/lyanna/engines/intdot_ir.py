@@ -185,15 +185,22 @@ class _Emitter:
             dv = self._load_scales(self.d, b.add(self.dmoff, col))
             mv = self._load_scales(self.m, b.add(self.dmoff, col)) if offsets else None
             for r in range(rows):
-                at = b.add(self.soff, b.mul(intp(r), self.nb))
-                dx = ir_splat(b, b.load(b.gep(self.dx, [at])), self.v8f32)
                 ptr = b.bitcast(b.gep(self.out, [b.add(b.add(self.ooff, b.mul(intp(r), self.ostride)), col)]),
                                 self.v8f32.as_pointer())
-                term = b.fmul(b.fmul(dv, dx), b.sitofp(sums[r][c], self.v8f32))
-                if offsets:
-                    xs = ir_splat(b, b.load(b.gep(self.xs, [at])), self.v8f32)
-                    term = b.fadd(term, b.fmul(mv, xs))
+                term = self._term(dv, mv, b.add(self.soff, b.mul(intp(r), self.nb)), sums[r][c])
                 b.store(b.fadd(b.load(ptr, align=1), term), ptr, align=1)
+
+    def _term(self, dv, mv, at, isum):
+        """The rule's term of one block for 8 outputs of one row: ``(d * dx) * isum + m * xs`` (no
+        ``m * xs`` where ``mv`` is None), ``dx``/``xs`` at ``at``. Both kernels add it, so their
+        outputs have the same bits."""
+        b = self.b
+        dx = ir_splat(b, b.load(b.gep(self.dx, [at])), self.v8f32)
+        term = b.fmul(b.fmul(dv, dx), b.sitofp(isum, self.v8f32))
+        if mv is not None:
+            xs = ir_splat(b, b.load(b.gep(self.xs, [at])), self.v8f32)
+            term = b.fadd(term, b.fmul(mv, xs))
+        return term
 
     def _packed_sums(self, qbase, xrow):
         """Per row and vector, the block's 32-bit sums from 4-bit weights (16-bit partial sums)."""
@@ -349,12 +356,7 @@ class _TileEmitter(_Emitter):
             dv = self._load_scales(self.d, at)
             mv = self._load_scales(self.m, at) if self.with_m else None
             for r in range(len(acc)):
-                s = b.add(b.add(self.soff, b.mul(intp(r), self.nb)), blk)
-                dx = ir_splat(b, b.load(b.gep(self.dx, [s])), self.v8f32)
-                term = b.fmul(b.fmul(dv, dx), b.sitofp(sums[r][c], self.v8f32))
-                if mv is not None:
-                    xs = ir_splat(b, b.load(b.gep(self.xs, [s])), self.v8f32)
-                    term = b.fadd(term, b.fmul(mv, xs))
+                term = self._term(dv, mv, b.add(b.add(self.soff, b.mul(intp(r), self.nb)), blk), sums[r][c])
                 new[r][c] = b.fadd(acc[r][c], term)
         return new
 

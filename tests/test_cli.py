@@ -149,6 +149,32 @@ def test_bench_turns_start_at_the_next_method(tmp_path, tiny_decoder, monkeypatc
     assert order[2:] == ["ar", "suffix", "suffix", "ar"] * 3  # after the warm-up of each method
 
 
+def test_bench_runs_each_prompt_untimed_first_where_new_shapes_compile(tmp_path, tiny_decoder, monkeypatch):
+    """On an engine whose new shapes compile (a GPU's), each of our methods meets a prompt's
+    shapes in an untimed run before the timed one; elsewhere every run is timed."""
+    from lyanna.measure.bench import load_questions, run_bench
+
+    questions = tmp_path / "q.jsonl"
+    questions.write_text("\n".join(json.dumps({"question_id": i, "category": "a", "turns": [f"q {i}"]}) for i in range(3)))
+    runs: list[tuple[str, tuple[int, ...]]] = []
+    generate = tiny_decoder.generate
+
+    def recorded(ids, *args, method="ar", **kwargs):
+        runs.append((method, tuple(ids)))
+        return generate(ids, *args, method=method, **kwargs)
+
+    monkeypatch.setattr(tiny_decoder, "generate", recorded)
+    for compiles, per_prompt in ((False, 2), (True, 4)):
+        runs.clear()
+        monkeypatch.setattr(tiny_decoder.engine, "shapes_compile", compiles, raising=False)
+        report = run_bench(tiny_decoder, ["ar", "suffix"], load_questions(questions), 4, progress=False)
+        assert [len(r["per_question"]) for r in report["results"]] == [3, 3]
+        prompts = list(dict.fromkeys(ids for _, ids in runs[2:]))
+        assert len(prompts) == 3 and runs[2:] == [r for ids in prompts for r in runs[2:] if r[1] == ids]
+        assert all(sum(r[1] == ids for r in runs[2:]) == per_prompt for ids in prompts)
+        assert all({m for m, i in runs[2:] if i == ids} == {"ar", "suffix"} for ids in prompts)
+
+
 def test_bench_time_limit_stops_starting_prompts(tmp_path, tiny_decoder):
     """Past the time limit no new prompt starts, and every method's row covers the same prompts."""
     from lyanna.measure import bench

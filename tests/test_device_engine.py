@@ -445,6 +445,9 @@ def test_a_device_trees_draft_time_counts_as_drafting_not_verification(tiny, ahe
     d = _with_heads(Decoder(tiny, engine=e, default_drafts=False), tiny)
     req = GenerationRequest(max_new_tokens=24, eos_token_ids=())
     prompt = list(range(3, 60))
+    # Warm: on a GPU each shape's first call compiles and captures, and a draft call that long
+    # moves its whole pass to drafting (the rule checked with a slow draft below).
+    d.generate(prompt, req, method="lyanna-device", budget=4, fallback=False)
     observed: list[float] = []
     observe = Budget.observe
     monkeypatch.setattr(Budget, "observe", lambda self, tree, accepted, seconds=None:

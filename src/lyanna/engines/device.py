@@ -110,6 +110,9 @@ class DeviceEngine(TargetEngine):
             raise LyannaError(f"CUDA graphs need a CUDA device, not {device!r}")
         # None: fixed-shape calls run eagerly (not CUDA, or --no-cuda-graphs)
         self._graph_pool = torch.cuda.graph_pool_handle() if (cuda if graphs is None else graphs) else None
+        # A block of a shape not met before compiles or captures first (up to seconds on a GPU):
+        # a bench runs each prompt once untimed before timing it (``bench._interleave``).
+        self.shapes_compile = self._graph_pool is not None or self.halves.compiled
         self.pool = SlabPool(c.num_layers, c, ROW_BUCKETS[-1], POOL_CAPACITY_MIN, self.dtype, self.device)
         self._passes: dict[tuple[int, int, int, tuple[int, ...]], _StaticPass] = {}
         self._tree_passes: dict[tuple[int, int, int, tuple[int, ...], int], _TreeBlockPass] = {}

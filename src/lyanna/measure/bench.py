@@ -282,9 +282,14 @@ def _failed_row(method: str, failure: PeerFailed, rs: list[GenerationResult], qu
 
 
 def _interleave(runners: Mapping[str, Runner], prompts: list[list[int]], max_new_tokens: int, repeats: int,
-                deadline: float | None, progress: bool) -> tuple[dict[str, list[GenerationResult]], dict[str, PeerFailed], int]:
+                deadline: float | None, progress: bool,
+                warm_each: bool = False) -> tuple[dict[str, list[GenerationResult]], dict[str, PeerFailed], int]:
     """Each method's fastest run on each prompt, the failure of each peer that died (it runs no
-    more; the prompt it died on is dropped from its results) and how many prompts ran."""
+    more; the prompt it died on is dropped from its results) and how many prompts ran.
+    ``warm_each``: our methods run each prompt once untimed first. An engine whose new shapes
+    compile or capture (``DeviceEngine.shapes_compile``) meets them on any prompt (a longer
+    prompt's prefill, a larger key range): on a GPU such a first run cost seconds where a reply
+    takes a fifth of one, inside whichever method met the shape first."""
     from tqdm import tqdm
 
     per_method: dict[str, list[GenerationResult]] = {m: [] for m in runners}
@@ -310,6 +315,9 @@ def _interleave(runners: Mapping[str, Runner], prompts: list[list[int]], max_new
         if deadline is not None and done and time.perf_counter() > deadline:
             break
         runs: dict[str, list[GenerationResult]] = {m: [] for m in runners}
+        for m, run in order if warm_each else ():
+            if m.split("@")[0] not in PEER_METHODS:
+                attempt(m, run, ids, max_new_tokens)
         for _ in range(repeats):
             # Each turn starts at the next method, so that no method always runs first (or last)
             # on a prompt: the position in the sequence must not favour anyone.
@@ -367,7 +375,8 @@ def run_bench(
     try:
         prompts = [decoder.encode(q.prompt) for q in questions]
         deadline = None if time_limit is None else started + time_limit
-        per_method, failed, done = _interleave(runners, prompts, max_new_tokens, repeats, deadline, progress)
+        warm_each = bool(getattr(decoder.engine, "shapes_compile", False))
+        per_method, failed, done = _interleave(runners, prompts, max_new_tokens, repeats, deadline, progress, warm_each)
     finally:
         close_runners(runners)
     questions = questions[:done]

@@ -535,6 +535,58 @@ def test_a_useless_drafter_falls_back_to_plain_decoding(decoder, ar_outputs, mon
         assert kept.draft_tokens > 3 * FALLBACK_WARMUP_ROUNDS
 
 
+def test_a_round_that_ran_a_shape_first_teaches_acceptance_not_costs():
+    """On a GPU a shape's first call compiles and captures: seconds, where a replay takes a
+    millisecond. A tree drafted during one neither sets the drafting time nor starts a wait, a
+    pass timed then does not scale the curve, and the fallback does not judge the round."""
+    from lyanna.decoding.policy import Policy
+
+    flat = curve([1, 2, 64], [0.01, 0.0101, 0.02])
+    compiled, timed = Budget("auto", flat), Budget("auto", flat)
+    assert len(timed.choose(binary_tree(20, 0.5), 5.0)) > 0 and not timed.wants_drafts()
+    compiled.choose(binary_tree(20, 0.5), 5.0, measured=False)
+    assert compiled.evidence.draft_seconds is None and compiled.wants_drafts()
+    assert len(compiled.choose(binary_tree(20, 0.5), 0.001)) > 0 and compiled.wants_drafts()
+    assert compiled.evidence.draft_seconds == 0.001
+    fallback = Fallback(lambda: 0.01, warmup_rounds=1)
+    policy = Policy(compiled, fallback)
+    tree = binary_tree(4, 0.9)
+    assert not policy.observe(tree, 2, 10.0, True, 10.0, 1, measured=False)
+    assert compiled.slowdown == 1.0 and fallback.pauses == 0 and compiled.evidence.accepted == 2
+    assert policy.observe(tree, 0, 10.0, True, 10.0, 1)  # measured: that slow round pauses drafting
+    assert compiled.slowdown > 1.0 and fallback.pauses == 1
+
+
+def test_the_loop_does_not_measure_rounds_that_ran_a_shape_first(decoder, ar_outputs, monkeypatch):
+    """The rounds during which the engine ran a shape for the first time (``first_runs`` grew)
+    are observed as not measured; the rest are, and the tokens do not change."""
+    from lyanna.decoding.policy import Policy
+
+    engine, real = decoder.engine, decoder.engine.forward_batch
+    passes: list[int] = []
+    flags: list[bool] = []
+
+    def counting(blocks):
+        passes.append(len(blocks))
+        engine.first_runs = min(len(passes), 3)  # the prefill and the first two rounds' passes
+        return real(blocks)
+
+    observe = Policy.observe
+
+    def recorded(self, *args, measured=True):
+        flags.append(measured)
+        return observe(self, *args, measured=measured)
+
+    monkeypatch.setattr(engine, "forward_batch", counting)
+    monkeypatch.setattr(engine, "first_runs", 0, raising=False)
+    monkeypatch.setattr(Policy, "observe", recorded)
+    prompt = PROMPTS[0]
+    r = decoder.generate(decoder.encode(prompt), GenerationRequest(max_new_tokens=N_NEW), method="suffix-wide",
+                         budget="auto", fallback=True)
+    assert r.tokens == ar_outputs[prompt].tokens
+    assert flags[:2] == [False, False] and all(flags[2:]) and len(flags) > 4
+
+
 def test_the_fallback_pauses_probes_and_learns_back():
     """The policy alone, on a one-token step of 1 s: a stretch of rounds slower than that pauses
     drafting, each failed probe doubles the pause, and a probe that pays resumes drafting."""

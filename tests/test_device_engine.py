@@ -430,6 +430,26 @@ def test_trees_sized_before_drafting_stay_on_the_device_under_every_budget(tiny,
             assert max(on_device) == budget
 
 
+def test_first_runs_count_each_fixed_shape_once(tiny):
+    """A fixed-shape call counts its first run (a compile and a capture where shapes compile),
+    once: a second generation over the same shapes, on the pool's same cache, counts none. An
+    engine where no shape compiles reports none at all."""
+    req = GenerationRequest(max_new_tokens=12, eos_token_ids=())
+    prompt = list(range(3, 40))
+    e = DeviceEngine(tiny.config, tiny.weights, DEVICE)
+    if not e.shapes_compile:
+        Decoder(tiny, engine=e, default_drafts=False).generate(prompt, req)
+        assert e.first_runs == 0
+        e = DeviceEngine(tiny.config, tiny.weights, DEVICE)
+        e.shapes_compile = True
+    d = Decoder(tiny, engine=e, default_drafts=False)
+    before = e.first_runs
+    first = d.generate(prompt, req)
+    met = e.first_runs
+    assert met > before
+    assert d.generate(prompt, req).tokens == first.tokens and e.first_runs == met
+
+
 @pytest.mark.parametrize("ahead", [False, True])
 def test_a_device_trees_draft_time_counts_as_drafting_not_verification(tiny, ahead, monkeypatch):
     """The pass that reads a tree left on the device also waits for the draft call's device
@@ -869,6 +889,45 @@ def test_rounds_launched_ahead_give_the_rounds_read_one_by_one(tiny, method, bud
             assert ahead_trees == sync_trees
 
 
+@pytest.mark.parametrize("method", ["lyanna-device", "eagle-device"])
+def test_rounds_that_do_not_draft_follow_on_the_device_as_ar_steps_do(tiny, method, monkeypatch):
+    """A device head's rounds that do not draft (the budget's waits, the fallback's pauses) are
+    plain steps launched after the last round before the host reads it, as ``ar``'s are, that
+    round's rows handed to the head on the device: the same tokens, and the same trees round by
+    round, as rounds read one by one. (Lyanna's round after a drafted one re-samples the chain's
+    leftover rows on the host instead.)"""
+    import itertools
+
+    from lyanna.decoding import loop
+    from lyanna.decoding.policy import Policy
+
+    depth, n = 3, 48
+    records: list[tuple] = []
+    real_record = loop.RoundStats.record
+    monkeypatch.setattr(loop.RoundStats, "record", lambda self, tree, verdict, committed: records.append(
+        (tree.tokens.tolist(), tree.parents.tolist(), list(verdict.tokens))) or real_record(self, tree, verdict, committed))
+    plain_follows = []
+    real_forward = DeviceEngine.forward_batch
+    monkeypatch.setattr(DeviceEngine, "forward_batch", lambda self, blocks: plain_follows.extend(
+        b.follows is not None and b.tree is None for b in blocks) or real_forward(self, blocks))
+    runs = []
+    for ahead in (False, True):
+        d = _with_heads(Decoder(tiny, engine=DeviceEngine(tiny.config, tiny.weights, DEVICE, pipelines=ahead),
+                                default_drafts=False), tiny)
+        rounds = itertools.count()
+        monkeypatch.setattr(Policy, "gate", lambda self: next(rounds) % 6 == 0)  # one round in six drafts
+        records.clear()
+        plain_follows.clear()
+        out = d.generate(list(range(3, 60)), GenerationRequest(max_new_tokens=n, eos_token_ids=()), method=method,
+                         budget=4, fallback=False)
+        before = 1 + np.cumsum([0] + [len(r[2]) for r in records])  # tokens committed before each round
+        runs.append((out.tokens, [r for r, b in zip(records, before) if b + 2 * (depth + 1) <= n], sum(plain_follows)))
+    (sync, sync_rounds, none), (ahead, ahead_rounds, followed) = runs
+    assert ahead == sync and none == 0
+    assert ahead_rounds == sync_rounds and any(tokens for tokens, _, _ in sync_rounds)
+    assert followed >= 3, followed
+
+
 @pytest.mark.parametrize("layers", [1, 2])
 def test_device_eagle_trees_equal_the_host_eagle_trees(tiny, layers):
     """EAGLE-2's tree grown on the device in one fixed-shape call (frontier, ancestor masks,
@@ -931,7 +990,7 @@ def test_fixed_shape_calls_issue_no_op_a_cuda_graph_cannot_capture(tiny, monkeyp
     e = DeviceEngine(tiny.config, tiny.weights, DEVICE, pipelines=True)  # rounds launched ahead too, as on a GPU
     d = _with_heads(Decoder(tiny, engine=e, default_drafts=False), tiny)
     req = GenerationRequest(max_new_tokens=12, eos_token_ids=())
-    for method in ("ar", "eagle-device", "lyanna-device"):
+    for method in ("ar", "suffix", "eagle-device", "lyanna-device"):  # suffix: blocks from the host
         d.generate(list(range(3, 30)), req, method=method, budget=None)
     sampled = GenerationRequest(max_new_tokens=12, eos_token_ids=(), sampling=SamplingParams(0.8, top_p=0.9, top_k=5, seed=0))
     d.generate(list(range(3, 30)), sampled, method="lyanna-device", budget=None)  # the pass verifying by sampling

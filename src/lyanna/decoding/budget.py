@@ -314,14 +314,17 @@ class Budget:
         drafts as told."""
         return self.spec == "auto" and self._load is not None and self.load().waiting > 0
 
-    def choose(self, tree: DraftTree, draft_seconds: float, free: bool = False) -> DraftTree:
+    def choose(self, tree: DraftTree, draft_seconds: float, free: bool = False, measured: bool = True) -> DraftTree:
         """The nodes to verify this round. Trees with sampled children are kept whole under
         ``auto``, and a fixed budget keeps their shallowest nodes in tree order without looking
         at scores: dropping some of their i.i.d. samples by score would bias the sampling rule.
         ``free``: a tree proposed while drafting waits (``Drafter.propose_free``): it is sized
-        by its own small drafting time and says nothing about whether drafting pays."""
+        by its own small drafting time and says nothing about whether drafting pays. Not
+        ``measured``: its drafting time includes a compile (``engines.base.first_runs``): the
+        tree is sized by the drafting time known so far and says nothing either."""
         ev = self.evidence
-        if not free:
+        judged = not free and measured  # whether this tree's drafting time tells what drafting costs
+        if judged:
             ev.draft_seconds = draft_seconds if ev.draft_seconds is None else 0.5 * (ev.draft_seconds + draft_seconds)
         seconds = draft_seconds if free or ev.draft_seconds is None else ev.draft_seconds
         self._judged = True
@@ -344,7 +347,7 @@ class Budget:
             keep = 0
         # Drafting pays only if the best tree beats plain decoding's rate with its drafting time
         # counted; if not, skip the next drafts (they would cost that time for nothing).
-        if not free:
+        if judged:
             ev.paid = bool(keep > 0 and rate >= (others + 1.0) / plain_pass)
             if ev.paid:
                 ev.wait = PROBE_EVERY - 1
@@ -368,10 +371,10 @@ class Budget:
         (``choose_after``); None before ``auto`` has kept any: the tree must be seen first."""
         return self._ahead if self.spec == "auto" else int(self.spec)
 
-    def choose_after(self, tree: DraftTree, draft_seconds: float) -> None:
+    def choose_after(self, tree: DraftTree, draft_seconds: float, measured: bool = True) -> None:
         """``choose``'s bookkeeping for a tree verified at the size fixed before drafting (and,
         under ``auto``, the next such size)."""
-        chosen = self.choose(tree, draft_seconds)
+        chosen = self.choose(tree, draft_seconds, measured=measured)
         if self.spec == "auto" and len(chosen) == len(tree) > 0:  # kept whole: the next may be larger
             self._ahead = _bucket(len(tree) + 1)
 

@@ -19,7 +19,7 @@ import numpy as np
 
 from ..drafters.base import DeviceDrafter, Drafter
 from ..drafters.tree import DraftTree
-from ..engines.base import Block, Cache, ForwardOutput, LeftTree, PendingOutput, TargetEngine, Verification
+from ..engines.base import Block, Cache, ForwardOutput, LeftTree, PendingOutput, TargetEngine, Verification, first_runs
 from .budget import Budget
 from .policy import Fallback, Plan, Policy
 from .sampling import SamplingParams, next_token
@@ -136,7 +136,8 @@ class Round:
     its plan's ``drafting``, whether the fallback judges it (a drafted tree, even one the budget
     cut to nothing; None: known once a tree left on the device is back), its block's start, its
     times so far (drafting began, the pass was launched, the launch returned) and the pass's
-    output (a pending one for a block launched ``ahead``)."""
+    output (a pending one for a block launched ``ahead``); ``met``: the engine's ``first_runs``
+    when it began (grown by the time it is read: its times are a compile's, not a measure)."""
 
     tree: DraftTree | LeftTree
     drafting: bool
@@ -146,6 +147,7 @@ class Round:
     t1: float
     t2: float
     out: ForwardOutput | PendingOutput
+    met: int
 
 
 @dataclass
@@ -158,6 +160,7 @@ class _Reading:
     verdict: Verdict
     drafted: float
     t_pass: float
+    measured: bool  # no shape ran for the first time during the round (``Round.met``)
 
 
 def _verification(state: DecodeState, nodes: int) -> Verification:
@@ -200,7 +203,7 @@ class Rounds:
     def draft(self, plan: Plan, t0: float) -> tuple[DraftTree | LeftTree, bool | None]:
         """The round's tree and whether the fallback judges it (None: a tree left on the device,
         cut to a size fixed before drafting, is known after the pass)."""
-        drafter = self.drafter
+        drafter, met = self.drafter, first_runs(self.state.engine)
         if plan.drafting:  # a size fixed now lets a drafter on the target's device leave its tree there
             if not plan.seen and isinstance(drafter, DeviceDrafter):
                 tree = drafter.propose_sized(self.context, plan.depth, plan.nodes)
@@ -215,17 +218,20 @@ class Rounds:
             return tree, None
         tree = tree.prune_depth(plan.depth)
         proposed = plan.drafting and len(tree) > 0  # judged by the fallback even when the budget keeps nothing
-        return self.policy.cut(tree, time.perf_counter() - t0, free=not plan.drafting), proposed
+        measured = first_runs(self.state.engine) == met
+        return self.policy.cut(tree, time.perf_counter() - t0, not plan.drafting, measured), proposed
 
     def launch(self, tree: DraftTree | LeftTree, start: int) -> Block:
         """The block that verifies root + ``tree`` from ``start``: a tree left on the device is
         verified in its pass (returned pending where the engine keeps passes ahead), as is a plain
-        step there (so the next can follow it); a host tree is a block with its ancestor mask."""
+        step there (so the next can follow it; a head on the device takes its rows there); a host
+        tree is a block with its ancestor mask."""
         state, drafter = self.state, self.drafter
         if not isinstance(tree, DraftTree):
             return Block([self.root], [start], state.cache, taps=drafter.taps, tree=tree,
                          verification=_verification(state, tree.nodes), ahead=state.ahead)
-        if drafter.plain and state.ahead:
+        plain = drafter.plain or (not len(tree) and isinstance(drafter, DeviceDrafter) and drafter.on_device)
+        if plain and state.ahead:
             return Block([self.root], [start], state.cache, taps=drafter.taps, verification=_verification(state, 0),
                          ahead=True)
         tokens, positions, mask = _block(tree, self.root, start)
@@ -233,13 +239,17 @@ class Rounds:
 
     def launch_after(self, pending: Round, plan: Plan) -> DraftTree | LeftTree | None:
         """A tree that continues ``pending``'s outcome on the device, before the host reads it
-        (None: the drafter cannot, or the plan does not draft: read ``pending`` first)."""
+        (an empty one: a plain step; None: the drafter cannot: read ``pending`` first)."""
         depth = min(plan.depth, self._room() - (pending.out.levels + 1))  # if it keeps every level
         drafter = self.drafter
         if drafter.plain:  # a plain step follows as it is
             return DraftTree.empty()
-        if isinstance(drafter, DeviceDrafter) and plan.drafting and depth >= 1 and not plan.seen:
+        if not isinstance(drafter, DeviceDrafter):
+            return None
+        if plan.drafting and depth >= 1 and not plan.seen:
             return drafter.propose_after(pending.out, self.context, depth, plan.nodes)
+        if not plan.drafting and drafter.follow_plain(pending.out, self.context):  # as ``ar``'s step does
+            return DraftTree.empty()
         return None
 
     def launch_following(self, tree: DraftTree | LeftTree, pending: Round) -> Block:
@@ -277,7 +287,8 @@ class Rounds:
         now = time.perf_counter()
         seconds = now - r.t0 if isinstance(r.out, ForwardOutput) else now - self.read_at
         proposed = r.drafting and len(tree) > 0 if r.proposed is None else r.proposed
-        if self.policy.observe(tree, len(verdict.path), got.t_pass, proposed, seconds, taken):
+        if self.policy.observe(tree, len(verdict.path), got.t_pass, proposed, seconds, taken,
+                              measured=got.measured):
             if self.stats.fell_back_after_tokens is None:
                 self.stats.fell_back_after_tokens = len(tracker.tokens)
             self.stats.fallback_pauses += 1
@@ -293,6 +304,7 @@ class Rounds:
         and the seconds drafting and verification took, the device's own where it keeps them."""
         tree, out = r.tree, r.out
         on_device = not isinstance(tree, DraftTree)
+        measured = first_runs(self.state.engine) == r.met
         drafted, t_pass = r.t1 - r.t0, r.t2 - r.t1  # the host's times
         if isinstance(out, ForwardOutput):  # the pass that read a tree left on the device also waited for the draft
             waited = min(tree.device_seconds(), t_pass) if on_device else 0.0
@@ -302,20 +314,21 @@ class Rounds:
             drafted, t_pass = (on_device and tree.device_seconds()) or drafted, pending.device_seconds() or t_pass
         if on_device:  # the tree came back with the pass
             tree = DraftTree.from_packed(out.tree)
-            self.policy.sized(tree, drafted)
+            self.policy.sized(tree, drafted, measured)
         self.state.target_passes += 1
         if not out.verified:
             verdict = verify(tree, out.logits, self.state.params, self.state.rng)
         else:  # verified where it ran, the cache compacted there
             verdict = followed(tree, out.kept, out.bonus)
-        return _Reading(tree, out, verdict, drafted, t_pass)
+        return _Reading(tree, out, verdict, drafted, t_pass, measured)
 
     def _round(self, plan: Plan, t0: float) -> Generator[Block, ForwardOutput | PendingOutput, Round]:
         """Draft and launch one round from the committed context."""
+        met = first_runs(self.state.engine)
         tree, proposed = self.draft(plan, t0)
         t1, start = time.perf_counter(), self.state.cache.length
         out = yield self.launch(tree, start)
-        return Round(tree, plan.drafting, proposed, start, t0, t1, time.perf_counter(), out)
+        return Round(tree, plan.drafting, proposed, start, t0, t1, time.perf_counter(), out, met)
 
     def _done(self) -> RoundStats:
         self.stats.draft_passes = self.drafter.passes - self._passes_before
@@ -338,7 +351,7 @@ class Rounds:
         cannot follow that way, round n-1 is read first and round n starts from the host."""
         pending: Round | None = None  # a round launched ahead whose outcome is still on the device
         while not self.state.tracker.finished:
-            t0 = time.perf_counter()
+            t0, met = time.perf_counter(), first_runs(self.state.engine)
             drafting = self.policy.gate()
             if pending is not None:
                 tree = self.launch_after(pending, self.plan(drafting))
@@ -346,7 +359,7 @@ class Rounds:
                     t1 = time.perf_counter()
                     out = yield self.launch_following(tree, pending)
                     on_device = not isinstance(tree, DraftTree)  # its size known after the pass
-                    launched = Round(tree, drafting, None if on_device else False, -1, t0, t1, time.perf_counter(), out)
+                    launched = Round(tree, drafting, None if on_device else False, -1, t0, t1, time.perf_counter(), out, met)
                     self.read(pending, handed_over=True)  # while the device runs the round just launched
                     pending = launched
                     continue

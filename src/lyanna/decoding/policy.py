@@ -109,20 +109,26 @@ class Policy:
         nodes = budget.nodes_ahead() if drafting else None
         return Plan(drafting, free, budget.limit_depth(room), nodes, drafting and nodes is None)
 
-    def cut(self, tree: DraftTree, seconds: float, free: bool) -> DraftTree:
-        """The nodes of a tree seen on the host to verify (``seconds``: its drafting time)."""
-        return self.budget.choose(tree, seconds, free=free) if len(tree) and self.budget is not None else tree
+    def cut(self, tree: DraftTree, seconds: float, free: bool, measured: bool = True) -> DraftTree:
+        """The nodes of a tree seen on the host to verify (``seconds``: its drafting time; not
+        ``measured``: a time that includes a compile, see ``Budget.choose``)."""
+        if not len(tree) or self.budget is None:
+            return tree
+        return self.budget.choose(tree, seconds, free=free, measured=measured)
 
-    def sized(self, tree: DraftTree, seconds: float) -> None:
+    def sized(self, tree: DraftTree, seconds: float, measured: bool = True) -> None:
         """Told a tree cut to a size fixed before drafting, once it is seen (after its pass)."""
         if len(tree) and self.budget is not None:
-            self.budget.choose_after(tree, seconds)
+            self.budget.choose_after(tree, seconds, measured)
 
     def observe(self, tree: DraftTree, accepted: int, pass_seconds: float, judged: bool, seconds: float,
-                committed: int) -> bool:
+                committed: int, measured: bool = True) -> bool:
         """A round's outcome: the budget learns how many of ``tree``'s nodes were accepted and
         what the pass cost; a ``judged`` round (a drafted tree) is the fallback's to weigh, its
-        ``seconds`` against the ``committed`` tokens. True when that starts a pause."""
+        ``seconds`` against the ``committed`` tokens. True when that starts a pause. A round not
+        ``measured`` (it ran a shape for the first time: ``engines.base.first_runs``) teaches
+        acceptance only: its times are a compile's."""
         if self.budget is not None:
-            self.budget.observe(tree, accepted, pass_seconds)
+            self.budget.observe(tree, accepted, pass_seconds if measured else None)
+        judged = judged and measured
         return judged and self.fallback is not None and not self.fallback.keep_drafting(seconds, committed)

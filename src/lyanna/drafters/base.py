@@ -87,9 +87,9 @@ class Drafter(ABC):
 
 class DeviceDrafter(Drafter):
     """A drafter whose trees can stay on the target's device (the lyanna and eagle heads on a
-    ``DeviceEngine``): three hooks the loop uses where a drafter has them, so that a round waits
+    ``DeviceEngine``): four hooks the loop uses where a drafter has them, so that a round waits
     for no copy between drafting and verifying, and the host reads one round while the device
-    runs the next. A drafter on the host needs none of this."""
+    runs the next (a round that does not draft included). A drafter on the host needs none of this."""
 
     def propose_sized(self, context: Sequence[int], max_depth: int, nodes: int | None) -> DraftTree | LeftTree:
         """``propose``, with the size the budget fixes before drafting (``Budget.nodes_ahead``:
@@ -106,9 +106,23 @@ class DeviceDrafter(Drafter):
         ``propose_sized``. None, the default: the loop reads the pending round first."""
         return None
 
+    @property
+    def on_device(self) -> bool:
+        """Whether its head runs on the target's device, taking a pass's rows there (``commit``
+        then gets device tensors). False, the default: a head on the host."""
+        return False
+
+    def follow_plain(self, pending: PendingOutput, context: Sequence[int]) -> bool:
+        """Whether a plain step may follow ``pending`` on the device before the host reads it, on
+        a round that does not draft: True once the drafter took that round's kept rows there
+        (the next pass overwrites them; ``settle`` counts them). False, the default, where the
+        round would propose from the host (rows left over from the last chain, suffix matches)
+        or the drafter cannot: the loop reads ``pending`` first."""
+        return False
+
     def settle(self, tokens: Sequence[int]) -> None:
-        """``commit`` of a round whose kept rows ``propose_after`` took on the device already:
-        the host's count of them. Only a drafter whose ``propose_after`` gave a tree is told."""
+        """``commit`` of a round whose kept rows ``propose_after`` or ``follow_plain`` took on the
+        device already: the host's count of them. Only a drafter that took them is told."""
         raise NotImplementedError(f"{type(self).__name__} drafts no round ahead, so it settles none")
 
 

@@ -76,19 +76,24 @@ class DevicePairContext(PairContext):
         if self.cache is not old:
             self.cache.slab.features[: self._count] = old.slab.features[: self._count]
 
-    def hand_over(self, hidden: dict[int, Any], rows: int, need: int) -> None:
+    _fed = True  # whether the call after the last ``hand_over`` fed the head up to its rows
+
+    def hand_over(self, hidden: dict[int, Any], rows: int, need: int, fed: bool = True) -> None:
         """``commit`` of a round whose outcome the host has not read: its first ``rows`` kept rows
         (root and every level a path may reach; the rows past the path are overwritten later)
         written after the committed features, uncounted until ``settle``; ``need``: positions to
-        make room for first."""
+        make room for first; ``fed``: a draft call after the round feeds the head up to them
+        (False: a plain step follows, and the next draft catches the head up)."""
         self._room(need)
         self.cache.slab.features[self._count : self._count + rows] = self._features(hidden, rows)
+        self._fed = fed
 
     def settle(self, n: int) -> None:
-        """Count ``n`` rows ``hand_over`` wrote, the head fed up to them (its draft followed the
-        round on the device)."""
+        """Count ``n`` rows ``hand_over`` wrote (and where the call after it fed the head, the
+        head's cache up to them)."""
         self._count += n
-        self.cache.length = self.base = self._count
+        if self._fed:
+            self.cache.length = self.base = self._count
 
 
 class DeviceDraftHead:
@@ -241,6 +246,12 @@ class DeviceDraftHead:
         p.run_fixed(timed=True)
         pc.passes += depth
         return _chosen(p, depth, ahead=True)
+
+    def follow_plain(self, pc: "DevicePairContext", pending: PendingPass, length: int) -> None:
+        """Before a plain step after ``pending`` (a pass the host has not read; the context
+        ``length`` long before it): its kept rows' features handed over, the head not fed."""
+        rows = pending.levels + 1
+        pc.hand_over(pending.kept_hidden, rows, length + rows, fed=False)
 
     def _follow_room(self, pc: "DevicePairContext", pending: PendingPass, length: int, extra: int) -> Slab | None:
         """For a call after ``pending`` (the context ``length`` long before it): room for every

@@ -98,8 +98,19 @@ class EagleDrafter(DeviceDrafter):
         return self.head.eagle_tree_after(self.context, pending, len(context), depth, self.topk, self.width,
                                           self.max_nodes, nodes)
 
+    @property
+    def on_device(self) -> bool:
+        return not isinstance(self.head, DraftHead)
+
+    def follow_plain(self, pending: PendingOutput, context: Sequence[int]) -> bool:
+        """A device head hands the pending round's rows over for a plain step after it."""
+        if not self.on_device:
+            return False
+        self.head.follow_plain(self.context, pending, len(context))
+        return True
+
     def settle(self, tokens: Sequence[int]) -> None:
-        """The head's tree after that round took its rows already."""
+        """The head's tree (or plain step) after that round took its rows already."""
         self.context.settle(len(tokens))
 
     def propose(self, context: Sequence[int], max_depth: int) -> DraftTree:

@@ -330,8 +330,21 @@ class LyannaDrafter(DeviceDrafter):
         self._chain, tree = drafted
         return tree
 
+    @property
+    def on_device(self) -> bool:
+        return not isinstance(self.head, ChainHead)
+
+    def follow_plain(self, pending: PendingOutput, context: Sequence[int]) -> bool:
+        """A device head hands the pending round's rows over for a plain step after it, where
+        this round would propose nothing from the host: no chain rows left over, no suffix."""
+        if not self.on_device or self.suffix is not None or self._chain is not None:
+            return False
+        self.head.follow_plain(self.context, pending, len(context))
+        return True
+
     def settle(self, tokens: Sequence[int]) -> None:
-        """The head's draft after that round took its rows and its leftover chain rows already."""
+        """The head's draft (or plain step) after that round took its rows and its leftover
+        chain rows already."""
         self.context.settle(len(tokens))
 
     def chain(self, context: Sequence[int], depth: int) -> np.ndarray:

@@ -57,6 +57,13 @@ class LeftTree(Protocol):
     def device_seconds(self) -> float: ...
 
 
+def first_runs(engine: "TargetEngine") -> int:
+    """How many computations of a shape not met before ``engine`` and the drafters on its device
+    have run (``DeviceEngine.first_runs``; 0 for engines whose every shape costs the same from
+    the first call): a round during which it grew timed a compile, not its work."""
+    return int(getattr(engine, "first_runs", 0))
+
+
 class PendingOutput(Protocol):
     """A pass launched ahead (``Block.ahead``; ``engines.device.PendingPass``): its outcome stays
     on the device until ``collect``; ``levels``: the most tree levels it can keep."""

@@ -119,6 +119,12 @@ class DeviceEngine(TargetEngine):
         # The tree of a plain step verified in its pass (``_tree_of``): no nodes.
         self._no_tree = DeviceTree(torch.zeros(1, dtype=torch.float64, device=self.device), 0, 0)
 
+    @property
+    def first_runs(self) -> int:
+        """Fixed-shape calls run for the first time so far, in this process (``base.first_runs``);
+        always 0 where no shape compiles or captures."""
+        return FixedShapeCall.first_runs if self.shapes_compile else 0
+
     def _load(self, w: "_Weights") -> None:
         """The host arrays the drafters share (``base.TargetEngine``) and the device's tensors."""
         c = self.config

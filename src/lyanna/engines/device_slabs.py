@@ -122,11 +122,18 @@ class FixedShapeCall:
     the constructor, filled through ``host(name)`` and read by ``_forward`` as attributes; they
     travel to the device in one copy a run (from pinned memory on CUDA: the host does not wait
     for it). Other buffers must be allocated before the first run, and every run must be harmless
-    to repeat with the same inputs (the capture's warm-up runs it once more)."""
+    to repeat with the same inputs (the capture's warm-up runs it once more).
+
+    ``first_runs`` counts, over every call in the process, the runs of a shape not run before:
+    such a run compiles and captures (up to seconds on a GPU, where a replay takes a
+    millisecond), so a round that contains one says nothing about what drafting costs."""
+
+    first_runs = 0
 
     def __init__(self, device: torch.device, graph_pool: Any):
         self.device, self._pool = device, graph_pool
         self.graph: Any = None
+        self._ran = False
         self._specs: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
         self._staged: tuple[torch.Tensor, torch.Tensor, dict[str, np.ndarray]] | None = None
         self._sent: Any = None  # the CUDA event after the last copy of the inputs, until the host waits for it
@@ -179,6 +186,9 @@ class FixedShapeCall:
             self._run()
 
     def _run(self) -> None:
+        if not self._ran:
+            FixedShapeCall.first_runs += 1
+            self._ran = True
         if self._specs:
             dev, host, _ = self._staging()
             dev.copy_(host, non_blocking=True)

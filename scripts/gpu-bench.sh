@@ -144,8 +144,9 @@ measure() {  # measure DEVICE OUT LIMIT TOKENS; the headline comes first, each s
       fp32) step $((FP32_S + 150)) "bench float32" "${lyanna[@]}" --backend torch --device "$device" --dtype float32 bench \
               --methods "$METHODS" --limit "$limit" --max-new-tokens "$tokens" --time-limit "$FP32_S" \
               --no-progress --json "$out/bench-float32.json" ;;
-      ops) step 180 "where a round's time goes ($device, bfloat16)" "${PY:-python3}" scripts/count-device-ops.py --device "$device" \
-             --dtype bfloat16 --methods "ar,suffix,eagle@16,lyanna@16" --out "$out/device-ops-bfloat16.json" ;;
+      # lyanna first: on an H200 the four methods at 64 tokens overran the step before it ran.
+      ops) step 210 "where a round's time goes ($device, bfloat16)" "${PY:-python3}" scripts/count-device-ops.py --device "$device" \
+             --dtype bfloat16 --methods "lyanna@16,ar,eagle@16,suffix" --max-new-tokens 48 --out "$out/device-ops-bfloat16.json" ;;
       # Hugging Face generate() and its prompt lookup beside our ar, on a few prompts: at 5-13 s a
       # prompt on a GPU they would take the other methods' time inside one --time-limit.
       peers) step 240 "Hugging Face generate() (bfloat16)" "${lyanna[@]}" --backend torch --device "$device" --dtype bfloat16 \

@@ -276,6 +276,9 @@ def test_stop_string_inside_accepted_block(client, tiny_decoder, server):
         ("/v1/chat/completions", {"messages": MESSAGES, "top_p": 1.5}, 400, "top_p"),
         ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 0}, 400, "max_tokens"),
         ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 100000}, 400, "context window"),
+        # the one not used still keeps its bound (the schema's maximum, as schemathesis checks it)
+        ("/v1/chat/completions", {"messages": MESSAGES, "max_completion_tokens": 5, "max_tokens": 100000}, 400,
+         "max_tokens 100000"),
         ("/v1/chat/completions", {"messages": MESSAGES, "presence_penalty": 0.5}, 400, "penalties"),
         ("/v1/chat/completions", {"messages": MESSAGES, "logprobs": True}, 400, "logprobs"),
         ("/v1/chat/completions", {"messages": MESSAGES, "tools": []}, 400, "tools"),

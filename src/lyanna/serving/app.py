@@ -114,6 +114,11 @@ class Service:
             raise ApiError(400, f"unknown lyanna_method {chosen!r}; available: {', '.join(self.decoder.methods)}",
                            "lyanna_method")
         limit = self.context
+        for name in ("max_completion_tokens", "max_tokens"):  # each as the schema bounds it, used or not
+            value = getattr(body, name)
+            if value is not None and value >= limit:
+                raise ApiError(400, f"{name} {value} leaves no room for a prompt in the context window of {limit} "
+                                    f"tokens", name, code="context_length_exceeded")
         if len(ids) >= limit:
             raise ApiError(400, f"the prompt is {len(ids)} tokens; the context window of {limit} tokens leaves no room "
                                 f"for a completion", prompt_param, code="context_length_exceeded")

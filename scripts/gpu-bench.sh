@@ -131,7 +131,10 @@ measure() {  # measure DEVICE OUT LIMIT TOKENS; the headline comes first, each s
       # compiling, calibration and warm-up (graph captures, numba compiles on a fresh machine).
       bf16) step $((BF16_S + 150)) "bench bfloat16" "${lyanna[@]}" --backend torch --device "$device" --dtype bfloat16 bench \
               --methods "$METHODS" --limit "$limit" --max-new-tokens "$tokens" --time-limit "$BF16_S" \
-              --no-progress --json "$out/bench-bfloat16.json" ;;
+              --no-progress --json "$out/bench-bfloat16.json"
+            # the rates without any question where a method met a first-time cost (there should be none)
+            step 30 "bench bfloat16, steady rates" "${PY:-python3}" scripts/bench-steady.py "$out/bench-bfloat16.json" \
+              --out "$out/bench-bfloat16-steady.json" ;;
       # The device's latency for blocks of 1..128 tokens (the pass alone too, and the kernels a
       # pass launches), with the layers compiled (the default on CUDA) and eager, on the same card.
       latency) step 120 "latency against block size ($device, $LATENCY_DTYPE)" "${PY:-python3}" scripts/project-speedup.py \

@@ -200,10 +200,11 @@ class Rounds:
         """Tokens the reply may still take after this round's bonus token."""
         return self.state.tracker.max_new_tokens - len(self.state.tracker.tokens) - 1
 
-    def draft(self, plan: Plan, t0: float) -> tuple[DraftTree | LeftTree, bool | None]:
+    def draft(self, plan: Plan, t0: float, met: int) -> tuple[DraftTree | LeftTree, bool | None]:
         """The round's tree and whether the fallback judges it (None: a tree left on the device,
-        cut to a size fixed before drafting, is known after the pass)."""
-        drafter, met = self.drafter, first_runs(self.state.engine)
+        cut to a size fixed before drafting, is known after the pass); ``met``: the engine's
+        ``first_runs`` when drafting began."""
+        drafter = self.drafter
         if plan.drafting:  # a size fixed now lets a drafter on the target's device leave its tree there
             if not plan.seen and isinstance(drafter, DeviceDrafter):
                 tree = drafter.propose_sized(self.context, plan.depth, plan.nodes)
@@ -325,7 +326,7 @@ class Rounds:
     def _round(self, plan: Plan, t0: float) -> Generator[Block, ForwardOutput | PendingOutput, Round]:
         """Draft and launch one round from the committed context."""
         met = first_runs(self.state.engine)
-        tree, proposed = self.draft(plan, t0)
+        tree, proposed = self.draft(plan, t0, met)
         t1, start = time.perf_counter(), self.state.cache.length
         out = yield self.launch(tree, start)
         return Round(tree, plan.drafting, proposed, start, t0, t1, time.perf_counter(), out, met)

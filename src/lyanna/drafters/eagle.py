@@ -83,7 +83,7 @@ class EagleDrafter(DeviceDrafter):
     def propose_sized(self, context: Sequence[int], max_depth: int, nodes: int | None) -> "DraftTree | DeviceTree":
         """A device head leaves its best ``nodes`` on the device (``DeviceDrafter.propose_sized``)."""
         depth = min(self.depth, max_depth)
-        if isinstance(self.head, DraftHead) or depth < 1 or nodes == 0:
+        if not self.on_device or depth < 1 or nodes == 0:
             return self.propose(context, max_depth)
         return self.head.eagle_tree(self.context, np.asarray(context, np.int64), depth, self.topk, self.width,
                                     self.max_nodes, nodes, ahead=True)
@@ -93,7 +93,7 @@ class EagleDrafter(DeviceDrafter):
         """A device head's next tree grown from the pending pass's outcome on the device
         (``DeviceDraftHead.eagle_tree_after``), left there as ``propose_sized``'s is."""
         depth = min(self.depth, max_depth)
-        if isinstance(self.head, DraftHead) or depth < 1 or nodes == 0:
+        if not self.on_device or depth < 1 or nodes == 0:
             return None
         return self.head.eagle_tree_after(self.context, pending, len(context), depth, self.topk, self.width,
                                           self.max_nodes, nodes)
@@ -119,7 +119,7 @@ class EagleDrafter(DeviceDrafter):
             return DraftTree.empty()
         ctx = np.asarray(context, np.int64)
         pc = self.context
-        if not isinstance(self.head, DraftHead):  # a device head grows the tree in one fixed-shape call
+        if self.on_device:  # a device head grows the tree in one fixed-shape call
             return self.head.eagle_tree(pc, ctx, depth, self.topk, self.width, self.max_nodes)
         root_pred = pc.catch_up(ctx, extra=self.width * depth + 1)
         base, cache = pc.base, pc.cache

@@ -319,7 +319,7 @@ class LyannaDrafter(DeviceDrafter):
         (``DeviceChainHead.draft_trees_after``), for trees left there as ``propose_sized``'s
         are; the last round's chain gives the leftover rows (policy ``fuse``)."""
         depth = min(self.depth, max_depth)
-        if (isinstance(self.head, ChainHead) or self.suffix is not None or self.policy == "reuse" or nodes == 0
+        if (not self.on_device or self.suffix is not None or self.policy == "reuse" or nodes == 0
                 or depth < 1 or self._chain is None):
             return None
         drafted = self.head.draft_trees_after(self.context, pending, len(context), self._chain, depth,
@@ -357,7 +357,7 @@ class LyannaDrafter(DeviceDrafter):
     def propose_sized(self, context: Sequence[int], max_depth: int, nodes: int | None) -> "DraftTree | DeviceTree":
         """A device head leaves its best ``nodes`` on the device (``DeviceDrafter.propose_sized``), but
         for trees the host still changes (suffix matches merged in, policy ``reuse``'s choice)."""
-        if isinstance(self.head, ChainHead) or self.suffix is not None or self.policy == "reuse" or nodes == 0:
+        if not self.on_device or self.suffix is not None or self.policy == "reuse" or nodes == 0:
             return self.propose(context, max_depth)
         return self._propose_chain(context, max_depth, nodes, ahead=True)
 

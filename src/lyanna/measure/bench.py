@@ -294,6 +294,7 @@ def _interleave(runners: Mapping[str, Runner], prompts: list[list[int]], max_new
 
     per_method: dict[str, list[GenerationResult]] = {m: [] for m in runners}
     failed: dict[str, PeerFailed] = {}
+    peer = {m: m.split("@")[0] in PEER_METHODS for m in runners}
 
     def attempt(m: str, run: Runner, ids: list[int], n: int) -> GenerationResult | None:
         if m in failed:
@@ -308,7 +309,7 @@ def _interleave(runners: Mapping[str, Runner], prompts: list[list[int]], max_new
         # Warm-up: first-call allocations and lazy imports, and for our methods a whole reply, so
         # that the shapes a reply reaches (longer key ranges, tree sizes) are compiled and captured
         # before the clock runs (on a GPU each costs more than a prompt's decoding); a peer's few tokens.
-        attempt(m, run, prompts[0], min(8, max_new_tokens) if m.split("@")[0] in PEER_METHODS else max_new_tokens)
+        attempt(m, run, prompts[0], min(8, max_new_tokens) if peer[m] else max_new_tokens)
     bar = tqdm(total=len(prompts) * len(runners) * repeats, desc="bench", unit="run", disable=not progress)
     order, turn, done = list(runners.items()), 0, 0
     for ids in prompts:
@@ -316,7 +317,7 @@ def _interleave(runners: Mapping[str, Runner], prompts: list[list[int]], max_new
             break
         runs: dict[str, list[GenerationResult]] = {m: [] for m in runners}
         for m, run in order if warm_each else ():
-            if m.split("@")[0] not in PEER_METHODS:
+            if not peer[m]:
                 attempt(m, run, ids, max_new_tokens)
         for _ in range(repeats):
             # Each turn starts at the next method, so that no method always runs first (or last)

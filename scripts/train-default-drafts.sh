@@ -7,7 +7,7 @@
 #             (self-distillation) that nothing is trained on: the held-out set.
 #   features  teacher-forced final-norm features, fp16 (~1.15 KB per token: ~12 GB here)
 #   fit       packed rows of 2048 tokens, 1900 steps of 8 rows, warmup 100 + cosine decay
-#   stage 2   2,560 replies of the target itself with their features (train data --device), then
+#   stage 2   2,560 replies of the target itself with their features (train data --device --generator hf), then
 #             both heads continued from stage 1 (fit --init) for 90 steps of 4 rows x 1024
 #   stage 3   33,792 more replies with their features on a GPU, both heads continued from stage 2
 #             in two rounds (700 + 400 steps of 8 rows x 2048): the shipped heads
@@ -41,14 +41,14 @@ $L train export --run-dir "$ROOT/sharegpt" --arch lyanna --name lyanna-main --ou
 $L train export --run-dir "$ROOT/sharegpt" --arch eagle --name eagle-main --out "$ROOT/stage1/eagle"
 
 # Stage 2: continued training on the target's own replies (what decoding sees), self-distilled
-# through the Hugging Face model in batches with their features (`train data --device`), from the
+# through the Hugging Face model in batches with their features (`train data --device --generator hf`), from the
 # training prompts minus the held-out ones. The shipped heads ran this stage on the 2-core CPU.
 SD_DEVICE=${SD_DEVICE:-$DEVICE}
 SD_LIMIT=${SD_LIMIT:-2560}
 SD_STEPS=${SD_STEPS:-150}
 grep -vxFf "$ROOT/heldout-prompts.jsonl" "${PROMPTS:-../shared/data/train/prompts.jsonl}" > "$ROOT/train-prompts.jsonl"
 $L train data --run-dir "$ROOT/sd-train" --prompts "$ROOT/train-prompts.jsonl" --limit "$SD_LIMIT" --max-new-tokens 128 \
-  --seed 3 --batch 64 --device "$SD_DEVICE"
+  --seed 3 --batch 64 --device "$SD_DEVICE" --generator hf
 SD=(--run-dir "$ROOT/sd-train" --batch 4 --row-len 1024 --lr 3e-4 --warmup 10 --device "$DEVICE"
     --eval-run "$ROOT/sd" --eval-every 30 --save-every 10 --steps "$SD_STEPS" --until 90)
 $L train fit "${SD[@]}" --arch lyanna --init "$ROOT/stage1/lyanna" --name lyanna-sd
@@ -64,7 +64,7 @@ $L train export --run-dir "$ROOT/sd-train" --arch eagle --name eagle-sd --out "$
 # replies (4.4 more min) and both heads continued for 400 steps (~1.1 epochs; lr 4e-4 / 5e-4).
 # The held-out run of this stage was the same 96 prompts answered by the Hugging Face path on the
 # GPU (train data --device cuda --batch 96); the model cards' agreement numbers are on that copy.
-G=(--run-dir "$ROOT/sd-gpu" --prompts "$ROOT/train-prompts.jsonl" --max-new-tokens 128 --seed 3 --batch 256 --device "$SD_DEVICE")
+G=(--run-dir "$ROOT/sd-gpu" --prompts "$ROOT/train-prompts.jsonl" --max-new-tokens 128 --seed 3 --batch 256 --device "$SD_DEVICE" --generator hf)
 F=(--run-dir "$ROOT/sd-gpu" --batch 8 --row-len 2048 --device "$DEVICE" --eval-run "$ROOT/sd" --eval-every 100 --save-every 100)
 $L train data "${G[@]}" --limit 21504
 $L train fit "${F[@]}" --arch lyanna --init "$ROOT/stage2/lyanna" --lr 6e-4 --warmup 30 --steps 700 --name lyanna-gpu-a

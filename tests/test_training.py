@@ -158,13 +158,13 @@ def test_data_without_prompts_fails_with_one_line(tmp_path, tiny_model_dir, caps
 
 
 def test_self_distillation_through_the_hf_model_gives_the_greedy_replies(run_dir, tiny_model_dir, tmp_path):
-    """`train data --device cpu`: padded batches through the Hugging Face model with a static
-    cache; each reply is the target's greedy reply (as the engine decodes it alone), ending at
-    its first end-of-sequence token, and the run is resumable like the engine's."""
+    """`train data --device cpu --generator hf`: padded batches through the Hugging Face model with
+    a static cache; each reply is the target's greedy reply (as the engine decodes it alone),
+    ending at its first end-of-sequence token, and the run is resumable like the engine's."""
     run = tmp_path / "hf"
     pfile = run_dir.parent / "prompts.jsonl"
     assert train_main(["data", "--run-dir", str(run), "--model", str(tiny_model_dir), "--prompts", str(pfile),
-                       "--max-new-tokens", "24", "--batch", "5", "--device", "cpu"]) == 0
+                       "--max-new-tokens", "24", "--batch", "5", "--device", "cpu", "--generator", "hf"]) == 0
     got = {r["id"]: r for r in iter_data(run)}
     want = {r["id"]: r for r in iter_data(run_dir)}  # the engine's replies, same prompts and limit
     assert got.keys() == want.keys()
@@ -185,6 +185,33 @@ def test_self_distillation_through_the_hf_model_gives_the_greedy_replies(run_dir
         np.testing.assert_allclose(ex.features.astype(np.float32), theirs[eid].features.astype(np.float32), rtol=2e-3, atol=2e-3)
     assert features.stage_features(run) == len(mine)  # nothing left to do
     assert not (run / "features" / "report.json").exists()
+
+
+def test_self_distillation_on_the_batched_device_engine_gives_the_greedy_replies(run_dir, tiny_model_dir, tmp_path,
+                                                                               capsys, monkeypatch):
+    """`train data --device cpu` (our batched device engine, continuous batching: 3 rows for 22
+    prompts, so rows are refilled as replies end): each reply is the engine's alone, in shards
+    that resume like the engine's, and the report states the reply tokens and their rate.
+    Generators that need a device refuse to run without one, and the engine refuses one."""
+    run = tmp_path / "dev"
+    pfile = run_dir.parent / "prompts.jsonl"
+    monkeypatch.setattr(data, "SHARD_EXAMPLES", 8)  # several shards, the last one short
+    args = ["data", "--run-dir", str(run), "--model", str(tiny_model_dir), "--prompts", str(pfile), "--max-new-tokens", "24"]
+    assert train_main(args + ["--batch", "3", "--device", "cpu", "--limit", "12"]) == 0
+    assert train_main(args + ["--batch", "3", "--device", "cpu"]) == 0  # resumed: the other 10
+    rows = list(iter_data(run))
+    want = {r["id"]: r for r in iter_data(run_dir)}
+    assert len(rows) == 22 and {r["id"] for r in rows} == want.keys()
+    for row in rows:
+        assert row["prompt_ids"] == want[row["id"]]["prompt_ids"] and row["output_ids"] == want[row["id"]]["output_ids"]
+    assert len(list((run / "data").glob("shard-*.jsonl"))) == 4  # 8 + 4, then 8 + 2
+    assert json.loads((run / "run.json").read_text())["generator"] == "device-cpu-float32"
+    report = json.loads((run / "data" / "report.json").read_text())
+    assert report["reply_tokens"] == sum(len(r["output_ids"]) for r in rows) and report["reply_tokens_per_s"] > 0
+    for bad, why in ((["--generator", "device"], "--device"), (["--generator", "hf"], "--device"),
+                     (["--generator", "engine", "--device", "cpu"], "leave out --device")):
+        assert train_main(args + ["--run-dir", str(tmp_path / "bad")] + bad) == 1
+        assert why in capsys.readouterr().err and not (tmp_path / "bad").exists()
 
 
 def test_fit_can_start_from_a_checkpoint(run_dir, tmp_path):
@@ -489,8 +516,9 @@ def test_checkpoints_name_their_taps(run_dir, tiny_model_dir, tmp_path):
 
 
 def test_self_distillation_writes_the_features_of_its_taps(taps_run, run_dir, tiny_model_dir, tmp_path, capsys):
-    """`train data --device cpu --taps 1,2`: the features that come with the replies hold both taps,
-    as the features stage makes them; without --device the option is refused (no features are made there)."""
+    """`train data --device cpu --generator hf --taps 1,2`: the features that come with the replies
+    hold both taps, as the features stage makes them; with another generator the option is refused
+    (no features are made there)."""
     from lyanna.training.run import feature_taps
 
     pfile = run_dir.parent / "prompts.jsonl"
@@ -498,7 +526,8 @@ def test_self_distillation_writes_the_features_of_its_taps(taps_run, run_dir, ti
     args = ["data", "--run-dir", str(run), "--model", str(tiny_model_dir), "--prompts", str(pfile), "--limit", "6",
             "--max-new-tokens", "24", "--batch", "3", "--taps", "1,2"]
     assert train_main(args) == 1 and "--taps" in capsys.readouterr().err and not run.exists()
-    assert train_main(args + ["--device", "cpu"]) == 0
+    assert train_main(args + ["--device", "cpu"]) == 1 and "--taps" in capsys.readouterr().err and not run.exists()
+    assert train_main(args + ["--device", "cpu", "--generator", "hf"]) == 0
     assert feature_taps(run) == (1, 2)
     theirs = dict(load_examples(taps_run))
     for eid, ex in load_examples(run):

@@ -14,6 +14,8 @@ from typing import Sequence
 
 from .drafters.registry import trainable_archs
 from .engines.loading import DEFAULT_MODEL
+from .engines.torch_engine import DTYPES
+from .training.data import GENERATORS
 from .errors import LyannaError
 
 
@@ -62,9 +64,14 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--batch", type=int, default=8, help="self-distillation: replies generated together (continuous batching)")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--device", default=None,
-                   help="self-distillation through the Hugging Face model on this device (cpu, cuda) in padded batches: "
-                        "much faster with a large --batch; default: this engine, each reply token-identical to decoding it alone")
-    d.add_argument("--taps", type=_taps, default=None, help="with --device: the features written as replies are made; " + TAPS_HELP)
+                   help="self-distillation on this torch device (cpu, cuda), --batch replies a pass (continuous "
+                        "batching on one batched cache; --generator hf: the Hugging Face model in padded batches): much "
+                        "faster with a large --batch; default: this engine, each reply token-identical to decoding it alone")
+    d.add_argument("--generator", choices=GENERATORS, default=None,
+                   help="self-distillation: engine (this machine's engine), device (our batched device engine, the "
+                        "default with --device) or hf (the Hugging Face model on --device, features with the replies)")
+    d.add_argument("--dtype", choices=DTYPES, default="float32", help="--generator device: the target's dtype there")
+    d.add_argument("--taps", type=_taps, default=None, help="with --generator hf: the features written as replies are made; " + TAPS_HELP)
     d.add_argument("--done", type=Path, default=None,
                    help="self-distillation: ids of prompts answered in another copy of this run, one a line, skipped "
                         "(a lent machine grows its own copy; `lyanna train merge` brings it home)")
@@ -164,7 +171,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise LyannaError("train data needs --source (a conversation corpus) or --prompts (self-distillation)")
             else:
                 data.stage_data(args.run_dir, args.model, args.prompts, args.limit, args.max_new_tokens,
-                                    args.max_prompt_tokens, args.seed, args.batch, args.device, args.taps, args.done)
+                                    args.max_prompt_tokens, args.seed, args.batch, args.device, args.taps, args.done,
+                                args.generator, args.dtype)
         elif args.stage == "merge":
             print(f"added {data.stage_merge(args.run_dir, args.others)} replies to {args.run_dir}")
         elif args.stage == "features":

@@ -118,70 +118,112 @@ def _hf_replies(model, prompts: list[list[int]], max_new_tokens: int, eos: Seque
     return out
 
 
+# How ``stage_data`` generates replies: the GGUF engine here, one at a time as decoding them
+# alone (``engine``); our batched device engine (``device``); the Hugging Face model in padded
+# batches, with the features of ``--taps`` (``hf``).
+GENERATORS = ("engine", "device", "hf")
+# Replies a shard holds, from a generator that answers prompts in the order they end.
+Reply = tuple[int, list[int], "np.ndarray | None"]  # prompt index, reply, its features (hf) or None
+
+
 def stage_data(run: Path, model: str, prompts_file: Path, limit: int | None, max_new_tokens: int,
                max_prompt_tokens: int, seed: int, batch: int = 8, device: str | None = None,
-               taps: Sequence[int] | None = None, done_file: Path | None = None) -> int:
+               taps: Sequence[int] | None = None, done_file: Path | None = None, generator: str | None = None,
+               dtype: str = "float32") -> int:
     """Self-distillation: the target answers training prompts greedily with its chat template,
-    ``batch`` replies sharing each forward pass (on this engine each is token-identical to
-    generating it alone; with ``device`` the Hugging Face model generates padded batches, much
-    faster for large batches, and writes the features of ``taps`` as it goes: see
-    ``stage_features``, which makes them otherwise). ``done_file``: ids of prompts answered in
-    another copy of the run (one a line), skipped: a lent machine grows its own copy without
-    receiving the replies made so far, and ``stage_merge`` brings its shards home."""
-    from ..decoding.decoder import Decoder, GenerationRequest
-    from ..engines.loading import load_target, resolve_model
-
-    if batch < 1:
-        raise LyannaError(f"--batch must be >= 1, got {batch}")
-    if taps is not None and not device:
-        raise LyannaError("--taps names the features this stage writes with --device; without it, "
-                          "give them to `lyanna train features --taps`")
+    ``batch`` replies sharing each forward pass. ``generator`` (``GENERATORS``; default ``device``
+    where a ``device`` is named, else ``engine``): on this engine each reply is token-identical to
+    generating it alone; ``device`` runs our batched device engine in ``dtype`` (replies only, the
+    fastest on a GPU); ``hf`` the Hugging Face model, which writes the features of ``taps`` as it
+    goes (see ``stage_features``, which makes them otherwise). ``done_file``: ids of prompts
+    answered in another copy of the run (one a line), skipped: a lent machine grows its own copy
+    without receiving the replies made so far, and ``stage_merge`` brings its shards home."""
+    generator = generator or ("device" if device else "engine")
+    _check_generator(generator, batch, device, taps)
     prompts = read_prompts(prompts_file, limit, seed, benchmark_prompts())
     if not prompts:  # checked before the run exists: an empty run would only fail later, less clearly
         raise LyannaError(f"{prompts_file} has no training prompts (empty, or every prompt is a benchmark question)")
+    made_by = {"engine": "engine", "hf": f"hf-{device}", "device": f"device-{device}-{dtype}"}[generator]
     start_run(run, {"model": model, "source": "self-distillation", "seed": seed, "prompts": Path(prompts_file).name,
-                     "max_new_tokens": max_new_tokens, "max_prompt_tokens": max_prompt_tokens,
-                     "generator": f"hf-{device}" if device else "engine"})
+                     "max_new_tokens": max_new_tokens, "max_prompt_tokens": max_prompt_tokens, "generator": made_by})
     done = {row["id"] for row in iter_data(run)}
     if done_file is not None:
         if not Path(done_file).is_file():
             raise LyannaError(f"--done {done_file} not found")
         done |= {line.strip() for line in Path(done_file).read_text().split("\n") if line.strip()}
     todo = [p for p in prompts if p["id"] not in done]
-    decoder = Decoder(load_target(model, weight_format=TRAINING_WEIGHTS))
-    taps = check_taps(taps, decoder.engine.config.num_layers)
-    hf = hf_model(resolve_model(model), device) if device else None
+    decoder, replies, taps = _generator(generator, model, device, dtype, batch, max_new_tokens, taps)
+    ids = [decoder.encode(p["prompt"])[:max_prompt_tokens] for p in todo]
     shard_idx = len(list((run / "data").glob("shard-*.jsonl")))
-    bar = progress(len(prompts), "data (self-distillation)", len(prompts) - len(todo))
-    request = GenerationRequest(max_new_tokens=max_new_tokens)
-    started, made = time.perf_counter(), 0
-    shard_started = started
-    for first in range(0, len(todo), SHARD_EXAMPLES):  # one shard at a time: a shard is the unit of resumption
-        rows: list[str] = []
-        feats: list[np.ndarray] = []
-        chunk = todo[first : first + SHARD_EXAMPLES]
-        for k in range(0, len(chunk), 4 * batch):  # progress every few batches
-            part = chunk[k : k + 4 * batch]
-            ids = [decoder.encode(p["prompt"])[:max_prompt_tokens] for p in part]
-            if device:
-                got = _hf_replies(hf, ids, max_new_tokens, decoder.eos_token_ids, batch, taps)
-                replies = [reply for reply, _ in got]
-                feats += [f for _, f in got]
-            else:
-                replies = [out.tokens for out in decoder.generate_batch(ids, request, max_batch=batch)]
-            for p, pid, reply in zip(part, ids, replies):
-                rows.append(json.dumps({"id": p["id"], "prompt_ids": pid, "output_ids": reply}))
-            made += len(part)
-            bar.update(len(part))
-            bar.set_postfix(replies_per_s=f"{made / max(time.perf_counter() - started, 1e-9):.2f}", refresh=False)
-        if device:  # features before data: the data shard is what marks these prompts done
-            write_features(run / "features", shard_idx, [json.loads(r) for r in rows], feats, taps)
-        write_shards(run, rows, shard_idx)
-        shard_idx += 1
-        _add_data_seconds(run, time.perf_counter() - shard_started, device)
-        shard_started = time.perf_counter()
+    bar = progress(len(prompts), f"data (self-distillation, {made_by})", len(prompts) - len(todo))
+    started = shard_started = time.perf_counter()
+    shard: list[Reply] = []
+    made = answered = 0
+    for i, reply, feats in replies(ids):
+        shard.append((i, reply, feats))
+        made, answered = made + len(reply), answered + 1
+        bar.update(1)
+        bar.set_postfix(reply_tokens_per_s=f"{made / max(time.perf_counter() - started, 1e-9):.0f}", refresh=False)
+        if len(shard) == SHARD_EXAMPLES or answered == len(todo):  # a shard is the unit of resumption
+            rows = [{"id": todo[k]["id"], "prompt_ids": ids[k], "output_ids": out} for k, out, _ in shard]
+            if generator == "hf":  # features before data: the data shard is what marks these prompts done
+                write_features(run / "features", shard_idx, rows, [f for _, _, f in shard], taps)
+            write_shards(run, [json.dumps(r) for r in rows], shard_idx)
+            _add_data_seconds(run, time.perf_counter() - shard_started, made_by, sum(len(r) for _, r, _ in shard))
+            shard_idx, shard, shard_started = shard_idx + 1, [], time.perf_counter()
     bar.close()
     return len(prompts)
+
+
+def _check_generator(generator: str, batch: int, device: str | None, taps: Sequence[int] | None) -> None:
+    if generator not in GENERATORS:
+        raise LyannaError(f"--generator must be one of {', '.join(GENERATORS)}, got {generator!r}")
+    if batch < 1:
+        raise LyannaError(f"--batch must be >= 1, got {batch}")
+    if generator != "engine" and not device:
+        raise LyannaError(f"--generator {generator} runs on a torch device: name it with --device (cpu, cuda)")
+    if generator == "engine" and device:
+        raise LyannaError("--generator engine runs on this machine's engine: leave out --device")
+    if taps is not None and generator != "hf":
+        raise LyannaError("--taps names the features the Hugging Face generator writes with its replies "
+                          "(--generator hf); otherwise give them to `lyanna train features --taps`")
+
+
+def _generator(generator: str, model: str, device: str | None, dtype: str, batch: int, max_new_tokens: int,
+               taps: Sequence[int] | None):
+    """The decoder that encodes the prompts, a function from encoded prompts to their ``Reply``s
+    (in any order) and the taps whose features come with them (``hf``; else None)."""
+    from ..decoding.decoder import Decoder, GenerationRequest
+    from ..engines.loading import load_target, resolve_model
+
+    if generator == "device":
+        from ..engines.device import load_device_target
+        from ..engines.device_batch import BatchedGreedy
+
+        target, engine = load_device_target(model, device, dtype)
+        decoder = Decoder(target, default_drafts=False, engine=engine)
+
+        def on_device(ids: list[list[int]]):
+            if ids:
+                gen = BatchedGreedy(engine, min(batch, len(ids)), max(map(len, ids)) + max_new_tokens)
+                for i, reply in gen.replies(ids, max_new_tokens, decoder.eos_token_ids):
+                    yield i, reply, None
+        return decoder, on_device, None
+    decoder = Decoder(load_target(model, weight_format=TRAINING_WEIGHTS), default_drafts=False)
+    hf = hf_model(resolve_model(model), device) if generator == "hf" else None
+    check = check_taps(taps, decoder.engine.config.num_layers) if hf is not None else None
+    request = GenerationRequest(max_new_tokens=max_new_tokens)
+
+    def in_chunks(ids: list[list[int]]):
+        for k in range(0, len(ids), 4 * batch):  # replies come back every few batches
+            part = ids[k : k + 4 * batch]
+            if hf is not None:
+                got = _hf_replies(hf, part, max_new_tokens, decoder.eos_token_ids, batch, check)
+            else:
+                got = [(out.tokens, None) for out in decoder.generate_batch(part, request, max_batch=batch)]
+            for j, (reply, feats) in enumerate(got):
+                yield k + j, reply, feats
+    return decoder, in_chunks, check
 
 
 # What two copies of a self-distillation run must share for their replies to be one data set.
@@ -217,18 +259,24 @@ def stage_merge(run: Path, others: Sequence[Path]) -> int:
         if report.is_file():
             r = json.loads(report.read_text())
             made = r.get("device", "elsewhere").replace(", features included", "")  # its features stayed there
-            _add_data_seconds(run, float(r.get("seconds", 0.0)), None, f"{made}, a merged copy")
+            _add_data_seconds(run, float(r.get("seconds", 0.0)), None, int(r.get("reply_tokens", 0)),
+                              f"{made}, a merged copy")
         have |= set(ids)
         added += len(ids)
     return added
 
 
-def _add_data_seconds(run: Path, seconds: float, device: str | None, described: str | None = None) -> None:
-    """Self-distillation's wall time, summed over resumed sessions (the model card's cost line)."""
+def _add_data_seconds(run: Path, seconds: float, made_by: str | None, tokens: int = 0,
+                      described: str | None = None) -> None:
+    """Self-distillation's wall time and reply tokens, summed over resumed sessions (the model
+    card's cost line, and the generator's speed: ``reply_tokens_per_s``)."""
     f = run / "data" / "report.json"
     report = json.loads(f.read_text()) if f.is_file() else {"seconds": 0.0}
-    report["seconds"] = round(report["seconds"] + seconds, 1)
-    here = described or (f"hf-{device}, features included" if device else "engine")
+    report["seconds"] = round(report["seconds"] + seconds, 3)
+    report["reply_tokens"] = report.get("reply_tokens", 0) + tokens
+    if tokens and report["seconds"] > 0:
+        report["reply_tokens_per_s"] = round(report["reply_tokens"] / report["seconds"], 1)
+    here = described or (f"{made_by}, features included" if made_by and made_by.startswith("hf-") else made_by or "engine")
     made = [part for part in report.get("device", "").split("; ") if part]  # each way a merged copy was made, once
     report["device"] = "; ".join(made if here in made else [*made, here])
     f.write_text(json.dumps(report))

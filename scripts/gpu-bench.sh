@@ -27,7 +27,8 @@
 # (the default on CUDA) and eager. It is meant to fit one 10-minute
 # command (the first H200 run, with longer bench steps and no fixed-budget step, took 8 minutes);
 # BF16_S, FIXED_S, FP32_S and TESTS_S set the steps' seconds, BENCH_LIMIT and BENCH_TOKENS the bench,
-# STEPS which steps run (bf16,latency,latency-eager,tests,fp32,ops,peers,fixed: all, in that order).
+# STEPS which steps run (bf16,latency,latency-eager,tests,fp32,ops,peers,fixed,datagen: all, in that
+# order; datagen: training replies a second on the batched device engine, scripts/measure-datagen.py).
 # `local` runs the same steps here on the CPU (device cpu, a short bench) to check the script.
 #
 # Growing a self-distillation run on lent GPUs (the heads' data at scale), a session at a time:
@@ -38,6 +39,7 @@
 #          lyanna train merge --run-dir RUN --from COPY/sd
 # `data` answers, for DATA_S seconds (default 420), the prompts RUN lacks (`train data --done`,
 # with RUN's own seed, reply and prompt lengths, read from the run.json that prepare-data copies)
+# on our batched device engine (DATA_BATCH rows, default 256, in DATA_DTYPE, default bfloat16)
 # and brings the replies back packed (the machine returns at most 8 files of 16 MiB: a gzipped tar
 # in 15 MiB parts), not their features (three taps of 30M tokens are ~100 GB; make features where
 # the fit runs). DATA_PARCEL puts .gpu/data elsewhere; with DATA_DEVICE=cpu and PY set, `data` runs
@@ -143,7 +145,8 @@ measure() {  # measure DEVICE OUT LIMIT TOKENS; the headline comes first, each s
                        scripts/project-speedup.py --device "$device" --dtype "$LATENCY_DTYPE" --compile no \
                        --out "$out/latency-$LATENCY_DTYPE-eager.json" ;;
       tests) step "$TESTS_S" "tests on $device" env LYANNA_TEST_DEVICE="$device" "${PY:-python3}" -m pytest -x -q -p no:cacheprovider \
-               tests/test_device_engine.py tests/test_training.py::test_a_fit_computing_its_features_online_equals_one_on_stored_features ;;
+               tests/test_device_engine.py tests/test_device_batch.py \
+               tests/test_training.py::test_a_fit_computing_its_features_online_equals_one_on_stored_features ;;
       fp32) step $((FP32_S + 150)) "bench float32" "${lyanna[@]}" --backend torch --device "$device" --dtype float32 bench \
               --methods "$METHODS" --limit "$limit" --max-new-tokens "$tokens" --time-limit "$FP32_S" \
               --no-progress --json "$out/bench-float32.json" ;;
@@ -160,7 +163,12 @@ measure() {  # measure DEVICE OUT LIMIT TOKENS; the headline comes first, each s
       fixed) step $((FIXED_S + 120)) "fixed budgets, no fallback (bfloat16)" "${lyanna[@]}" --backend torch --device "$device" \
                --dtype bfloat16 bench --methods ar,eagle@16,lyanna@16,lyanna@64,lyanna+suffix@64 --no-fallback --limit 8 \
                --max-new-tokens 96 --time-limit "$FIXED_S" --no-progress --json "$out/bench-bfloat16-fixed.json" ;;
-      *) echo "!! unknown step $s (steps: bf16 latency latency-eager tests fp32 ops peers fixed)" ;;
+      # Training replies on the batched device engine (what `train data --device` runs), reply
+      # tokens a second at several row counts, each run once untimed first.
+      datagen) step 150 "training replies, batched ($device, bfloat16)" "${PY:-python3}" scripts/measure-datagen.py \
+                 --device "$device" --dtype bfloat16 --rows "${DATAGEN_ROWS:-64,256,512}" --max-new-tokens 256 \
+                 --out "$out/datagen-bfloat16.json" ;;
+      *) echo "!! unknown step $s (steps: bf16 latency latency-eager tests fp32 ops peers fixed datagen)" ;;
     esac
   done
   echo "== done $(date -u +%T)"
@@ -169,7 +177,7 @@ measure() {  # measure DEVICE OUT LIMIT TOKENS; the headline comes first, each s
 # Seconds of prompts per step (see step()); the defaults fit one 10-minute command: bf16 is the
 # headline, fp32 shows equality with ar.
 BF16_S=${BF16_S:-150} FIXED_S=${FIXED_S:-45} FP32_S=${FP32_S:-75} TESTS_S=${TESTS_S:-150}
-STEPS=${STEPS:-bf16,latency,latency-eager,tests,fp32,ops,peers,fixed}  # which steps, in this order
+STEPS=${STEPS:-bf16,latency,latency-eager,tests,fp32,ops,peers,fixed,datagen}  # which steps, in this order
 
 prepare_data() {  # prepare_data RUN PROMPTS
   local run=${1:?usage: scripts/gpu-bench.sh prepare-data RUN PROMPTS} prompts=${2:?the prompts file of RUN}
@@ -240,7 +248,8 @@ data() {  # there: DATA_S seconds of replies to the prompts the run at home lack
 print(r["model"], r["seed"], r["max_new_tokens"], r["max_prompt_tokens"], sep="\n")' "$DATA/home-run.json")
   step "${DATA_S:-420}" "self-distillation on ${DATA_DEVICE:-cuda}" "${PY:-python3}" -m lyanna.train data --run-dir "$run" \
     --model "${settings[0]}" --prompts "$prompts" --done "$DATA/done.txt" --seed "${settings[1]}" \
-    --max-new-tokens "${settings[2]}" --max-prompt-tokens "${settings[3]}" --batch 256 --device "${DATA_DEVICE:-cuda}"
+    --max-new-tokens "${settings[2]}" --max-prompt-tokens "${settings[3]}" --batch "${DATA_BATCH:-256}" \
+    --device "${DATA_DEVICE:-cuda}" --dtype "${DATA_DTYPE:-bfloat16}"
   ls "$run"/data/shard-*.jsonl > /dev/null 2>&1 || { echo "!! no shard finished"; return; }
   (cd "$STAGE" && tar czf - sd/run.json $(ls sd/data/report.json 2>/dev/null) sd/data/shard-*.jsonl) | split -b 15M -d -a 1 - "$OUT/sd.tar.gz.part-"
   echo "== replies: $(cat "$run"/data/shard-*.jsonl | wc -l), packed in $(ls "$OUT"/sd.tar.gz.part-* | wc -l) parts"

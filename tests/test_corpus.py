@@ -185,3 +185,7 @@ def test_prompts_stage_takes_each_conversations_first_user_turn(tmp_path, tiny_m
     assert train_main(["prompts", "--source", str(bad), "--out", str(tmp_path / "x.jsonl")]) == 1
     assert "no usable first user turn" in capsys.readouterr().err and not (tmp_path / "x.jsonl").exists()
     assert train_main(["prompts", "--source", str(tmp_path / "missing.json"), "--out", str(out)]) == 1
+    twice = tmp_path / "twice.jsonl"  # a prompts file concatenated with itself: its ids meet again
+    twice.write_text(out.read_text() * 2)
+    assert train_main(["data", "--run-dir", str(tmp_path / "run2"), "--model", str(tiny_model_dir), "--prompts", str(twice)]) == 1
+    assert "twice.jsonl:4: id 'chats:a#0' is also the id of line 1" in capsys.readouterr().err

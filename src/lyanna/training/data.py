@@ -42,6 +42,7 @@ def read_prompts(path: Path, limit: int | None, seed: int, exclude: set[str]) ->
     if not path.is_file():
         raise LyannaError(f"training prompts {path} not found")
     rows = []
+    seen: dict[str, int] = {}
     for lineno, line in enumerate(path.read_text().split("\n"), 1):
         if not line.strip():
             continue
@@ -50,6 +51,9 @@ def read_prompts(path: Path, limit: int | None, seed: int, exclude: set[str]) ->
             prompt, pid = str(row["prompt"]), str(row.get("id", lineno))
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise LyannaError(f"{path}:{lineno}: need a JSON object with 'prompt' ({e})") from None
+        if pid in seen:  # a run marks prompts done by id: two with one id would be one prompt
+            raise LyannaError(f"{path}:{lineno}: id {pid!r} is also the id of line {seen[pid]}")
+        seen[pid] = lineno
         if " ".join(prompt.split()).lower() not in exclude:
             rows.append({"id": pid, "prompt": prompt})
     order = np.random.default_rng(seed).permutation(len(rows))

@@ -149,6 +149,36 @@ def test_packed_rows_equal_single_sequence_unrolls(tiny_decoder, tiny_examples):
     assert pack(exs, 40) == [[0, 1], [2]]
 
 
+def test_masking_tokens_outside_the_draft_vocabulary_is_masking_their_positions(tiny_decoder, tiny_examples):
+    """`fit --outside-vocab mask` (EAGLE-3): the loss with the draft vocabulary's tokens scored
+    alone is the loss of the same batch whose assistant mask leaves out every position whose
+    token lies outside it; fewer rows are scored, and the loss differs from scoring them all.
+    A head that drafts any token (eagle) scores every one."""
+    from dataclasses import replace
+
+    from lyanna.training.fit import drafted_tokens, init_eagle_head, scored_counts
+
+    engine = tiny_decoder.engine
+    d2t = np.arange(0, engine.config.vocab_size, 2)  # every other token
+    head = init_lyanna_head(engine, tiny_decoder.target.weights, d2t, rank=4)
+    with torch.no_grad():
+        head.ti.b.normal_(0, 0.3)  # a token-info table that matters
+    batch = make_batch(list(tiny_examples), [[0, 1], [2, 3]], 160)
+    drafted = drafted_tokens(head, "mask")
+    assert drafted.sum() == len(d2t) and drafted_tokens(head, "score") is None
+    assert drafted_tokens(init_eagle_head(engine, tiny_decoder.target.weights), "mask") is None
+    masked = replace(batch, mask=batch.mask & drafted[batch.tokens])
+    every, some = scored_counts(batch, 3), scored_counts(batch, 3, drafted)
+    assert some == scored_counts(masked, 3) and all(0 < a < b for a, b in zip(some, every))
+    with torch.no_grad():
+        got, want, unmasked = (batch_loss(head, batch, 3, drafted=drafted), batch_loss(head, masked, 3),
+                               batch_loss(head, batch, 3))
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert abs(float(got - unmasked)) > 1e-3
+    with pytest.raises(ValueError, match="outside"):
+        drafted_tokens(head, "drop")
+
+
 def test_learning_rate_warms_up_then_decays_to_a_tenth():
     lrs = [fit_stage.lr_at(s, 100, 1.0, 10) for s in range(100)]
     assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)

@@ -415,6 +415,28 @@ def test_depth_decay_weights_the_unrolled_steps(run_dir, tmp_path):
     assert "weighted 0.5 ** (k - 1)" in (tmp_path / "d05" / "README.md").read_text()
 
 
+def test_fit_masks_outside_the_draft_vocabulary_and_runs_under_autocast(run_dir, tmp_path):
+    """`fit --outside-vocab mask`: recorded in the fit's settings, kept on resume (another value
+    is refused), stated on the card, and a different first loss than scoring every position;
+    `--autocast bfloat16` (per sitting) gives nearly the fp32 loss."""
+    def first(name, **kw):
+        state = fit_stage.stage_fit(run_dir, "lyanna", steps=1, batch=2, lr=0.0, depth=2, rank=4, draft_vocab=40,
+                                    eval_every=1, name=name, row_len=64, **kw)
+        return state, state["history"][-1]["loss"]
+
+    (scored, all_loss), (masked, mask_loss) = first("o-score"), first("o-mask", outside_vocab="mask")
+    assert scored["settings"]["outside_vocab"] == "score" and masked["settings"]["outside_vocab"] == "mask"
+    assert abs(all_loss - mask_loss) > 1e-3  # 40 draft tokens leave many positions outside
+    cast, cast_loss = first("o-cast", autocast="bfloat16")
+    assert cast["autocast"] == "bfloat16" and cast_loss == pytest.approx(all_loss, rel=2e-2)
+    with pytest.raises(LyannaError, match="outside-vocab mask, not score"):
+        fit_stage.stage_fit(run_dir, "lyanna", steps=2, batch=2, depth=2, name="o-mask", row_len=64, outside_vocab="score")
+    with pytest.raises(LyannaError, match="autocast"):
+        fit_stage.stage_fit(run_dir, "lyanna", steps=1, batch=2, name="bad", row_len=64, autocast="float16")
+    export.stage_export(run_dir, "lyanna", tmp_path / "o-mask", name="o-mask", hot=32)
+    assert "--outside-vocab mask" in (tmp_path / "o-mask" / "README.md").read_text()
+
+
 @pytest.fixture(scope="module")
 def taps_run(run_dir, tmp_path_factory):
     """The run's data with the features of two taps: the input of layer 1 and the final norm's output."""

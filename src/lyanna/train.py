@@ -16,6 +16,7 @@ from .drafters.registry import trainable_archs
 from .engines.loading import DEFAULT_MODEL
 from .engines.torch_engine import DTYPES
 from .training.data import GENERATORS
+from .training.run import OUTSIDE_VOCAB
 from .errors import LyannaError
 
 
@@ -137,6 +138,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--time-limit", type=float, default=None,
                    help="stop after the step that reaches this many seconds of fitting, judged and saved there "
                         "(a lent machine's time; rerun to go on)")
+    t.add_argument("--outside-vocab", default=None, choices=OUTSIDE_VOCAB,
+                   help="lyanna: a position whose token lies outside the draft vocabulary is scored against the "
+                        "target's distribution renormalized over it (score, the default) or left out of the loss "
+                        "(mask, as EAGLE-3); a resumed fit keeps its own")
+    t.add_argument("--autocast", default="none", choices=["none", "bfloat16"],
+                   help="run the loss under bfloat16 autocast (a GPU's tensor cores; labels' softmax and losses stay fp32)")
     t.add_argument("--features", default="stored", choices=["stored", "online"],
                    help="stored: the features stage's shards; online: each batch's target features computed in the fit "
                         "through the Hugging Face model on --device, as `train features --device` makes them (a run "
@@ -192,7 +199,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                args.draft_vocab, args.selection, args.seed, args.eval_every, args.save_every, args.name,
                                args.row_len, args.warmup, args.labels, args.device, args.eval_run, args.max_train_tokens,
                                args.eval_examples, args.init, args.until, args.taps, args.depth_decay,
-                               args.head_layers, args.features, args.time_limit)
+                               args.head_layers, args.features, args.time_limit, args.outside_vocab,
+                               args.autocast)
         else:
             decode = None
             if args.decode:

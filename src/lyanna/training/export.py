@@ -101,6 +101,10 @@ def _card(run: Path, arch: str, model: str, taps: Sequence[int], info: dict[str,
         f"step k's loss weighted {depth_decay_of(st)} ** (k - 1))",
         *([f"- head: {head_layers_of(st)} decoder layers, each reading the one before's output"]
           if head_layers_of(st) > 1 else []),
+        *(["- positions whose token lies outside the draft vocabulary left out of the loss (--outside-vocab mask)"]
+          if st.get("outside_vocab") == "mask" else []),
+        *([f"- the loss under {state['autocast']} autocast (the last sitting)"]
+          if state.get("autocast", "none") != "none" else []),
         f"- cost: {_stage_costs(run, state)}",
         f"- held-out top-1 agreement with the target by depth (teacher-forced): {last.get('agreement')}",
         *head_lines,

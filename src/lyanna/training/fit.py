@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from ..engines.base import Block, TargetEngine
 from .modules import EagleHead, LyannaHead, pair_segments
+from .run import OUTSIDE_VOCAB
 
 
 @dataclass
@@ -110,9 +111,9 @@ def _label_logits(head: EagleHead, features: torch.Tensor) -> torch.Tensor:
     return features @ (head.draft_lm if isinstance(head, LyannaHead) else getattr(head, "loss_lm", head.lm_head)).T
 
 
-def _scored_rows(batch: Batch, k: int) -> torch.Tensor:
+def _scored_rows(batch: Batch, k: int, drafted: torch.Tensor | None = None) -> torch.Tensor:
     """[B, L-1] bool: root row j of step k predicts token j + 1 + k of its own sequence, which
-    the assistant wrote."""
+    the assistant wrote (and, given ``drafted`` ([vocab] bool), which the head can draft)."""
     pseg = pair_segments(batch.segments)
     n = pseg.shape[1]
     valid = torch.zeros_like(pseg, dtype=torch.bool)
@@ -120,12 +121,26 @@ def _scored_rows(batch: Batch, k: int) -> torch.Tensor:
     if m > 0:
         target_seg = batch.segments[:, 1 + k: 1 + k + m]
         valid[:, :m] = (pseg[:, :m] >= 0) & (target_seg == pseg[:, :m]) & batch.mask[:, 1 + k: 1 + k + m]
+        if drafted is not None:
+            valid[:, :m] &= drafted[batch.tokens[:, 1 + k: 1 + k + m]]
     return valid
 
 
-def scored_counts(batch: Batch, depth: int) -> list[int]:
-    """Scored rows of each unrolled step."""
-    return [int(_scored_rows(batch, k).sum()) for k in range(1, depth + 1)]
+def scored_counts(batch: Batch, depth: int, drafted: torch.Tensor | None = None) -> list[int]:
+    """Scored rows of each unrolled step (``drafted``: see ``_scored_rows``)."""
+    return [int(_scored_rows(batch, k, drafted).sum()) for k in range(1, depth + 1)]
+
+
+def drafted_tokens(head: EagleHead, outside: str) -> torch.Tensor | None:
+    """[vocab] bool of the tokens the loss scores under ``outside`` (``OUTSIDE_VOCAB``): a
+    Lyanna head's draft vocabulary when masking; None (every token) otherwise."""
+    if outside not in OUTSIDE_VOCAB:
+        raise ValueError(f"outside must be one of {OUTSIDE_VOCAB}, got {outside!r}")
+    if outside == "score" or not isinstance(head, LyannaHead):
+        return None
+    drafted = torch.zeros(head.c.vocab_size, dtype=torch.bool, device=head.d2t.device)
+    drafted[head.d2t] = True
+    return drafted
 
 
 # Weight of unrolled step k's loss: DEPTH_DECAY ** (k - 1). A deeper step's token is accepted only
@@ -139,19 +154,23 @@ def depth_decay_of(settings: dict) -> float:
 
 
 def batch_loss(head: EagleHead, batch: Batch, depth: int, decay: float = DEPTH_DECAY, raw_weight: float = 0.5,
-               cls_weight: float = 0.1, labels: str = "soft", counts: Sequence[float] | None = None) -> torch.Tensor:
+               cls_weight: float = 0.1, labels: str = "soft", counts: Sequence[float] | None = None,
+               drafted: torch.Tensor | None = None) -> torch.Tensor:
     """Mean over scored rows of each unrolled step, weighted ``decay ** (k - 1)``. ``counts``
     replaces this batch's own scored rows per step as the divisor (data-parallel ranks divide by
-    the whole batch's, so that averaging their gradients gives the single-process gradient)."""
+    the whole batch's, so that averaging their gradients gives the single-process gradient).
+    ``drafted``: score only positions whose token it holds (``drafted_tokens``)."""
     if labels not in ("soft", "hard"):
         raise ValueError(f"labels must be soft or hard, got {labels!r}")
     lyanna = isinstance(head, LyannaHead)
     feats = batch.features.float()
     total = feats.new_zeros(())
     for k, f in enumerate(head.unroll_batch(feats, batch.tokens, batch.segments, depth), start=1):
-        valid = _scored_rows(batch, k)
+        valid = _scored_rows(batch, k, drafted)
         if not bool(valid.any()):
-            break
+            if drafted is None:
+                break  # deeper steps score fewer rows still
+            continue
         b_idx, j_idx = valid.nonzero(as_tuple=True)
         fk = f[b_idx, j_idx]
         label_feats = feats[b_idx, j_idx + k, -head.c.hidden_size:]  # final norm after token j + k: token j + 1 + k's distribution

@@ -12,7 +12,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..errors import LyannaError
-from .run import (TRAINING_WEIGHTS, coverage, draft_vocabulary, feature_taps, fitted_taps, head_layers_of,
+from .run import (OUTSIDE_VOCAB, TRAINING_WEIGHTS, coverage, draft_vocabulary, feature_taps, fitted_taps, head_layers_of,
                   load_data_examples, load_examples, run_info, split_held_out, token_frequencies, training_engine)
 
 
@@ -161,13 +161,16 @@ class _Fit:
         return [round(float(x), 4) for x in hits / np.maximum(counts, 1)]
 
 
-def _loss_module(fit: _Fit, depth: int, labels: str, world: int):
-    """The head's unrolled loss as a module (wrapped for data parallelism when ``world`` > 1)."""
+def _loss_module(fit: _Fit, depth: int, labels: str, world: int, drafted, autocast: str | None):
+    """The head's unrolled loss as a module (wrapped for data parallelism when ``world`` > 1),
+    scoring the tokens of ``drafted`` (``fit.drafted_tokens``; None: all), under bfloat16
+    autocast when ``autocast`` says so (the labels' softmax and the losses stay fp32)."""
     import torch
 
     from .fit import batch_loss, depth_decay_of
 
     decay = depth_decay_of(fit.state["settings"])
+    kind = torch.device(fit.state["device"]).type
 
     class Loss(torch.nn.Module):
         def __init__(self) -> None:
@@ -177,7 +180,8 @@ def _loss_module(fit: _Fit, depth: int, labels: str, world: int):
         def forward(self, b, counts: list[float] | None) -> torch.Tensor:
             if b is None:  # more ranks than rows: take part in the gradient average with zero
                 return sum(p.sum() * 0 for p in fit.params)
-            return batch_loss(self.head, b, depth, decay=decay, labels=labels, counts=counts)
+            with torch.autocast(kind, dtype=torch.bfloat16, enabled=autocast == "bfloat16"):
+                return batch_loss(self.head, b, depth, decay=decay, labels=labels, counts=counts, drafted=drafted)
 
     if world == 1:
         return Loss()
@@ -193,7 +197,8 @@ def stage_fit(run: Path, arch: str, steps: int, batch: int = 8, lr: float = 3e-4
               eval_examples: int = 64, init: Path | None = None, until: int | None = None,
               taps: Sequence[int] | None = None, depth_decay: float | None = None,
               head_layers: int | None = None, features: str = "stored",
-              time_limit: float | None = None) -> dict[str, Any]:
+              time_limit: float | None = None, outside_vocab: str | None = None,
+              autocast: str | None = None) -> dict[str, Any]:
     """Train a draft head on packed batches of ``batch`` rows of ``row_len`` tokens;
     data-parallel under torchrun (every rank takes a slice of each batch's rows). Held-out
     agreement is measured on this run's held-out split, or on all of ``eval_run`` (for example
@@ -211,13 +216,15 @@ def stage_fit(run: Path, arch: str, steps: int, batch: int = 8, lr: float = 3e-4
     batch's target features computed in the fit through the Hugging Face model on ``device``,
     as the features stage computes them: a run needs only its data, never the features' disk).
     ``time_limit``: stop after the step that reaches this many seconds of fitting, judged and saved
-    there (a lent machine's time; rerun to go on)."""
+    there (a lent machine's time; rerun to go on). ``outside_vocab``: ``fit.OUTSIDE_VOCAB`` (None:
+    ``score``, or what the fit being resumed has). ``autocast``: ``bfloat16`` runs the loss under
+    bfloat16 autocast (a GPU's tensor cores), None or ``none`` in fp32; chosen per sitting."""
     import torch
 
     from ..drafters.checkpoint import check_taps, head_layer_count, head_taps, load_head
     from ..drafters.registry import head_class
     from ..engines.loading import load_target
-    from .fit import DEPTH_DECAY, depth_decay_of
+    from .fit import DEPTH_DECAY, depth_decay_of, drafted_tokens
     from .recipes import recipe_for
 
     recipe = recipe_for(arch)
@@ -229,6 +236,10 @@ def stage_fit(run: Path, arch: str, steps: int, batch: int = 8, lr: float = 3e-4
         raise LyannaError(f"--depth-decay must be > 0, got {depth_decay}")
     if head_layers is not None and head_layers < 1:
         raise LyannaError(f"--head-layers must be >= 1, got {head_layers}")
+    if outside_vocab is not None and outside_vocab not in OUTSIDE_VOCAB:
+        raise LyannaError(f"--outside-vocab must be one of {', '.join(OUTSIDE_VOCAB)}, got {outside_vocab!r}")
+    if autocast not in (None, "none", "bfloat16"):
+        raise LyannaError(f"--autocast must be none or bfloat16, got {autocast!r}")
     if features not in ("stored", "online"):
         raise LyannaError(f"--features must be stored or online, got {features!r}")
     online = features == "online"
@@ -260,7 +271,8 @@ def stage_fit(run: Path, arch: str, steps: int, batch: int = 8, lr: float = 3e-4
     out.mkdir(parents=True, exist_ok=True)
     settings = {"batch": batch, "row_len": row_len, "lr": lr, "warmup": warmup, "labels": labels, "depth": depth,
                 "rank": rank, "draft_vocab": draft_vocab, "seed": seed, "taps": list(taps),
-                "depth_decay": DEPTH_DECAY if depth_decay is None else depth_decay, "head_layers": head_layers or 1}
+                "depth_decay": DEPTH_DECAY if depth_decay is None else depth_decay, "head_layers": head_layers or 1,
+                "outside_vocab": outside_vocab or "score"}
     state_json = out / "state.json"
     state = (json.loads(state_json.read_text()) if state_json.is_file()
              else _new_state(arch, selection, settings, train, held, eval_run))
@@ -275,8 +287,12 @@ def stage_fit(run: Path, arch: str, steps: int, batch: int = 8, lr: float = 3e-4
     layers = head_layers_of(state["settings"])
     if head_layers is not None and head_layers != layers:
         raise LyannaError(f"{out} fits a head of {layers} layer(s), not {head_layers}; pass another --name")
+    fitted_outside = state["settings"].get("outside_vocab", "score")  # fits from before the setting scored them
+    if outside_vocab is not None and outside_vocab != fitted_outside:
+        raise LyannaError(f"{out} fits with --outside-vocab {fitted_outside}, not {outside_vocab}; pass another --name")
     state["device"] = str(device)
     state["features"] = features
+    state["autocast"] = autocast or "none"
     start = None
     if init is not None:
         init_config, start = load_head(init, target, head_class(arch))
@@ -305,7 +321,7 @@ def stage_fit(run: Path, arch: str, steps: int, batch: int = 8, lr: float = 3e-4
     fit = _Fit(out, head, state, lr, device)
     _train(fit, [ex for _, ex in train], [ex for _, ex in held], steps, until, lr, warmup, depth, labels, batch,
            row_len, seed, eval_every, save_every, device, (rank_id, world), f"from {init}" if start is not None else None,
-           featurize, time_limit)
+           featurize, time_limit, drafted_tokens(fit.head, fitted_outside))
     if world > 1:  # every rank waits for rank 0's last save, then leaves the group before exiting (no abort in teardown)
         import torch.distributed as dist
 
@@ -330,11 +346,12 @@ def _report_coverage(state: dict[str, Any], counts: np.ndarray, d2t: Any, inheri
 
 def _train(fit: _Fit, train: list, held: list, steps: int, until: int | None, lr: float, warmup: int, depth: int,
            labels: str, batch: int, row_len: int, seed: int, eval_every: int, save_every: int, device: str,
-           ranks: tuple[int, int], continued: str | None, featurize=None, time_limit: float | None = None) -> None:
+           ranks: tuple[int, int], continued: str | None, featurize=None, time_limit: float | None = None,
+           drafted=None) -> None:
     """The steps from ``fit.state["step"]`` to ``until`` (or ``steps``), with held-out agreement
     every ``eval_every`` steps and a save every ``save_every``, both on rank 0; ``featurize``
     computes each batch's features (``held`` has its own already); past ``time_limit`` seconds
-    the step that ends is the last."""
+    the step that ends is the last; ``drafted``: the tokens the loss scores (None: all)."""
     import torch
     from tqdm import tqdm
 
@@ -342,7 +359,7 @@ def _train(fit: _Fit, train: list, held: list, steps: int, until: int | None, lr
 
     rank_id, world = ranks
     state = fit.state
-    model = _loss_module(fit, depth, labels, world)
+    model = _loss_module(fit, depth, labels, world, drafted, state["autocast"])
     bar = tqdm(total=steps, initial=state["step"], desc=f"fit {state['arch']}", unit="step", dynamic_ncols=True,
                disable=rank_id != 0 or os.environ.get("LYANNA_NO_PROGRESS") == "1")
     t0 = time.perf_counter()
@@ -365,7 +382,8 @@ def _train(fit: _Fit, train: list, held: list, steps: int, until: int | None, lr
         rows = epoch_batches[step - epoch_start]
         # every rank divides by the whole batch's scored rows, times the ranks DDP averages over
         # (one process: its own rows are the whole batch, batch_loss counts them itself)
-        counts = ([c / world for c in scored_counts(make_batch(train, rows, row_len, features=False), depth)]
+        counts = ([c / world for c in scored_counts(make_batch(train, rows, row_len, features=False), depth,
+                                                    None if drafted is None else drafted.cpu())]
                   if world > 1 else None)
         mine = rows[rank_id::world]
         b = None

@@ -28,6 +28,11 @@ TRAINING_WEIGHTS = "fp32"
 
 
 SHARD_EXAMPLES = 256
+# What a Lyanna fit does with a position whose token lies outside the draft vocabulary: ``score``
+# it against the target's distribution renormalized over the draft vocabulary (what the shipped
+# heads were fitted with), or ``mask`` it out of the loss, as EAGLE-3 does (the head can never
+# draft that token, and the renormalized label says little of what to draft instead).
+OUTSIDE_VOCAB = ("score", "mask")
 
 
 def progress(total: int, desc: str, initial: int = 0):

@@ -699,3 +699,32 @@ def test_gpu_bench_grows_a_run_on_another_machine(run_dir, tiny_model_dir, tmp_p
     assert all(merged[k]["prompt_ids"] == whole[k]["prompt_ids"] and merged[k]["output_ids"] == whole[k]["output_ids"]
                for k in merged)  # the copy's replies from the batched device engine, 4 rows: the engine's alone
     assert json.loads((copy / "sd" / "run.json").read_text())["generator"] == "device-cpu-float32"
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="scripts/heads-campaign.sh is a bash script (shuf, grep)")
+def test_the_heads_campaign_runs_end_to_end_on_a_tiny_model(run_dir, tiny_model_dir, tmp_path):
+    """`scripts/heads-campaign.sh` on the CPU with the tiny model, small sizes: held-out replies,
+    the batched device engine's replies (their rate reported), both heads at two data sizes with
+    online features, the scaling table and figure, the exported heads' tokens a round equal to ar."""
+    repo = Path(__file__).resolve().parents[1]
+    root = tmp_path / "campaign"
+    lyanna = Path(sys.executable).parent / "lyanna"
+    env = {**os.environ, "PROMPTS": str(run_dir.parent / "prompts.jsonl"), "MODEL": str(tiny_model_dir), "DEVICE": "cpu",
+           "HELDOUT": "2", "NEW": "12", "BATCH": "4", "SIZES": "60 all", "STEPS": "2", "FIT_BATCH": "2",
+           "ROW_LEN": "64", "DRAFT_VOCAB": "150", "BENCH_LIMIT": "1", "LYANNA": str(lyanna), "LYANNA_NO_PROGRESS": "1"}
+    proc = subprocess.run(["bash", str(repo / "scripts" / "heads-campaign.sh"), str(root)], capture_output=True,
+                          text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    held = {r["id"] for r in iter_data(root / "heldout")}
+    trained = {r["id"] for r in iter_data(root / "sd")}
+    assert len(held) == 2 and not held & trained and len(trained) >= 10
+    assert json.loads((root / "sd" / "data" / "report.json").read_text())["reply_tokens_per_s"] > 0
+    curve = sorted(p.name for p in (root / "curve").glob("*-*.json"))
+    assert curve == ["eagle-60.json", "eagle-all.json", "lyanna-60.json", "lyanna-all.json"]
+    small, whole = (json.loads((root / "curve" / f"lyanna-{n}.json").read_text()) for n in ("60", "all"))
+    assert small["train_reply_tokens"] < whole["train_reply_tokens"] and whole["settings"]["outside_vocab"] == "mask"
+    assert whole["features"] == "online" and (root / "curve" / "scaling.png").stat().st_size > 1000
+    assert "| lyanna-all | lyanna |" in (root / "curve" / "table.md").read_text()
+    bench = json.loads((root / "heads" / "tokens-a-round.json").read_text())
+    got = {r["method"]: r for r in bench["results"]}
+    assert set(got) == {"ar", "lyanna@64", "eagle@64"} and all(r["equal_to_ar"] for r in got.values())

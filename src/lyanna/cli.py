@@ -190,7 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--scaling", default=None, metavar="PNG",
                     help="instead: a data-scaling figure of held-out agreement from `lyanna train fit` state files")
 
-    sub.add_parser("train", help="draft training pipeline: lyanna train {data,features,select,fit,export} ...")
+    sub.add_parser("train", help="draft training pipeline: lyanna train {prompts,data,merge,features,select,fit,export} ...")
 
     dm = sub.add_parser("demo", help="a reply by the default method, then its speed against ar on Spec-Bench questions "
                                      "(make run)")

@@ -243,7 +243,8 @@ def _load_section(loads: list[dict[str, Any]], root: Path) -> list[str]:
 
 def scaling_figure(state_files: Sequence[str | Path], out: str | Path) -> Path:
     """Held-out agreement by depth against assistant training tokens, one point per fit
-    (``RUN/fit/NAME/state.json`` files of equal step budgets), as a PNG; also prints a table."""
+    (``RUN/fit/NAME/state.json`` files of equal step budgets), a line per depth and head kind
+    (solid: lyanna, dashed: eagle), as a PNG; also prints a table."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -254,25 +255,31 @@ def scaling_figure(state_files: Sequence[str | Path], out: str | Path) -> Path:
         s = json.loads(Path(f).read_text())
         if not s.get("history") or "train_reply_tokens" not in s:
             raise LyannaError(f"{f} is not the state.json of a finished `lyanna train fit`")
-        points.append((s["train_reply_tokens"], s["history"][-1]["agreement"], s["step"], Path(f).stem))
+        points.append((s.get("arch", "lyanna"), s["train_reply_tokens"], s["history"][-1]["agreement"], s["step"],
+                       Path(f).stem))
     points.sort()
+    archs = sorted({p[0] for p in points}, key=lambda a: (a != "lyanna", a))
     fig, ax = plt.subplots(figsize=(5.5, 3.6))
-    for d in range(len(points[0][1])):
-        ax.plot([p[0] for p in points], [p[1][d] for p in points], marker="o", label=f"depth {d + 1}")
+    for arch, style in zip(archs, ("-", "--", ":", "-.")):
+        mine = [p for p in points if p[0] == arch]
+        for d in range(len(mine[0][2])):
+            ax.plot([p[1] for p in mine], [p[2][d] for p in mine], linestyle=style, marker="o", color=f"C{d}",
+                    label=f"{arch}, depth {d + 1}")
+    ticks = sorted({p[1] for p in points})
     ax.set_xscale("log")
     ax.minorticks_off()
-    ax.set_xticks([p[0] for p in points], [f"{p[0] / 1e6:.2g}M" for p in points])
+    ax.set_xticks(ticks, [f"{t / 1e6:.2g}M" for t in ticks])
     ax.set_xlabel("assistant tokens trained on")
     ax.set_ylabel("held-out top-1 agreement")
-    ax.set_title(f"Lyanna head, {points[0][2]} steps each")
+    ax.set_title(f"{' and '.join(archs)} heads, {points[0][3]} steps each")
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize="small", ncol=len(archs))
     fig.tight_layout()
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
     plt.close(fig)
-    print("| fit | assistant tokens | steps | agreement by depth |\n| --- | --- | --- | --- |")
-    for tokens, acc, steps, name in points:
-        print(f"| {name} | {tokens} | {steps} | {', '.join(f'{a:.3f}' for a in acc)} |")
+    print("| fit | head | assistant tokens | steps | agreement by depth |\n| --- | --- | --- | --- | --- |")
+    for arch, tokens, acc, steps, name in points:
+        print(f"| {name} | {arch} | {tokens} | {steps} | {', '.join(f'{a:.3f}' for a in acc)} |")
     return out

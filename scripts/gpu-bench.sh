@@ -40,9 +40,9 @@
 # `data` answers, for DATA_S seconds (default 420), the prompts RUN lacks (`train data --done`,
 # with RUN's own seed, reply and prompt lengths, read from the run.json that prepare-data copies)
 # on our batched device engine (DATA_BATCH rows, default 256, in DATA_DTYPE, default bfloat16)
-# and brings the replies back packed (the machine returns at most 8 files of 16 MiB: a gzipped tar
-# in 15 MiB parts), not their features (three taps of 30M tokens are ~100 GB; make features where
-# the fit runs). DATA_PARCEL puts .gpu/data elsewhere; with DATA_DEVICE=cpu and PY set, `data` runs
+# and brings the replies back packed (the machine returns at most 8 files of 16 MiB, 64 MiB in all:
+# a gzipped tar in 15 MiB parts of the shards that fit in DATA_MB MiB), not their features (three
+# taps of 30M tokens are ~100 GB; make features where the fit runs). DATA_PARCEL puts .gpu/data elsewhere; with DATA_DEVICE=cpu and PY set, `data` runs
 # here (tests/test_training.py grows a run that way).
 #
 # Fitting a head at that scale on lent GPUs, a session at a time (the fit computes its features):
@@ -251,8 +251,18 @@ print(r["model"], r["seed"], r["max_new_tokens"], r["max_prompt_tokens"], sep="\
     --max-new-tokens "${settings[2]}" --max-prompt-tokens "${settings[3]}" --batch "${DATA_BATCH:-256}" \
     --device "${DATA_DEVICE:-cuda}" --dtype "${DATA_DTYPE:-bfloat16}"
   ls "$run"/data/shard-*.jsonl > /dev/null 2>&1 || { echo "!! no shard finished"; return; }
-  (cd "$STAGE" && tar czf - sd/run.json $(ls sd/data/report.json 2>/dev/null) sd/data/shard-*.jsonl) | split -b 15M -d -a 1 - "$OUT/sd.tar.gz.part-"
-  echo "== replies: $(cat "$run"/data/shard-*.jsonl | wc -l), packed in $(ls "$OUT"/sd.tar.gz.part-* | wc -l) parts"
+  # The shards that fit in DATA_MB MiB compressed (default 56: the machine returns 64 MiB in all,
+  # the log included); the rest stay behind, and their prompts are answered again another time.
+  local cap=$(( ${DATA_MB:-56} * 1048576 )) size=0 kept=() f
+  for f in "$run"/data/shard-*.jsonl; do
+    size=$(( size + $(gzip -c "$f" | wc -c) ))
+    [ "$size" -le "$cap" ] || break
+    kept+=("sd/data/$(basename "$f")")
+  done
+  [ ${#kept[@]} -gt 0 ] || { echo "!! not one shard fits in ${DATA_MB:-56} MiB"; return; }
+  (cd "$STAGE" && tar czf - sd/run.json $(ls sd/data/report.json 2>/dev/null) "${kept[@]}") | split -b 15M -d -a 1 - "$OUT/sd.tar.gz.part-"
+  echo "== replies: $(cd "$STAGE" && cat "${kept[@]}" | wc -l) in ${#kept[@]} shards, packed in" \
+       "$(ls "$OUT"/sd.tar.gz.part-* | wc -l) parts; $(( $(ls "$run"/data/shard-*.jsonl | wc -l) - ${#kept[@]} )) shards left behind"
 }
 
 case "${1:-}" in

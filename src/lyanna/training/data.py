@@ -263,7 +263,8 @@ def stage_merge(run: Path, others: Sequence[Path]) -> int:
         if report.is_file():
             r = json.loads(report.read_text())
             made = r.get("device", "elsewhere").replace(", features included", "")  # its features stayed there
-            _add_data_seconds(run, float(r.get("seconds", 0.0)), None, int(r.get("reply_tokens", 0)),
+            # the copy's time, and the reply tokens it brought (a copy may leave shards behind)
+            _add_data_seconds(run, float(r.get("seconds", 0.0)), None, sum(len(row["output_ids"]) for row in rows),
                               f"{made}, a merged copy")
         have |= set(ids)
         added += len(ids)

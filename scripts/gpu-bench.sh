@@ -39,7 +39,8 @@
 #          lyanna train merge --run-dir RUN --from COPY/sd
 # `data` answers, for DATA_S seconds (default 420), the prompts RUN lacks (`train data --done`,
 # with RUN's own seed, reply and prompt lengths, read from the run.json that prepare-data copies)
-# on our batched device engine (DATA_BATCH rows, default 256, in DATA_DTYPE, default bfloat16)
+# on our batched device engine (DATA_BATCH rows, default 256, in DATA_DTYPE, default bfloat16;
+# DATA_TOKENS: stop after the shard that reaches that many reply tokens)
 # and brings the replies back packed (the machine returns at most 8 files of 16 MiB, 64 MiB in all:
 # a gzipped tar in 15 MiB parts of the shards that fit in DATA_MB MiB), not their features (three
 # taps of 30M tokens are ~100 GB; make features where the fit runs). DATA_PARCEL puts .gpu/data elsewhere; with DATA_DEVICE=cpu and PY set, `data` runs
@@ -249,7 +250,7 @@ print(r["model"], r["seed"], r["max_new_tokens"], r["max_prompt_tokens"], sep="\
   step "${DATA_S:-420}" "self-distillation on ${DATA_DEVICE:-cuda}" "${PY:-python3}" -m lyanna.train data --run-dir "$run" \
     --model "${settings[0]}" --prompts "$prompts" --done "$DATA/done.txt" --seed "${settings[1]}" \
     --max-new-tokens "${settings[2]}" --max-prompt-tokens "${settings[3]}" --batch "${DATA_BATCH:-256}" \
-    --device "${DATA_DEVICE:-cuda}" --dtype "${DATA_DTYPE:-bfloat16}"
+    --device "${DATA_DEVICE:-cuda}" --dtype "${DATA_DTYPE:-bfloat16}" ${DATA_TOKENS:+--reply-tokens "$DATA_TOKENS"}
   ls "$run"/data/shard-*.jsonl > /dev/null 2>&1 || { echo "!! no shard finished"; return; }
   # The shards that fit in DATA_MB MiB compressed (default 56: the machine returns 64 MiB in all,
   # the log included); the rest stay behind, and their prompts are answered again another time.

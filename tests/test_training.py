@@ -197,6 +197,8 @@ def test_self_distillation_on_the_batched_device_engine_gives_the_greedy_replies
     pfile = run_dir.parent / "prompts.jsonl"
     monkeypatch.setattr(data, "SHARD_EXAMPLES", 8)  # several shards, the last one short
     args = ["data", "--run-dir", str(run), "--model", str(tiny_model_dir), "--prompts", str(pfile), "--max-new-tokens", "24"]
+    assert train_main(args + ["--batch", "3", "--device", "cpu", "--reply-tokens", "1"]) == 0  # one shard, then stop
+    assert len(list(iter_data(run))) == 8
     assert train_main(args + ["--batch", "3", "--device", "cpu", "--limit", "12"]) == 0
     assert train_main(args + ["--batch", "3", "--device", "cpu"]) == 0  # resumed: the other 10
     rows = list(iter_data(run))

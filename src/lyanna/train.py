@@ -58,7 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--prompts", type=Path, default=None,
                    help="self-distillation: JSONL, one object with 'prompt' per line (training prompts do not ship with the package)")
     d.add_argument("--limit", type=int, default=None, help="number of prompts / conversations")
-    d.add_argument("--reply-tokens", type=int, default=None, help="corpus: stop once this many assistant tokens are kept")
+    d.add_argument("--reply-tokens", type=int, default=None,
+                   help="stop once this many assistant tokens are kept (corpus) or written in this sitting "
+                        "(self-distillation: the shard that reaches it is the last; rerun to go on)")
     d.add_argument("--max-tokens", type=int, default=2048, help="corpus: conversations are cut to this many tokens")
     d.add_argument("--max-new-tokens", type=int, default=64)
     d.add_argument("--max-prompt-tokens", type=int, default=256)
@@ -184,8 +186,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise LyannaError("train data needs --source (a conversation corpus) or --prompts (self-distillation)")
             else:
                 data.stage_data(args.run_dir, args.model, args.prompts, args.limit, args.max_new_tokens,
-                                    args.max_prompt_tokens, args.seed, args.batch, args.device, args.taps, args.done,
-                                args.generator, args.dtype)
+                                args.max_prompt_tokens, args.seed, args.batch, args.device, args.taps, args.done,
+                                args.generator, args.dtype, args.reply_tokens)
         elif args.stage == "prompts":
             data.stage_prompts(args.out, args.source, args.max_chars)
         elif args.stage == "merge":

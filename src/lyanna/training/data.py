@@ -133,7 +133,7 @@ Reply = tuple[int, list[int], "np.ndarray | None"]  # prompt index, reply, its f
 def stage_data(run: Path, model: str, prompts_file: Path, limit: int | None, max_new_tokens: int,
                max_prompt_tokens: int, seed: int, batch: int = 8, device: str | None = None,
                taps: Sequence[int] | None = None, done_file: Path | None = None, generator: str | None = None,
-               dtype: str = "float32") -> int:
+               dtype: str = "float32", reply_tokens: int | None = None) -> int:
     """Self-distillation: the target answers training prompts greedily with its chat template,
     ``batch`` replies sharing each forward pass. ``generator`` (``GENERATORS``; default ``device``
     where a ``device`` is named, else ``engine``): on this engine each reply is token-identical to
@@ -141,8 +141,12 @@ def stage_data(run: Path, model: str, prompts_file: Path, limit: int | None, max
     fastest on a GPU); ``hf`` the Hugging Face model, which writes the features of ``taps`` as it
     goes (see ``stage_features``, which makes them otherwise). ``done_file``: ids of prompts
     answered in another copy of the run (one a line), skipped: a lent machine grows its own copy
-    without receiving the replies made so far, and ``stage_merge`` brings its shards home."""
+    without receiving the replies made so far, and ``stage_merge`` brings its shards home.
+    ``reply_tokens``: stop at the end of the shard that brings this sitting's reply tokens to it
+    (a lent machine's output must fit what comes back; rerun to go on)."""
     generator = generator or ("device" if device else "engine")
+    if reply_tokens is not None and reply_tokens < 1:
+        raise LyannaError(f"--reply-tokens must be >= 1, got {reply_tokens}")
     _check_generator(generator, batch, device, taps)
     prompts = read_prompts(prompts_file, limit, seed, benchmark_prompts())
     if not prompts:  # checked before the run exists: an empty run would only fail later, less clearly
@@ -175,6 +179,8 @@ def stage_data(run: Path, model: str, prompts_file: Path, limit: int | None, max
             write_shards(run, [json.dumps(r) for r in rows], shard_idx)
             _add_data_seconds(run, time.perf_counter() - shard_started, made_by, sum(len(r) for _, r, _ in shard))
             shard_idx, shard, shard_started = shard_idx + 1, [], time.perf_counter()
+            if reply_tokens is not None and made >= reply_tokens:
+                break
     bar.close()
     return len(prompts)
 

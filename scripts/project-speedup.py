@@ -30,14 +30,18 @@ import numpy as np
 SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
 
 
-def kernels_per_pass(engine, sizes: tuple[int, ...] = (1, 16), keys: int = 256) -> dict[int, int]:
+def kernels_per_pass(engine, sizes: tuple[int, ...] = (1, 16), keys: int = 256) -> tuple[dict[int, int], dict]:
     """The device kernels one pass of the target's layers and LM head launches, eagerly (a CUDA
-    graph replays the same kernels), by row count: what sets a small model's step time on a GPU."""
+    graph replays the same kernels), by row count: what sets a small model's step time on a GPU;
+    and how many of each kernel (by name, cut to 120 characters, most frequent first): which
+    parts of a layer a fusion would still pay on."""
+    from collections import Counter
+
     import torch
     from torch.autograd import DeviceType
 
     cache = engine.new_cache(2 * keys)
-    dev, counts = engine.device, {}
+    dev, counts, names = engine.device, {}, {}
     with torch.inference_mode():
         for rows in sizes:
             args = (cache.slab, torch.zeros(rows, dtype=torch.int64, device=dev), torch.arange(rows, device=dev),
@@ -47,8 +51,9 @@ def kernels_per_pass(engine, sizes: tuple[int, ...] = (1, 16), keys: int = 256) 
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                 engine._layers_pass(*args)
                 torch.cuda.synchronize(dev)
-            counts[rows] = sum(1 for e in prof.events() if e.device_type == DeviceType.CUDA)
-    return counts
+            kernels = [e.name[:120] for e in prof.events() if e.device_type == DeviceType.CUDA]
+            counts[rows], names[rows] = len(kernels), dict(Counter(kernels).most_common())
+    return counts, names
 
 
 def main() -> None:
@@ -104,9 +109,11 @@ def main() -> None:
         "latency_ms": {n: round(t * 1e3, 3) for n, t in zip(curve.sizes, curve.seconds)},
         "pass_ms": {n: round(float(np.median(t)) * 1e3, 3) for n, t in sorted(passes.items())},
         "compiled": bool(getattr(getattr(engine, "halves", None), "compiled", False)),
-        "kernels_per_pass": kernels_per_pass(engine) if args.backend == "torch" and engine.device.type == "cuda" else None,
+        "kernels_per_pass": None,
         "projected": [],
     }
+    if args.backend == "torch" and engine.device.type == "cuda":
+        report["kernels_per_pass"], report["kernels_by_name"] = kernels_per_pass(engine)
     step = curve(1)
     if args.bench:
         bench = json.loads(open(args.bench).read())

@@ -324,15 +324,23 @@ def from_blocks(kind: str, raw: np.ndarray, shape: tuple[int, int], kernel: str 
     return QuantMatrix(d, np.zeros_like(d), (nibbles - 8).reshape(n, k), kernel)
 
 
-def quantize_q8_0(w: np.ndarray, kernel: str = "int8") -> QuantMatrix:
-    """An fp32 matrix [n, k] as Q8_0 blocks, quantized by gguf's reference quantizer (for weights
-    that need not equal any file's, like a draft head's: its drafts are checked by the target)."""
+def quantize_blocks(w: np.ndarray, kind: str = "Q8_0", kernel: str = "int8") -> QuantMatrix:
+    """An fp32 matrix [n, k] as ``kind`` blocks (``SUPPORTED``), quantized by gguf's reference
+    quantizer (for weights that need not equal any file's, like a draft head's: its drafts are
+    checked by the target)."""
     from gguf import GGMLQuantizationType, quants
 
+    if kind not in _BLOCK_BYTES:
+        raise ValueError(f"tensor type {kind} is not supported (supported: {', '.join(SUPPORTED)})")
     w = np.ascontiguousarray(w, np.float32)
     if w.ndim != 2 or w.shape[1] % QK:
-        raise ValueError(f"Q8_0 needs a matrix [n, k] with k a multiple of {QK}, got {w.shape}")
-    return from_blocks("Q8_0", quants.quantize(w, GGMLQuantizationType.Q8_0), w.shape, kernel)
+        raise ValueError(f"{kind} needs a matrix [n, k] with k a multiple of {QK}, got {w.shape}")
+    return from_blocks(kind, quants.quantize(w, getattr(GGMLQuantizationType, kind)), w.shape, kernel)
+
+
+def quantize_q8_0(w: np.ndarray, kernel: str = "int8") -> QuantMatrix:
+    """``quantize_blocks`` to Q8_0."""
+    return quantize_blocks(w, "Q8_0", kernel)
 
 
 # GGUF tensor names of the Llama family -> Hugging Face names ({} is the layer index).

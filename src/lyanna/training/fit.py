@@ -19,7 +19,6 @@ import torch.nn.functional as F
 
 from ..engines.base import Block, TargetEngine
 from .modules import EagleHead, LyannaHead, pair_segments
-from .run import OUTSIDE_VOCAB
 
 
 @dataclass
@@ -131,12 +130,10 @@ def scored_counts(batch: Batch, depth: int, drafted: torch.Tensor | None = None)
     return [int(_scored_rows(batch, k, drafted).sum()) for k in range(1, depth + 1)]
 
 
-def drafted_tokens(head: EagleHead, outside: str) -> torch.Tensor | None:
-    """[vocab] bool of the tokens the loss scores under ``outside`` (``OUTSIDE_VOCAB``): a
-    Lyanna head's draft vocabulary when masking; None (every token) otherwise."""
-    if outside not in OUTSIDE_VOCAB:
-        raise ValueError(f"outside must be one of {OUTSIDE_VOCAB}, got {outside!r}")
-    if outside == "score" or not isinstance(head, LyannaHead):
+def drafted_tokens(head: EagleHead, mask: bool) -> torch.Tensor | None:
+    """[vocab] bool of the tokens the loss scores: with ``mask`` (``run.OUTSIDE_VOCAB``'s
+    ``mask``), a Lyanna head's draft vocabulary; None (every token) otherwise."""
+    if not mask or not isinstance(head, LyannaHead):
         return None
     drafted = torch.zeros(head.c.vocab_size, dtype=torch.bool, device=head.d2t.device)
     drafted[head.d2t] = True

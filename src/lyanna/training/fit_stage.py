@@ -321,7 +321,7 @@ def stage_fit(run: Path, arch: str, steps: int, batch: int = 8, lr: float = 3e-4
     fit = _Fit(out, head, state, lr, device)
     _train(fit, [ex for _, ex in train], [ex for _, ex in held], steps, until, lr, warmup, depth, labels, batch,
            row_len, seed, eval_every, save_every, device, (rank_id, world), f"from {init}" if start is not None else None,
-           featurize, time_limit, drafted_tokens(fit.head, fitted_outside))
+           featurize, time_limit, drafted_tokens(fit.head, fitted_outside == "mask"))
     if world > 1:  # every rank waits for rank 0's last save, then leaves the group before exiting (no abort in teardown)
         import torch.distributed as dist
 

@@ -109,6 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="torch backend on CUDA: read every round's outcome before launching the next (by "
                              "default a round whose tree the pass verifies on the device is followed there by the "
                              "next one while the host reads it; the same greedy tokens, for comparison)")
+    parser.add_argument("--batch-rows", type=int, default=0, metavar="N",
+                        help="torch backend: N sequences' caches (of up to 4096 positions, or the model's context if "
+                             "shorter) as rows of one tensor, so that a batch's decoding steps (serve, loadtest) run "
+                             "as one pass instead of one pass a sequence; the host then reads each step (default 0: off)")
     parser.add_argument("--compile", choices=("auto", "yes", "no"), default="auto",
                         help="torch backend: each layer's norms, RoPE, residuals and SiLU-mul through torch.compile "
                              "(fewer, fused kernels; the same tokens; compiles for a while on first use); auto "
@@ -244,16 +248,17 @@ def _decoder(args: argparse.Namespace):
             target, engine = load_device_target(args.model, args.device or "cpu", args.dtype or "float32",
                                                 graphs=False if args.no_cuda_graphs else None,
                                                 pipelines=False if args.no_pipeline else None,
-                                                compiled={"auto": None, "yes": True, "no": False}[args.compile])
-        elif args.no_cuda_graphs or args.no_pipeline or args.compile != "auto":
-            raise LyannaError("--no-cuda-graphs, --no-pipeline and --compile are options of --backend torch (the hf "
-                              "backend never compiles, captures graphs or launches a round ahead)")
+                                                compiled={"auto": None, "yes": True, "no": False}[args.compile],
+                                                batch_rows=args.batch_rows)
+        elif args.no_cuda_graphs or args.no_pipeline or args.compile != "auto" or args.batch_rows:
+            raise LyannaError("--no-cuda-graphs, --no-pipeline, --compile and --batch-rows are options of --backend torch "
+                              "(the hf backend never compiles, captures graphs, launches a round ahead or shares a pass)")
         else:
             target, engine = load_torch_target(args.model, args.device or "cpu", args.dtype or "float32")
         decoder = Decoder(target, engine=engine, prefix_cache_tokens=cache_tokens, prefill_chunk=chunk)
-    elif args.device or args.dtype or args.no_cuda_graphs or args.no_pipeline or args.compile != "auto":
-        raise LyannaError("--device, --dtype, --no-cuda-graphs, --no-pipeline and --compile choose how the torch backend runs: "
-                          "add --backend torch")
+    elif args.device or args.dtype or args.no_cuda_graphs or args.no_pipeline or args.compile != "auto" or args.batch_rows:
+        raise LyannaError("--device, --dtype, --no-cuda-graphs, --no-pipeline, --compile and --batch-rows choose how the "
+                          "torch backend runs: add --backend torch")
     else:
         decoder = Decoder(load_target(args.model, weight_format=args.weights), prefix_cache_tokens=cache_tokens,
                           prefill_chunk=chunk)

@@ -336,7 +336,9 @@ class Decoder:
         state = DecodeState(
             self.engine, cache, tracker, request.sampling, request.sampling.rng(), prompt_ids,
             out.logits[-1], hidden, target_passes=len(parts) - (hit is not None),
-            ahead=getattr(self.engine, "pipelines", False),
+            # in a batch whose decoding blocks share a pass (``batches_rows``), the host reads each
+            # step, so that the next gathers every sequence's block again
+            ahead=getattr(self.engine, "pipelines", False) and not (load is not None and getattr(self.engine, "batches_rows", False)),
         )
         # The latency curve is asked for only when a round needs it: ``ar`` never measures anything.
         stats = yield from rounds(state, drafter, self._budget(method, budget, load),

@@ -28,6 +28,7 @@ from ..errors import LyannaError
 from .base import ON_DEVICE, Block, ForwardOutput, TargetEngine, block_inputs
 from .config import ModelConfig, rope_inv_freq
 from .device_passes import PendingPass, _fetch, _Logits, _StaticPass, _TreeBlockPass
+from .device_rows import RowSlabs
 from .device_slabs import (HANDOFF_BONUS, HANDOFF_COUNT, HANDOFF_START, HANDOFF_TOKENS, KEY_BUCKET_MIN,
                            POOL_CAPACITY_MIN, ROW_BUCKETS, DeviceTree, FixedShapeCall, Slab, SlabPool, StaticCache,
                            pow2_at_least)
@@ -85,7 +86,8 @@ class DeviceEngine(TargetEngine):
     heads_on_device = True  # draft heads that have a device twin run beside it (``drafters.device``)
 
     def __init__(self, config: ModelConfig, weights: dict[str, Any], device: str = "cpu", dtype: str = "float32",
-                 graphs: bool | None = None, pipelines: bool | None = None, compiled: bool | None = None):
+                 graphs: bool | None = None, pipelines: bool | None = None, compiled: bool | None = None,
+                 batch_rows: int = 0, row_capacity: int = 4096):
         """``weights``: Hugging Face names to fp32 arrays or GGUF blocks (``loading.load_target``).
         ``graphs``: capture decoding blocks as CUDA graphs (default: on a CUDA device; the same
         tokens either way, see the module docstring). ``pipelines``: a sequence may launch the
@@ -95,7 +97,9 @@ class DeviceEngine(TargetEngine):
         as it is made, so launching ahead overlaps nothing). ``compiled``: each layer's work around
         its attention, the cache write included, through ``torch.compile`` (``torch_layers.LayerHalves``; the
         same tokens); default: on a CUDA device, where eager mode's many small kernels set a small
-        model's step time."""
+        model's step time. ``batch_rows``: that many caches of ``row_capacity`` positions are rows
+        of one tensor (``device_rows.RowSlabs``), so that the decoding blocks of a continuous batch
+        on them run as one pass (0: none; a batch then runs each sequence's passes on its own)."""
         if dtype not in DTYPES:
             raise LyannaError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
         self.device = torch_device(device)
@@ -114,6 +118,9 @@ class DeviceEngine(TargetEngine):
         # a bench runs each prompt once untimed before timing it (``bench._interleave``).
         self.shapes_compile = self._graph_pool is not None or self.halves.compiled
         self.pool = SlabPool(c.num_layers, c, ROW_BUCKETS[-1], POOL_CAPACITY_MIN, self.dtype, self.device)
+        if batch_rows < 0 or batch_rows == 1:
+            raise LyannaError(f"batch rows must be 0 (none) or >= 2, got {batch_rows}")
+        self.row_slabs = RowSlabs(self, batch_rows, row_capacity) if batch_rows else None
         self._passes: dict[tuple[int, int, int, tuple[int, ...]], _StaticPass] = {}
         self._tree_passes: dict[tuple[int, int, int, tuple[int, ...], int], _TreeBlockPass] = {}
         # The tree of a plain step verified in its pass (``_tree_of``): no nodes.
@@ -150,17 +157,33 @@ class DeviceEngine(TargetEngine):
         self._inv_freq = torch.from_numpy(self.inv_freq).to(self.device)
 
     def new_cache(self, capacity: int) -> StaticCache:
-        """A cache for ``capacity`` positions, from the pool of caches no generation holds."""
-        return self.pool.cache(capacity)
+        """A cache for ``capacity`` positions: a free row of ``row_slabs`` if it holds them, else
+        one from the pool of caches no generation holds."""
+        row = None if self.row_slabs is None else self.row_slabs.cache(capacity)
+        return row if row is not None else self.pool.cache(capacity)
+
+    @property
+    def batches_rows(self) -> bool:
+        """Whether the host-verified decoding blocks of a batch on row caches share one pass (so a
+        batch's steps are better read by the host than launched ahead one sequence at a time)."""
+        return self.row_slabs is not None
 
     def forward_batch(self, blocks: Sequence[Block]) -> list[ForwardOutput]:
-        """The blocks one after another, each on its own cache; every block is checked before any runs."""
+        """The blocks, each on its own cache: host-verified decoding blocks on rows of
+        ``row_slabs`` in one pass when there are several, the others one after another; every
+        block is checked before any runs."""
         if len({id(b.cache) for b in blocks}) != len(blocks):
             raise ValueError("each block of a batch needs its own cache")
         passes = [b.kind in ON_DEVICE for b in blocks]  # a tree left here, or a step verified in its pass
         prepared = [(b, *(self._tree_inputs(b) if t else block_inputs(self.config, b))) for b, t in zip(blocks, passes)]
+        shared = [] if self.row_slabs is None else [
+            i for i, (p, t) in enumerate(zip(prepared, passes)) if not t and RowSlabs.takes(p[0], len(p[1]))]
         with torch.inference_mode():
-            return [self._run_tree(*p) if t else self._run(*p) for p, t in zip(prepared, passes)]
+            outs = {}
+            if len(shared) > 1:
+                outs = dict(zip(shared, self.row_slabs.run([blocks[i] for i in shared], [prepared[i][1:] for i in shared])))
+            return [outs[i] if i in outs else self._run_tree(*p) if t else self._run(*p)
+                    for i, (p, t) in enumerate(zip(prepared, passes))]
 
     def _tree_of(self, b: Block) -> DeviceTree:
         """The block's tree on the device; a plain step verified in its pass has one of no nodes."""
@@ -339,8 +362,16 @@ def device_engine_of(engine: Any, graphs: bool | None = None, compiled: bool | N
     return device
 
 
+# Positions a row cache of ``DeviceEngine.row_slabs`` holds at most (``load_device_target``).
+ROW_CAPACITY = 4096
+
+
 def load_device_target(name_or_path: str, device: str = "cpu", dtype: str = "float32", graphs: bool | None = None,
-                       pipelines: bool | None = None, compiled: bool | None = None) -> tuple[Target, DeviceEngine]:
-    """A target (config, tokenizer, fp32 host weights for the drafters) and its device engine."""
+                       pipelines: bool | None = None, compiled: bool | None = None,
+                       batch_rows: int = 0) -> tuple[Target, DeviceEngine]:
+    """A target (config, tokenizer, fp32 host weights for the drafters) and its device engine
+    (``batch_rows`` row caches of ``ROW_CAPACITY`` positions, or the model's context if shorter)."""
     target = load_target(name_or_path, weight_format="fp32")
-    return target, DeviceEngine(target.config, target.weights, device, dtype, graphs, pipelines, compiled)
+    capacity = min(ROW_CAPACITY, target.config.max_position_embeddings)
+    return target, DeviceEngine(target.config, target.weights, device, dtype, graphs, pipelines, compiled, batch_rows,
+                                capacity)

@@ -29,17 +29,53 @@ PREFILL_TOKENS = 1 << 15
 
 def _batch_inputs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, norm: torch.Tensor, qkv: torch.Tensor,
                   qkv_bias: torch.Tensor | None, eps: float, heads: int, kv_heads: int, kv: torch.Tensor,
-                  rows: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  rows: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A layer's first half over ``x`` [r, t, hidden] (``t`` tokens of each of ``r`` cache rows):
     the keys and values written into ``kv`` ([2, rows, kv heads, capacity, head dim]) at each
-    token's position of its row; queries ``[r, heads, t, head dim]``, keys and values ``[r, kv
+    token's slot of its row; queries ``[r, heads, t, head dim]``, keys and values ``[r, kv
     heads, t, head dim]`` (a prefill's attention reads its own)."""
     r, t, hidden = x.shape
     q, k, v = _qkv(rms_norm(x.reshape(r * t, hidden), norm, eps), cos, sin, qkv, qkv_bias, heads, kv_heads)
     d = q.shape[-1]
     k, v = k.reshape(kv_heads, r, t, d).transpose(0, 1), v.reshape(kv_heads, r, t, d).transpose(0, 1)
-    kv[:, rows[:, None], :, positions] = torch.stack([k, v], 2).permute(0, 3, 2, 1, 4)  # [r, t, 2, kv heads, d]
+    kv[:, rows[:, None], :, slots] = torch.stack([k, v], 2).permute(0, 3, 2, 1, 4)  # [r, t, 2, kv heads, d]
     return q.reshape(heads, r, t, d).transpose(0, 1), k, v
+
+
+def first_half(compiled: bool) -> Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """``_batch_inputs``, through ``torch.compile`` where the engine compiles its layers."""
+    return torch.compile(_batch_inputs, fullgraph=True) if compiled else _batch_inputs
+
+
+def batch_layers(engine, first: Callable, kv_of: Callable[[int], torch.Tensor], tokens: torch.Tensor,
+                 positions: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, bias: torch.Tensor,
+                 keys: int | None, taps: Sequence[int] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    """Every layer of ``engine`` (a ``device.DeviceEngine``) over ``tokens`` [r, t] of cache
+    ``rows`` at ``positions``, their keys and values written at ``slots`` of layer ``li``'s
+    ``kv_of(li)`` ([2, rows, kv heads, capacity, head dim]); the final hidden rows ``[r, t,
+    hidden]`` and the inputs of the layers in ``taps`` (the final norm's output for the layer
+    count). ``keys``: attention reads that many slots of every row of the cache under ``bias``
+    ([r, 1, t, keys], additive; ``rows`` must then be all of them); None: a prefill from slot 0,
+    which reads its own keys."""
+    c = engine.config
+    r, t = tokens.shape
+    cos, sin = rotation(positions.reshape(-1), engine._inv_freq, engine.dtype)
+    x = engine._embed[tokens]
+    gqa = c.num_heads != c.num_kv_heads
+    hidden: dict[int, torch.Tensor] = {}
+    for li, p in enumerate(engine.layers):
+        if li in taps:
+            hidden[li] = x
+        kv = kv_of(li)
+        q, k, v = first(x, cos, sin, p.input_norm, p.qkv, p.qkv_bias, p.eps, c.num_heads, c.num_kv_heads, kv, rows, slots)
+        if keys is not None:
+            k, v = kv[0, :, :, :keys], kv[1, :, :, :keys]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=gqa)  # [r, heads, t, d]
+        x = engine.halves.second(x.reshape(r * t, -1), o.transpose(1, 2).reshape(r * t, c.num_heads, -1).transpose(0, 1),
+                                 p.o, p.post_norm, p.gate_up, p.down, p.eps).view(r, t, -1)
+    if c.num_layers in taps:
+        hidden[c.num_layers] = rms_norm(x, engine._norm, c.rms_norm_eps)
+    return x, hidden
 
 
 class BatchedGreedy:
@@ -57,7 +93,7 @@ class BatchedGreedy:
         self.kv = torch.zeros((c.num_layers, 2, rows, c.num_kv_heads, capacity, c.head_dim), dtype=engine.dtype,
                               device=engine.device)
         self._every = torch.arange(rows, device=engine.device)
-        self._first = torch.compile(_batch_inputs, fullgraph=True) if engine.halves.compiled else _batch_inputs
+        self._first = first_half(engine.halves.compiled)
         self._steps: dict[int, _Step] = {}
 
     def _bias(self, positions: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -71,26 +107,12 @@ class BatchedGreedy:
         return bias.masked_fill_(~seen, float("-inf"))[:, None]
 
     def _layers(self, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, keys: int | None) -> torch.Tensor:
-        """Every layer over ``tokens`` [r, t] of cache ``rows`` at ``positions``; the final
-        hidden rows ``[r, t, hidden]``. ``keys``: attention reads that many slots of every row of
-        the cache (a step, ``rows`` all of them); None: a prefill from position 0, which reads
-        its own keys."""
-        c, e = self.config, self.engine
-        r, t = tokens.shape
-        cos, sin = rotation(positions.reshape(-1), e._inv_freq, e.dtype)
-        x = e._embed[tokens]
-        span = torch.arange(t if keys is None else keys, device=tokens.device)
-        bias = self._bias(positions, span)
-        gqa = c.num_heads != c.num_kv_heads
-        for li, p in enumerate(e.layers):
-            q, k, v = self._first(x, cos, sin, p.input_norm, p.qkv, p.qkv_bias, p.eps, c.num_heads, c.num_kv_heads,
-                                  self.kv[li], rows, positions)
-            if keys is not None:
-                k, v = self.kv[li, 0, :, :, :keys], self.kv[li, 1, :, :, :keys]
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=gqa)  # [r, heads, t, d]
-            x = e.halves.second(x.reshape(r * t, -1), o.transpose(1, 2).reshape(r * t, c.num_heads, -1).transpose(0, 1),
-                                p.o, p.post_norm, p.gate_up, p.down, p.eps).view(r, t, -1)
-        return x
+        """Every layer over ``tokens`` [r, t] of cache ``rows`` at ``positions`` (their slots);
+        the final hidden rows ``[r, t, hidden]``. ``keys``: attention reads that many slots of
+        every row of the cache (a step, ``rows`` all of them); None: a prefill from position 0."""
+        t = tokens.shape[1]
+        bias = self._bias(positions, torch.arange(t if keys is None else keys, device=tokens.device))
+        return batch_layers(self.engine, self._first, self.kv.__getitem__, tokens, positions, positions, rows, bias, keys)[0]
 
     def _greedy(self, x: torch.Tensor) -> torch.Tensor:
         """The argmax token after each of the hidden rows ``x`` [r, hidden]."""

@@ -28,7 +28,8 @@
 # command (the first H200 run, with longer bench steps and no fixed-budget step, took 8 minutes);
 # BF16_S, FIXED_S, FP32_S and TESTS_S set the steps' seconds, BENCH_LIMIT and BENCH_TOKENS the bench,
 # STEPS which steps run (bf16,latency,latency-eager,tests,fp32,ops,peers,fixed,datagen: all, in that
-# order; datagen: training replies a second on the batched device engine, scripts/measure-datagen.py).
+# order; datagen: training replies a second on the batched device engine, scripts/measure-datagen.py;
+# batch: a load test of 8 and 32 clients on a batch of 32, row caches and not).
 # `local` runs the same steps here on the CPU (device cpu, a short bench) to check the script.
 #
 # Growing a self-distillation run on lent GPUs (the heads' data at scale), a session at a time:
@@ -113,6 +114,9 @@ setup() {
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$STAGE/site" .gpu/wheels/*.whl
   fi
   export PYTHONPATH="$PWD/src:$STAGE/site${PYTHONPATH:+:$PYTHONPATH}" LYANNA_CACHE="$STAGE/cache" PYTHONUNBUFFERED=1
+  mkdir -p "$STAGE/bin"  # a `lyanna` command for the scripts that run one (no venv there)
+  printf '#!/bin/sh\nexec %s -c "import sys; from lyanna.cli import main; sys.exit(main(sys.argv[1:]))" "$@"\n' \
+    "${PY:-python3}" > "$STAGE/bin/lyanna" && chmod +x "$STAGE/bin/lyanna"
 }
 
 step() {  # step SECONDS NAME COMMAND...: a step that fails or overruns is logged, the next one runs
@@ -146,7 +150,7 @@ measure() {  # measure DEVICE OUT LIMIT TOKENS; the headline comes first, each s
                        scripts/project-speedup.py --device "$device" --dtype "$LATENCY_DTYPE" --compile no \
                        --out "$out/latency-$LATENCY_DTYPE-eager.json" ;;
       tests) step "$TESTS_S" "tests on $device" env LYANNA_TEST_DEVICE="$device" "${PY:-python3}" -m pytest -x -q -p no:cacheprovider \
-               tests/test_device_engine.py tests/test_device_batch.py \
+               tests/test_device_engine.py tests/test_device_batch.py tests/test_device_rows.py \
                tests/test_training.py::test_a_fit_computing_its_features_online_equals_one_on_stored_features ;;
       fp32) step $((FP32_S + 150)) "bench float32" "${lyanna[@]}" --backend torch --device "$device" --dtype float32 bench \
               --methods "$METHODS" --limit "$limit" --max-new-tokens "$tokens" --time-limit "$FP32_S" \
@@ -169,7 +173,14 @@ measure() {  # measure DEVICE OUT LIMIT TOKENS; the headline comes first, each s
       datagen) step 150 "training replies, batched ($device, bfloat16)" "${PY:-python3}" scripts/measure-datagen.py \
                  --device "$device" --dtype bfloat16 --rows "${DATAGEN_ROWS:-64,256,512}" --max-new-tokens 256 \
                  --out "$out/datagen-bfloat16.json" ;;
-      *) echo "!! unknown step $s (steps: bf16 latency latency-eager tests fp32 ops peers fixed datagen)" ;;
+      # Continuous batching on the device (8 and 32 clients, a batch of 32): the caches as rows
+      # of one tensor (--batch-rows, a pass a step for the whole batch), then each sequence's own.
+      batch) for rows in 32 0; do
+               step 200 "serving a batch of 32 (--batch-rows $rows)" env LYANNA="$STAGE/bin/lyanna" \
+                 LYANNA_ARGS="--backend torch --device $device --dtype bfloat16 --batch-rows $rows" OUT="$out/loadtest-rows$rows" \
+                 REQUESTS=64 MAX_TOKENS=64 PORT=$((8765 + rows)) scripts/loadtest-batching.sh "ar lyanna" 32 "8 32"
+             done ;;
+      *) echo "!! unknown step $s (steps: bf16 latency latency-eager tests fp32 ops peers fixed datagen batch)" ;;
     esac
   done
   echo "== done $(date -u +%T)"
@@ -178,7 +189,7 @@ measure() {  # measure DEVICE OUT LIMIT TOKENS; the headline comes first, each s
 # Seconds of prompts per step (see step()); the defaults fit one 10-minute command: bf16 is the
 # headline, fp32 shows equality with ar.
 BF16_S=${BF16_S:-150} FIXED_S=${FIXED_S:-45} FP32_S=${FP32_S:-75} TESTS_S=${TESTS_S:-150}
-STEPS=${STEPS:-bf16,latency,latency-eager,tests,fp32,ops,peers,fixed,datagen}  # which steps, in this order
+STEPS=${STEPS:-bf16,latency,latency-eager,tests,fp32,ops,peers,fixed,datagen,batch}  # which steps, in this order
 
 prepare_data() {  # prepare_data RUN PROMPTS
   local run=${1:?usage: scripts/gpu-bench.sh prepare-data RUN PROMPTS} prompts=${2:?the prompts file of RUN}

@@ -10,7 +10,8 @@
 # prefill (most of this load's work) depended on which prompts the rows before it had left in the
 # cache, which moved a row by up to 3x. Writes $OUT/run<R>/<method>-b<B>-c<concurrency>.json (OUT
 # defaults to docs/bench/loadtest; with RUNS=1, $OUT/<method>-b<B>-c<concurrency>.json);
-# SERVE_ARGS adds options to `lyanna serve`.
+# SERVE_ARGS adds options to `lyanna serve`, LYANNA_ARGS options before it (e.g. "--backend torch
+# --device cuda --batch-rows 32"); LYANNA names the command (default .venv/bin/lyanna).
 # Usage: scripts/loadtest-batching.sh [METHODS] [BATCHES] [CONCURRENCIES]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,15 +23,21 @@ REQUESTS=${REQUESTS:-48}
 MAX_TOKENS=${MAX_TOKENS:-48}
 PORT=${PORT:-8765}
 PREFIX_CACHE_TOKENS=${PREFIX_CACHE_TOKENS:-0}
-L=".venv/bin/lyanna"
+L=${LYANNA:-.venv/bin/lyanna}
 OUT=${OUT:-docs/bench/loadtest}
 mkdir -p "$OUT"
 for b in $BATCHES; do
-  $L serve --port "$PORT" --max-batch "$b" --queue-size 64 --prefix-cache-tokens "$PREFIX_CACHE_TOKENS" \
+  # shellcheck disable=SC2086  # LYANNA_ARGS and SERVE_ARGS are lists of options
+  $L ${LYANNA_ARGS:-} serve --port "$PORT" --max-batch "$b" --queue-size 64 --prefix-cache-tokens "$PREFIX_CACHE_TOKENS" \
     ${SERVE_ARGS:-} > "$OUT/.serve-b$b.log" 2>&1 &
   pid=$!
   trap 'kill $pid 2>/dev/null || true' EXIT
-  for _ in $(seq 300); do curl -sf "http://127.0.0.1:$PORT/health" > /dev/null && break; sleep 1; done
+  for _ in $(seq 300); do
+    python3 -c "import urllib.request, sys; urllib.request.urlopen(sys.argv[1], timeout=2)" \
+      "http://127.0.0.1:$PORT/health" 2> /dev/null && break
+    kill -0 $pid 2> /dev/null || { echo "!! the server stopped:"; tail -5 "$OUT/.serve-b$b.log"; exit 1; }
+    sleep 1
+  done
   for m in "${METHODS[@]}"; do
     $L loadtest --url "http://127.0.0.1:$PORT" --method "$m" --requests 8 --concurrency 4 --max-tokens "$MAX_TOKENS" > /dev/null
   done

@@ -81,3 +81,20 @@ def test_bad_row_settings_are_refused(tiny):
 
     gc.collect()
     assert e.new_cache(10).slab.row == 0  # a dropped row is free again
+
+
+@pytest.mark.parametrize("method", ["ar", "lyanna-device"])
+def test_a_row_cache_serves_a_generation_launched_ahead(tiny, method):
+    """One generation alone on a row cache, its rounds launched ahead of the host's reading (the
+    default on a GPU: trees and plain steps verified in their passes, each following the last on
+    the device): the ``ar`` output, as on a cache of its own."""
+    d = _with_heads(Decoder(tiny, engine=DeviceEngine(tiny.config, tiny.weights, DEVICE, pipelines=True, batch_rows=2,
+                                                      row_capacity=512), default_drafts=False), tiny)
+    req = GenerationRequest(max_new_tokens=24, eos_token_ids=())
+    for prompt in ([1, 40, 41, 42, 40, 41, 42], list(range(3, 60))):
+        want = Decoder(tiny, default_drafts=False).generate(prompt, req).tokens
+        assert d.generate(prompt, req, method=method, budget=4).tokens == want
+    import gc
+
+    gc.collect()
+    assert sorted(d.engine.row_slabs._free) == [0, 1]  # the rows went back once the generations ended

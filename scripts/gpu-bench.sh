@@ -29,7 +29,8 @@
 # BF16_S, FIXED_S, FP32_S and TESTS_S set the steps' seconds, BENCH_LIMIT and BENCH_TOKENS the bench,
 # STEPS which steps run (bf16,latency,latency-eager,tests,fp32,ops,peers,fixed,datagen: all, in that
 # order; datagen: training replies a second on the batched device engine, scripts/measure-datagen.py;
-# batch: a load test of 8 and 32 clients on a batch of 32, row caches and not).
+# batch: a load test of 8 and 32 clients on a batch of 32, row caches and not; latency-whole: the
+# latency step with each layer compiled as one function, attention inside, --compile whole).
 # `local` runs the same steps here on the CPU (device cpu, a short bench) to check the script.
 #
 # Growing a self-distillation run on lent GPUs (the heads' data at scale), a session at a time:
@@ -149,6 +150,9 @@ measure() {  # measure DEVICE OUT LIMIT TOKENS; the headline comes first, each s
       latency-eager) step 90 "latency against block size, layers eager ($device, $LATENCY_DTYPE)" "${PY:-python3}" \
                        scripts/project-speedup.py --device "$device" --dtype "$LATENCY_DTYPE" --compile no \
                        --out "$out/latency-$LATENCY_DTYPE-eager.json" ;;
+      latency-whole) step 120 "latency against block size, each layer one compiled function ($device, $LATENCY_DTYPE)" \
+                       "${PY:-python3}" scripts/project-speedup.py --device "$device" --dtype "$LATENCY_DTYPE" --compile whole \
+                       --out "$out/latency-$LATENCY_DTYPE-whole.json" ;;
       tests) step "$TESTS_S" "tests on $device" env LYANNA_TEST_DEVICE="$device" "${PY:-python3}" -m pytest -x -q -p no:cacheprovider \
                tests/test_device_engine.py tests/test_device_batch.py tests/test_device_rows.py \
                tests/test_training.py::test_a_fit_computing_its_features_online_equals_one_on_stored_features ;;
@@ -180,7 +184,7 @@ measure() {  # measure DEVICE OUT LIMIT TOKENS; the headline comes first, each s
                  LYANNA_ARGS="--backend torch --device $device --dtype bfloat16 --batch-rows $rows" OUT="$out/loadtest-rows$rows" \
                  REQUESTS=64 MAX_TOKENS=64 PORT=$((8765 + rows)) scripts/loadtest-batching.sh "ar lyanna" 32 "8 32"
              done ;;
-      *) echo "!! unknown step $s (steps: bf16 latency latency-eager tests fp32 ops peers fixed datagen batch)" ;;
+      *) echo "!! unknown step $s (steps: bf16 latency latency-eager latency-whole tests fp32 ops peers fixed datagen batch)" ;;
     esac
   done
   echo "== done $(date -u +%T)"

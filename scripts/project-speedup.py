@@ -64,7 +64,7 @@ def main() -> None:
     ap.add_argument("--backend", default="torch", choices=("torch", "hf"),
                     help="torch: our forward with a static KV cache (default); hf: the Hugging Face model")
     ap.add_argument("--bench", default=None, help="a `lyanna bench --json` report with METHOD@N rows (fixed budgets)")
-    ap.add_argument("--compile", choices=("auto", "yes", "no"), default="auto",
+    ap.add_argument("--compile", choices=("auto", "yes", "no", "whole"), default="auto",
                     help="torch backend: the layers' glue through torch.compile (as `lyanna --compile`)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -77,7 +77,8 @@ def main() -> None:
 
     if args.backend == "torch":
         target, engine = load_device_target(args.model, args.device, args.dtype,
-                                            compiled={"auto": None, "yes": True, "no": False}[args.compile])
+                                            compiled={"auto": None, "yes": True, "no": False, "whole": True}[args.compile],
+                                            whole_layers=args.compile == "whole")
     else:
         target, engine = load_torch_target(args.model, args.device, args.dtype)
     passes: dict[int, list[float]] = {}
@@ -109,6 +110,7 @@ def main() -> None:
         "latency_ms": {n: round(t * 1e3, 3) for n, t in zip(curve.sizes, curve.seconds)},
         "pass_ms": {n: round(float(np.median(t)) * 1e3, 3) for n, t in sorted(passes.items())},
         "compiled": bool(getattr(getattr(engine, "halves", None), "compiled", False)),
+        "whole_layers": getattr(getattr(engine, "halves", None), "whole", None) is not None,
         "kernels_per_pass": None,
         "projected": [],
     }

@@ -518,6 +518,40 @@ def test_trees_left_on_the_device_serve_a_batch(tiny, method, ahead, monkeypatch
         assert (sum(follows) > len(follows) // 2) == ahead
 
 
+def test_whole_compiled_layers_give_the_eager_tokens(tiny, method="lyanna-device"):
+    """Each layer as one compiled function, its attention written out inside (``--compile whole``,
+    ``torch_layers._whole_layer``): the eager greedy tokens, the target's and a device head's,
+    over prefills, steps and verified trees; one graph a shape, none broken; its attention alone
+    equals ``scaled_dot_product_attention`` under a tree mask with grouped key heads."""
+    from torch._dynamo.utils import counters
+
+    from lyanna.engines.torch_layers import _grouped_attention
+
+    torch._dynamo.reset()
+    counters.clear()
+    eager = _with_heads(Decoder(tiny, engine=DeviceEngine(tiny.config, tiny.weights, DEVICE, compiled=False),
+                                default_drafts=False), tiny)
+    whole = _with_heads(Decoder(tiny, engine=DeviceEngine(tiny.config, tiny.weights, DEVICE, whole_layers=True),
+                                default_drafts=False), tiny)
+    assert whole.engine.halves.compiled and whole.engine.halves.whole is not None
+    for prompt in ([1, 40, 41, 42, 40, 41, 42], list(range(3, 40))):
+        req = GenerationRequest(max_new_tokens=24, eos_token_ids=())
+        assert whole.generate(prompt, req, method=method, budget=None).tokens == \
+            eager.generate(prompt, req, method=method, budget=None).tokens, (method, prompt)
+    assert counters["stats"]["unique_graphs"] >= 1 and not counters["graph_break"]
+    g = torch.Generator().manual_seed(0)
+    q, kv = torch.randn(6, 4, 8, generator=g), torch.randn(2, 2, 10, 8, generator=g)
+    mask = torch.ones(4, 7, dtype=torch.bool)
+    mask[:, 3:] = torch.from_numpy(np.tril(np.ones((4, 4), bool)) | np.eye(4, 4, -2, dtype=bool))
+    want = torch.nn.functional.scaled_dot_product_attention(q[None], kv[0, None, :, :7], kv[1, None, :, :7],
+                                                            attn_mask=mask, enable_gqa=True)[0]
+    torch.testing.assert_close(_grouped_attention(q, kv, mask, 7), want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="whole"):
+        from lyanna.engines.torch_layers import LayerHalves
+
+        LayerHalves(compiled=False, whole=True)
+
+
 @pytest.fixture(scope="module")
 def device_small_decoder():
     target = small_vocab_target()

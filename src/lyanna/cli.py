@@ -113,10 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="torch backend: N sequences' caches (of up to 4096 positions, or the model's context if "
                              "shorter) as rows of one tensor, so that a batch's decoding steps (serve, loadtest) run "
                              "as one pass instead of one pass a sequence; the host then reads each step (default 0: off)")
-    parser.add_argument("--compile", choices=("auto", "yes", "no"), default="auto",
+    parser.add_argument("--compile", choices=("auto", "yes", "no", "whole"), default="auto",
                         help="torch backend: each layer's norms, RoPE, residuals and SiLU-mul through torch.compile "
                              "(fewer, fused kernels; the same tokens; compiles for a while on first use); auto "
-                             "(default): on CUDA")
+                             "(default): on CUDA; whole: each layer as one compiled function, its attention inside")
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate a reply to one prompt (streamed)")
@@ -248,8 +248,8 @@ def _decoder(args: argparse.Namespace):
             target, engine = load_device_target(args.model, args.device or "cpu", args.dtype or "float32",
                                                 graphs=False if args.no_cuda_graphs else None,
                                                 pipelines=False if args.no_pipeline else None,
-                                                compiled={"auto": None, "yes": True, "no": False}[args.compile],
-                                                batch_rows=args.batch_rows)
+                                                compiled={"auto": None, "yes": True, "no": False, "whole": True}[args.compile],
+                                                batch_rows=args.batch_rows, whole_layers=args.compile == "whole")
         elif args.no_cuda_graphs or args.no_pipeline or args.compile != "auto" or args.batch_rows:
             raise LyannaError("--no-cuda-graphs, --no-pipeline, --compile and --batch-rows are options of --backend torch "
                               "(the hf backend never compiles, captures graphs, launches a round ahead or shares a pass)")

@@ -87,7 +87,7 @@ class DeviceEngine(TargetEngine):
 
     def __init__(self, config: ModelConfig, weights: dict[str, Any], device: str = "cpu", dtype: str = "float32",
                  graphs: bool | None = None, pipelines: bool | None = None, compiled: bool | None = None,
-                 batch_rows: int = 0, row_capacity: int = 4096):
+                 batch_rows: int = 0, row_capacity: int = 4096, whole_layers: bool = False):
         """``weights``: Hugging Face names to fp32 arrays or GGUF blocks (``loading.load_target``).
         ``graphs``: capture decoding blocks as CUDA graphs (default: on a CUDA device; the same
         tokens either way, see the module docstring). ``pipelines``: a sequence may launch the
@@ -99,7 +99,9 @@ class DeviceEngine(TargetEngine):
         same tokens); default: on a CUDA device, where eager mode's many small kernels set a small
         model's step time. ``batch_rows``: that many caches of ``row_capacity`` positions are rows
         of one tensor (``device_rows.RowSlabs``), so that the decoding blocks of a continuous batch
-        on them run as one pass (0: none; a batch then runs each sequence's passes on its own)."""
+        on them run as one pass (0: none; a batch then runs each sequence's passes on its own).
+        ``whole_layers``: compiled, each layer as one function, its attention inside
+        (``LayerHalves(whole=True)``; implies ``compiled``)."""
         if dtype not in DTYPES:
             raise LyannaError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
         self.device = torch_device(device)
@@ -108,7 +110,7 @@ class DeviceEngine(TargetEngine):
         self.name = f"device-{self.device.type}-{dtype}"
         cuda = self.device.type == "cuda"
         self.pipelines = cuda if pipelines is None else pipelines
-        self.halves = LayerHalves(cuda if compiled is None else compiled)
+        self.halves = LayerHalves(whole_layers or (cuda if compiled is None else compiled), whole_layers)
         self._load(_Weights(weights, c))
         if graphs and not cuda:
             raise LyannaError(f"CUDA graphs need a CUDA device, not {device!r}")
@@ -368,10 +370,10 @@ ROW_CAPACITY = 4096
 
 def load_device_target(name_or_path: str, device: str = "cpu", dtype: str = "float32", graphs: bool | None = None,
                        pipelines: bool | None = None, compiled: bool | None = None,
-                       batch_rows: int = 0) -> tuple[Target, DeviceEngine]:
+                       batch_rows: int = 0, whole_layers: bool = False) -> tuple[Target, DeviceEngine]:
     """A target (config, tokenizer, fp32 host weights for the drafters) and its device engine
     (``batch_rows`` row caches of ``ROW_CAPACITY`` positions, or the model's context if shorter)."""
     target = load_target(name_or_path, weight_format="fp32")
     capacity = min(ROW_CAPACITY, target.config.max_position_embeddings)
     return target, DeviceEngine(target.config, target.weights, device, dtype, graphs, pipelines, compiled, batch_rows,
-                                capacity)
+                                capacity, whole_layers)

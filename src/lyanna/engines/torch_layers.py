@@ -115,6 +115,33 @@ def _layer_rest(x: torch.Tensor, o: torch.Tensor, o_w: torch.Tensor, norm: torch
     return torch.addmm(x, F.silu(gate) * up, down.T)
 
 
+def _grouped_attention(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor | None, keys: int) -> torch.Tensor:
+    """Attention of queries ``q`` [heads, n, head dim] over the first ``keys`` slots of ``kv``
+    ([2, kv heads, slots, head dim]) under ``mask`` ([n, keys]: bool, or additive; None: all),
+    written out (q·k, softmax in fp32, ·v) with the query heads of one key head side by side,
+    so that no key or value is copied per query head; inside a compiled layer Inductor fuses the
+    scale, the mask and the softmax around the two products."""
+    heads, n, d = q.shape
+    kv_heads = kv.shape[1]
+    g = heads // kv_heads
+    k, v = kv[0, :, :keys], kv[1, :, :keys]
+    scores = (q.reshape(kv_heads, g * n, d) @ k.transpose(1, 2)).view(kv_heads, g, n, keys).float() * d ** -0.5
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    weights = torch.softmax(scores, -1).to(q.dtype).view(kv_heads, g * n, keys)
+    return (weights @ v).view(heads, n, d)
+
+
+def _whole_layer(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, norm: torch.Tensor, qkv: torch.Tensor,
+                 qkv_bias: torch.Tensor | None, eps: float, heads: int, kv_heads: int, kv: torch.Tensor,
+                 slots: torch.Tensor, mask: torch.Tensor | None, keys: int, o_w: torch.Tensor, post_norm: torch.Tensor,
+                 gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """A whole layer, attention included (``_attention_inputs``, ``_grouped_attention``,
+    ``_layer_rest``): what ``LayerHalves(whole=True)`` compiles as one function."""
+    q = _attention_inputs(x, cos, sin, norm, qkv, qkv_bias, eps, heads, kv_heads, kv, slots)
+    return _layer_rest(x, _grouped_attention(q, kv, mask, keys), o_w, post_norm, gate_up, down, eps)
+
+
 class LayerHalves:
     """The two halves of a layer around its attention, run as they are or
     compiled (``torch.compile``: on a GPU, Inductor fuses each half's norms, RoPE, residuals
@@ -122,8 +149,14 @@ class LayerHalves:
     operation). The cache write is in the first half (keys and values as one view of the slab,
     so no two inputs alias); attention stays outside, as one fused kernel of its own."""
 
-    def __init__(self, compiled: bool):
+    def __init__(self, compiled: bool, whole: bool = False):
+        """``whole``: compile each layer as one function, its attention written out inside it
+        (``_whole_layer``), instead of two around ``scaled_dot_product_attention`` (which, under
+        a mask with grouped key heads, is not one fused kernel on every device); compiled only."""
+        if whole and not compiled:
+            raise ValueError("a whole layer is compiled: whole=True needs compiled=True")
         self.compiled = compiled
+        self.whole = torch.compile(_whole_layer, fullgraph=True) if whole else None
         if compiled:
             # One compiled function serves every layer (its weights are arguments); shapes that
             # change (rows, keys) become symbolic after the first change instead of recompiling
@@ -157,6 +190,9 @@ def cached_layer(p: PackedLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.
     ``attention_bias``; None: all). The device engine's target layers and its draft heads' layers
     both run this; ``halves``: the layer's work around the cache eager or compiled (the same tokens)."""
     c = p.config
+    if halves.whole is not None:
+        return halves.whole(x, cos, sin, p.input_norm, p.qkv, p.qkv_bias, p.eps, c.num_heads, c.num_kv_heads, kv, slots,
+                            mask, keys, p.o, p.post_norm, p.gate_up, p.down)
     q = halves.first(x, cos, sin, p.input_norm, p.qkv, p.qkv_bias, p.eps, c.num_heads, c.num_kv_heads, kv, slots)
     o = F.scaled_dot_product_attention(q[None], kv[0, None, :, :keys], kv[1, None, :, :keys], attn_mask=mask,
                                        enable_gqa=c.num_heads != c.num_kv_heads)

@@ -49,7 +49,7 @@ def main() -> None:
             if engine.device.type == "cuda":
                 torch.cuda.synchronize()
             seconds = time.perf_counter() - began
-        results.append({"rows": rows, "prompts": len(prompts), "reply_tokens": tokens, "seconds": round(seconds, 3),
+        results.append({"rows": rows, "prompts": len(prompts), "reply_tokens": tokens, "seconds": round(seconds, 6),
                         "reply_tokens_per_s": round(tokens / seconds, 1)})
         print(json.dumps(results[-1]), flush=True)
         del gen

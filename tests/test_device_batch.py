@@ -78,3 +78,25 @@ def test_bad_input_is_refused(tiny):
     with pytest.raises(ValueError, match="max_new_tokens"):
         list(gen.replies([[1]], 0, ()))
     assert greedy_replies(e, [], 8, (), 4) == []
+
+
+def test_the_datagen_script_measures_each_row_count(tmp_path):
+    """`scripts/measure-datagen.py` (a GPU bench step) on the tiny model: a result for each row
+    count, its reply tokens over its seconds."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from .conftest import make_tiny_model
+
+    repo = Path(__file__).resolve().parents[1]
+    out = tmp_path / "datagen.json"
+    subprocess.run([sys.executable, str(repo / "scripts" / "measure-datagen.py"), "--model",
+                    str(make_tiny_model(tmp_path / "tiny")), "--rows", "2,3", "--prompts", "1", "--max-new-tokens", "4",
+                    "--out", str(out)], check=True, capture_output=True, timeout=300)
+    got = json.loads(out.read_text())
+    assert [r["rows"] for r in got["results"]] == [2, 3] and got["device"] == "device-cpu-float32"
+    for r in got["results"]:
+        assert r["prompts"] == r["rows"] and 0 < r["reply_tokens"] <= 4 * r["prompts"]
+        assert r["reply_tokens_per_s"] == pytest.approx(r["reply_tokens"] / r["seconds"], rel=0.01)

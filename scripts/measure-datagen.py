@@ -42,7 +42,7 @@ def main() -> None:
     results = []
     for rows in (int(r) for r in args.rows.split(",")):
         prompts = [questions[i % len(questions)] for i in range(rows * args.prompts)]
-        gen = BatchedGreedy(engine, rows, max(map(len, prompts)) + args.max_new_tokens)
+        gen = BatchedGreedy.for_prompts(engine, prompts, args.max_new_tokens, rows)
         for timed in (False, True):
             began = time.perf_counter()
             tokens = sum(len(r) for _, r in gen.replies(prompts, args.max_new_tokens, decoder.eos_token_ids))

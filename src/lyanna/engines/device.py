@@ -120,8 +120,6 @@ class DeviceEngine(TargetEngine):
         # a bench runs each prompt once untimed before timing it (``bench._interleave``).
         self.shapes_compile = self._graph_pool is not None or self.halves.compiled
         self.pool = SlabPool(c.num_layers, c, ROW_BUCKETS[-1], POOL_CAPACITY_MIN, self.dtype, self.device)
-        if batch_rows < 0 or batch_rows == 1:
-            raise LyannaError(f"batch rows must be 0 (none) or >= 2, got {batch_rows}")
         self.row_slabs = RowSlabs(self, batch_rows, row_capacity) if batch_rows else None
         self._passes: dict[tuple[int, int, int, tuple[int, ...]], _StaticPass] = {}
         self._tree_passes: dict[tuple[int, int, int, tuple[int, ...], int], _TreeBlockPass] = {}

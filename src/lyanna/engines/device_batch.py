@@ -96,6 +96,12 @@ class BatchedGreedy:
         self._first = first_half(engine.halves.compiled)
         self._steps: dict[int, _Step] = {}
 
+    @classmethod
+    def for_prompts(cls, engine, prompts: Sequence[Sequence[int]], max_new_tokens: int, rows: int) -> "BatchedGreedy":
+        """A cache of at most ``rows`` rows (no more than the prompts), each just long enough for the
+        longest of ``prompts`` and its reply."""
+        return cls(engine, min(rows, len(prompts)), max(map(len, prompts)) + max_new_tokens)
+
     def _bias(self, positions: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         """``[r, 1, t, k]`` additive bias: a token at ``positions`` [r, t] sees the keys at
         ``keys`` [k] up to its own position (and inside the sliding window, if any)."""
@@ -237,16 +243,13 @@ class _Step(FixedShapeCall):
         self.next = self.gen._greedy(x[:, 0])
 
 
-def greedy_replies(engine, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos: Sequence[int], rows: int,
-                   on_reply: Callable[[int, list[int]], None] | None = None) -> list[list[int]]:
+def greedy_replies(engine, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos: Sequence[int],
+                   rows: int) -> list[list[int]]:
     """Every prompt's greedy reply (``BatchedGreedy.replies``), in the prompts' order, on a cache
-    of ``rows`` rows just long enough for the longest prompt and its reply."""
+    sized for them (``BatchedGreedy.for_prompts``)."""
     out: list[list[int]] = [[] for _ in prompts]
-    if not prompts:
-        return out
-    capacity = max(len(p) for p in prompts) + max_new_tokens
-    for i, reply in BatchedGreedy(engine, min(rows, len(prompts)), capacity).replies(prompts, max_new_tokens, eos):
-        out[i] = reply
-        if on_reply is not None:
-            on_reply(i, reply)
+    if prompts:
+        for i, reply in BatchedGreedy.for_prompts(engine, prompts, max_new_tokens, rows).replies(prompts, max_new_tokens,
+                                                                                                 eos):
+            out[i] = reply
     return out

@@ -18,6 +18,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from ..errors import LyannaError
 from .base import Block, ForwardOutput
 from .device_batch import batch_layers, first_half
 from .device_passes import _fetch, _Logits
@@ -35,9 +36,9 @@ class RowSlabs:
 
     def __init__(self, engine, rows: int, capacity: int):
         if rows < 2:
-            raise ValueError(f"batched rows must be >= 2, got {rows}")
+            raise LyannaError(f"batch rows must be 0 (none) or >= 2, got {rows}")
         if capacity < 1:
-            raise ValueError(f"row capacity must be >= 1, got {capacity}")
+            raise LyannaError(f"row capacity must be >= 1, got {capacity}")
         c = engine.config
         self.engine, self.rows, self.capacity = engine, rows, capacity
         slots = capacity + MAX_BLOCK_ROWS
@@ -120,5 +121,7 @@ class _RowsPass(FixedShapeCall):
         bias = attention_bias(self.mask, e.dtype)[:, None]
         x, self.hidden = batch_layers(e, o._first, lambda li: o.kv[:, li], self.tokens, self.positions, self.slots,
                                       o._every, bias, self.keys, self.taps)
-        self.logits = rms_norm(x, e._norm, e.config.rms_norm_eps) @ e._lm_head.T
+        top = e.config.num_layers  # the final norm, once: a tap of it is already normalized
+        normed = self.hidden[top] if top in self.hidden else rms_norm(x, e._norm, e.config.rms_norm_eps)
+        self.logits = normed @ e._lm_head.T
         self.argmax = self.logits.argmax(-1)

@@ -215,7 +215,7 @@ def _generator(generator: str, model: str, device: str | None, dtype: str, batch
 
         def on_device(ids: list[list[int]]):
             if ids:
-                gen = BatchedGreedy(engine, min(batch, len(ids)), max(map(len, ids)) + max_new_tokens)
+                gen = BatchedGreedy.for_prompts(engine, ids, max_new_tokens, batch)
                 for i, reply in gen.replies(ids, max_new_tokens, decoder.eos_token_ids):
                     yield i, reply, None
         return decoder, on_device, None

@@ -368,6 +368,7 @@ def _train(fit: _Fit, train: list, held: list, steps: int, until: int | None, lr
     epoch, epoch_start = 0, 0
     epoch_batches = _batches(train, row_len, batch, seed, 0)
     positions = 0
+    drafted_host = None if drafted is None else drafted.cpu()  # for the whole batch's counts (data-parallel)
     if continued and state["step"] == 0 and rank_id == 0:  # where the continued head starts
         state["history"].append({"step": 0, "epoch": 0.0, "loss": None,
                                  "agreement": fit.evaluate(held, row_len, batch, depth, device), "seconds": 0.0})
@@ -382,8 +383,7 @@ def _train(fit: _Fit, train: list, held: list, steps: int, until: int | None, lr
         rows = epoch_batches[step - epoch_start]
         # every rank divides by the whole batch's scored rows, times the ranks DDP averages over
         # (one process: its own rows are the whole batch, batch_loss counts them itself)
-        counts = ([c / world for c in scored_counts(make_batch(train, rows, row_len, features=False), depth,
-                                                    None if drafted is None else drafted.cpu())]
+        counts = ([c / world for c in scored_counts(make_batch(train, rows, row_len, features=False), depth, drafted_host)]
                   if world > 1 else None)
         mine = rows[rank_id::world]
         b = None

@@ -7,7 +7,7 @@ import pytest
 
 from lyanna.engines import intdot
 
-ROWS = (1, 2, 3, 7, 8, 9, 14, 15, 16, 33)  # 12 and more: the tile kernel, in groups of 4 and a rest of 2, 3, 4 and 1
+ROWS = (1, 2, 3, 5, 6, 7, 8, 9, 14, 15, 16, 33)  # 6 and more on few tiles: shares of 4 rows and a rest of 1 to 3
 
 
 def matrix(kind: str, n: int, k: int, seed: int, half: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -45,8 +45,8 @@ def test_each_path_equals_the_reference(path, kind, shape, half):
     assert (packed[1].shape[2] == 0) == (kind != "Q4_1")  # an all-zero m is left out
     if shape[0] == 1040:  # enough tiles for the many-tile row group (``MANY_TILES``), groups crossed by ROWS
         assert packed[2].shape[0] >= intdot.MANY_TILES
-    else:  # few tiles: blocks of TILE_MIN_ROWS rows and more take the tile kernel (24: a chunk of one vector)
-        assert packed[2].shape[0] < intdot.MANY_TILES and intdot.TILE_MIN_ROWS <= max(ROWS)
+    else:  # few tiles: blocks of ROW_SHARES_MIN rows and more are shared by rows (24: a chunk of one vector)
+        assert packed[2].shape[0] < intdot.MANY_TILES and intdot.ROW_SHARES_MIN <= max(ROWS)
     x = inputs(max(ROWS), shape[1], seed=2)
     want = intdot.reference(x, d, m, q)
     for rows in ROWS:

@@ -44,8 +44,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from .intdot_ir import (ALL_PATHS, BYTE_BYTES, GROUP, HAS_512, HAS_AVX2, HAS_F16C, HAS_VNNI, MANY_TILES,  # noqa: F401
-                        MANY_TILES_GROUP, MAX_TILE, NIBBLE_BYTES, OUT, PATHS, PREFETCH_BYTES, QK, TILE_GROUP,
-                        TILE_MIN_ROWS, _block_avx2, _block_portable, _block_vnni, _tile_avx2, _tile_portable, _tile_vnni)
+                        MANY_TILES_GROUP, MAX_TILE, NIBBLE_BYTES, OUT, PATHS, PREFETCH_BYTES, QK, _block_avx2,
+                        _block_portable, _block_vnni)
 from .kernels import ir_splat
 
 
@@ -135,22 +135,34 @@ def quantize_rows(x):  # pragma: no cover - compiled
     return xq, dx, xs
 
 
+# Blocks of ROW_SHARES_MIN rows and more on matrices of fewer than MANY_TILES tiles (a layer's qkv,
+# o and down projections) are shared among the threads by rows, ROW_SHARE rows a task over every
+# tile, instead of by tiles: split by tiles, each of two threads held one tile of such a matrix
+# and the pair ran well below twice one thread's speed, while by rows each streams the whole
+# matrix (a few hundred KB, the second time from its cache) for its rows with the kernel's best
+# row group (4 rows, no spilled registers). Matrices of many tiles (the gate/up projections, the
+# LM head) stay split by tiles: by rows both threads would stream all of the LM head's 30 MB.
+# Measured on the 2-core Zen 4: docs/engine.md (latency against block size).
+ROW_SHARE = 4
+ROW_SHARES_MIN = 6
+
+
 @njit(cache=True, nogil=True)
 def int_linear_kernel(x, d, m, q, out, path):  # pragma: no cover - compiled
     """``out = x @ W.T`` by the module's rule on path ``ALL_PATHS[path]``; ``q`` [tiles, blocks,
     vectors, bytes] (32 * 4 bytes per vector when packed, 32 * 8 when not), ``d``/``m`` [tiles,
-    blocks, tile width]. Blocks of ``TILE_MIN_ROWS`` rows and more on matrices of fewer than
-    ``MANY_TILES`` tiles take the tile kernel (see ``intdot_ir``), others go block by block."""
+    blocks, tile width]. Shared among the threads by tiles, or by rows (``ROW_SHARE``): every
+    row's outputs have the same bits either way."""
     xq, dx, xs = quantize_rows(x)
-    if x.shape[0] >= TILE_MIN_ROWS and d.shape[0] < MANY_TILES:
-        _by_tiles(xq, dx, xs, d, m, q, out, path)
+    if x.shape[0] >= ROW_SHARES_MIN and d.shape[0] < MANY_TILES:
+        _by_rows(xq, dx, xs, d, m, q, out, path)
     else:
         _by_blocks(xq, dx, xs, d, m, q, out, path)
 
 
 @njit(cache=True, nogil=True)
 def _shapes(xq, d, m, q):  # pragma: no cover - compiled
-    """What both kernels read of the operands' shapes: rows, inputs, tiles, blocks, tile width,
+    """What the kernels read of the operands' shapes: rows, inputs, tiles, blocks, tile width,
     output vectors a tile, whether the weights are packed nibbles, whether ``m`` was kept."""
     tiles, nb, tw = d.shape
     # ``pack`` leaves out an all-zero m
@@ -158,23 +170,24 @@ def _shapes(xq, d, m, q):  # pragma: no cover - compiled
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _by_tiles(xq, dx, xs, d, m, q, out, path):  # pragma: no cover - compiled
-    """``int_linear_kernel`` on the tile kernel: each tile's outputs for up to TILE_GROUP rows a call."""
+def _by_rows(xq, dx, xs, d, m, q, out, path):  # pragma: no cover - compiled
+    """``int_linear_kernel`` by shares of ``ROW_SHARE`` rows: each share every block of every tile."""
     rows, k, tiles, nb, tw, nvec, nibbles, offsets = _shapes(xq, d, m, q)
     flat, xflat, dflat, sflat, width = q.reshape(-1), xq.reshape(-1), dx.reshape(-1), xs.reshape(-1), out.shape[1]
-    for c in prange(tiles):
-        i = 0
-        while i < rows:
-            group = min(TILE_GROUP, rows - i)
-            args = (flat, c * nb * nvec * q.shape[3], nvec, nibbles, xflat, i * k, k, dflat, sflat, i * nb, nb, d, m,
-                    c * nb * tw, out, i * width + c * tw, width, group, 0, offsets)
-            if path == 0:
-                _tile_vnni(*args)
-            elif path == 1:
-                _tile_avx2(*args)
-            else:
-                _tile_portable(*args)
-            i += group
+    for share in prange((rows + ROW_SHARE - 1) // ROW_SHARE):
+        i = share * ROW_SHARE
+        group = min(ROW_SHARE, rows - i)
+        out[i : i + group] = 0
+        for c in range(tiles):
+            for b in range(nb):
+                args = (flat, (c * nb + b) * nvec * q.shape[3], nvec, nibbles, xflat, i * k + b * QK, k, dflat, sflat,
+                        i * nb + b, nb, d, m, (c * nb + b) * tw, out, i * width + c * tw, width, group, 1, offsets)
+                if path == 0:
+                    _block_vnni(*args)
+                elif path == 1:
+                    _block_avx2(*args)
+                else:
+                    _block_portable(*args)
 
 
 @njit(parallel=True, cache=True, nogil=True)

@@ -258,110 +258,7 @@ class _Emitter:
         return [[b.sub(a, o) for a, o in zip(row, offset)] for row in acc]
 
 
-TILE_GROUP = 4  # input rows per call of the tile kernel
-# Output vectors per chunk of the tile kernel, by rows: float sums (rows x cols) stay in
-# registers across the blocks beside each block's integer sums, the weights and the inputs.
-_TILE_COLS_32 = {1: 4, 2: 4, 3: 2, 4: 2}
-_TILE_BYTE_COLS_32 = {1: 4, 2: 4, 3: 2, 4: 2}
-_TILE_COLS_16 = {1: 2, 2: 1, 3: 1, 4: 1}
-# Which matrices take ``_TileEmitter``: blocks of at least TILE_MIN_ROWS rows on matrices of fewer
-# than MANY_TILES tiles (a layer's qkv, o and down projections). On the 2-core Zen 4 (2026-11-27),
-# each kind of matrix over all 30 layers in one process (ABAB medians), those three took 0.68x /
-# 0.55x / 0.58x the block-by-block kernel's time at 16 rows and 0.61x / 0.55x / 0.58x at 64, while
-# the gate/up projections and the LM head (four rows by four vectors, a block's sums in L1) were the
-# same or slower. Whole passes after 256 cached tokens (this engine beside the previous one in one
-# process) lost with the tile kernel at 4 and 8 rows (1.12x, 1.03-1.06x the time without it) and
-# gained from 12 (0.92-0.95x): its chunks stride across each block's row of the weights, which a
-# pass streams from memory, while the block-by-block kernel reads them in order.
-TILE_MIN_ROWS = 12
-TILE_AHEAD = 4  # chunks ahead that ``_TileEmitter`` prefetches
-
-
-class _TileEmitter(_Emitter):
-    """One tile's outputs for up to ``TILE_GROUP`` input rows over every block of the inputs:
-    each chunk of output vectors keeps its fp32 sums in registers from the first block to the
-    last and stores them once, where ``_Emitter`` adds each block's terms to ``out`` in memory
-    (a load and a store per row, vector and block). The arguments are ``_Emitter``'s with the
-    offsets of block 0 (``qoff``: the tile's first byte; ``dmoff``: its first scale); the terms
-    are the same and are added in the same order from +0, so every output has the same bits."""
-
-    def emit(self) -> None:
-        """A switch on the rows inside branches on the layout and on whether ``m`` was kept."""
-        b = self.b
-        for nibbles in (True, False):
-            with b.if_then(b.icmp_signed("==", self.nibbles, self.nibbles.type(int(nibbles)))):
-                with b.if_else(b.icmp_signed("!=", self.offsets, self.offsets.type(0))) as (with_m, without):
-                    with with_m:
-                        self.with_m = True
-                        self._switch(nibbles)
-                    with without:
-                        self.with_m = False
-                        self._switch(nibbles)
-
-    group = TILE_GROUP
-
-    def _cols(self, nibbles: bool, rows: int) -> int:
-        table = (_TILE_COLS_32 if nibbles else _TILE_BYTE_COLS_32) if HAS_512 and not self.portable else _TILE_COLS_16
-        return table[rows]
-
-    def _chunk(self, nibbles: bool, rows: int, cols: int, j) -> None:
-        """Output vectors ``j .. j + cols - 1`` for ``rows`` rows, every block, sums in registers."""
-        b, intp = self.b, self.intp
-        size = NIBBLE_BYTES if nibbles else BYTE_BYTES
-        zero = ir.Constant(self.v8f32, [0.0] * 8)
-        entry = b.block
-        body, done = b.append_basic_block("blocks.body"), b.append_basic_block("blocks.done")
-        b.cbranch(b.icmp_signed(">", self.nb, intp(0)), body, done)
-        b.position_at_end(body)
-        blk = b.phi(intp)
-        blk.add_incoming(intp(0), entry)
-        acc = [[b.phi(self.v8f32) for _ in range(cols)] for _ in range(rows)]
-        for a in (x for row in acc for x in row):
-            a.add_incoming(zero, entry)
-        block_bytes = b.mul(blk, b.mul(self.nvec, intp(size)))
-        qbase = [b.add(b.add(self.qoff, block_bytes), b.mul(b.add(j, intp(c)), intp(size))) for c in range(cols)]
-        xrow = [b.add(b.add(self.xoff, b.mul(intp(r), self.k)), b.mul(blk, intp(QK))) for r in range(rows)]
-        # The same block's bytes of the chunks TILE_AHEAD ahead: within a block the chunks lie one
-        # after another, so each block is a stream the hardware's prefetchers do not follow.
-        for line in range(0, cols * size, 64):
-            ptr = b.gep(self.q, [b.add(qbase[0], intp(TILE_AHEAD * cols * size + line))])
-            b.call(self.prefetch_fn, [ptr, self.i32(0), self.i32(3), self.i32(1)])
-        sums = self._packed_sums(qbase, xrow) if nibbles else self._byte_sums(qbase, xrow)
-        new = self._terms(sums, acc, blk, j)
-        nxt = b.add(blk, intp(1))
-        blk.add_incoming(nxt, b.block)
-        for r in range(rows):
-            for a, x in zip(acc[r], new[r]):
-                a.add_incoming(x, b.block)
-        b.cbranch(b.icmp_signed("<", nxt, self.nb), body, done)
-        b.position_at_end(done)
-        totals = [[b.phi(self.v8f32) for _ in range(cols)] for _ in range(rows)]
-        for r in range(rows):
-            for total, x in zip(totals[r], new[r]):
-                total.add_incoming(zero, entry)
-                total.add_incoming(x, body)
-        for r in range(rows):
-            for c, total in enumerate(totals[r]):
-                col = b.mul(b.add(j, intp(c)), intp(OUT))
-                ptr = b.gep(self.out, [b.add(b.add(self.ooff, b.mul(intp(r), self.ostride)), col)])
-                b.store(total, b.bitcast(ptr, self.v8f32.as_pointer()), align=1)
-
-    def _terms(self, sums, acc, blk, j):
-        """``acc + ((d * dx) * isum + m * xs)`` for block ``blk`` (the ``m`` term where ``m`` was kept)."""
-        b, intp = self.b, self.intp
-        tw = b.mul(self.nvec, intp(OUT))
-        new = [[None] * len(acc[0]) for _ in acc]
-        for c in range(len(acc[0])):
-            at = b.add(b.add(self.dmoff, b.mul(blk, tw)), b.mul(b.add(j, intp(c)), intp(OUT)))
-            dv = self._load_scales(self.d, at)
-            mv = self._load_scales(self.m, at) if self.with_m else None
-            for r in range(len(acc)):
-                term = self._term(dv, mv, b.add(b.add(self.soff, b.mul(intp(r), self.nb)), blk), sums[r][c])
-                new[r][c] = b.fadd(acc[r][c], term)
-        return new
-
-
-def _block_intrinsic(path: str, emitter: type = _Emitter):
+def _block_intrinsic(path: str):
     # A path this CPU lacks is emitted as ``portable``: the kernel below names every path's block,
     # and none may hold an instruction the CPU cannot run.
     emitted = path if path in PATHS else "portable"
@@ -369,16 +266,15 @@ def _block_intrinsic(path: str, emitter: type = _Emitter):
     def block(typingctx, q, qoff, nvec, nibbles, xq, xoff, k, dx, xs, soff, nb, d, m, dmoff, out, ooff, ostride,
               rows, prefetch, offsets):
         def codegen(context, builder, signature, args):
-            emitter(context, builder, signature, args, emitted).emit()
+            _Emitter(context, builder, signature, args, emitted).emit()
             return context.get_dummy_value()
 
         sig = types.void(q, qoff, nvec, nibbles, xq, xoff, k, dx, xs, soff, nb, d, m, dmoff, out, ooff, ostride,
                          rows, prefetch, offsets)
         return sig, codegen
 
-    block.__name__ = block.__qualname__ = f"int_{'tile' if emitter is _TileEmitter else 'block'}_{path}"
+    block.__name__ = block.__qualname__ = f"int_block_{path}"
     return intrinsic(block)
 
 
 _block_vnni, _block_avx2, _block_portable = (_block_intrinsic(p) for p in ALL_PATHS)
-_tile_vnni, _tile_avx2, _tile_portable = (_block_intrinsic(p, _TileEmitter) for p in ALL_PATHS)

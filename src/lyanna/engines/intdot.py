@@ -180,14 +180,9 @@ def _by_rows(xq, dx, xs, d, m, q, out, path):  # pragma: no cover - compiled
         out[i : i + group] = 0
         for c in range(tiles):
             for b in range(nb):
-                args = (flat, (c * nb + b) * nvec * q.shape[3], nvec, nibbles, xflat, i * k + b * QK, k, dflat, sflat,
-                        i * nb + b, nb, d, m, (c * nb + b) * tw, out, i * width + c * tw, width, group, 1, offsets)
-                if path == 0:
-                    _block_vnni(*args)
-                elif path == 1:
-                    _block_avx2(*args)
-                else:
-                    _block_portable(*args)
+                _block(path, (flat, (c * nb + b) * nvec * q.shape[3], nvec, nibbles, xflat, i * k + b * QK, k, dflat,
+                              sflat, i * nb + b, nb, d, m, (c * nb + b) * tw, out, i * width + c * tw, width, group, 1,
+                              offsets))
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -203,15 +198,20 @@ def _by_blocks(xq, dx, xs, d, m, q, out, path):  # pragma: no cover - compiled
             i = 0
             while i < rows:
                 group = min(most, rows - i)
-                args = (flat, qoff, nvec, nibbles, xflat, i * k + b * QK, k, dflat, sflat, i * nb + b, nb, d, m,
-                        (c * nb + b) * tw, out, i * width + c * tw, width, group, 1 if i == 0 else 0, offsets)
-                if path == 0:
-                    _block_vnni(*args)
-                elif path == 1:
-                    _block_avx2(*args)
-                else:
-                    _block_portable(*args)
+                _block(path, (flat, qoff, nvec, nibbles, xflat, i * k + b * QK, k, dflat, sflat, i * nb + b, nb, d, m,
+                              (c * nb + b) * tw, out, i * width + c * tw, width, group, 1 if i == 0 else 0, offsets))
                 i += group
+
+
+@njit(cache=True, nogil=True)
+def _block(path, args):  # pragma: no cover - compiled
+    """One call of the block kernel (``intdot_ir``) on path ``ALL_PATHS[path]``."""
+    if path == 0:
+        _block_vnni(*args)
+    elif path == 1:
+        _block_avx2(*args)
+    else:
+        _block_portable(*args)
 
 
 def tile_width(n: int, step: int = OUT) -> int:

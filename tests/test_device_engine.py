@@ -338,6 +338,17 @@ class DevicePeekingDrafter(PeekingDrafter, DeviceDrafter):
         return DeviceTree(device_tree.packed(padded).to(DEVICE), len(tree), int(tree.depths.max()))
 
 
+def _eager_beside(tiny, **engine):
+    """Decoders with ``_with_heads``' heads on an eager device engine and on one made with
+    ``engine``'s options, Dynamo's caches and counters cleared first (tests of compiled layers)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    return tuple(_with_heads(Decoder(tiny, engine=DeviceEngine(tiny.config, tiny.weights, DEVICE, **options),
+                                     default_drafts=False), tiny) for options in ({"compiled": False}, engine))
+
+
 def _with_heads(decoder, target):
     """An unfitted EAGLE head and a Lyanna head with random token information at the final-norm
     tap (layer 2 of these two-layer models): varied trees, some nodes accepted, most rejected."""
@@ -527,12 +538,7 @@ def test_whole_compiled_layers_give_the_eager_tokens(tiny, method="lyanna-device
 
     from lyanna.engines.torch_layers import _grouped_attention
 
-    torch._dynamo.reset()
-    counters.clear()
-    eager = _with_heads(Decoder(tiny, engine=DeviceEngine(tiny.config, tiny.weights, DEVICE, compiled=False),
-                                default_drafts=False), tiny)
-    whole = _with_heads(Decoder(tiny, engine=DeviceEngine(tiny.config, tiny.weights, DEVICE, whole_layers=True),
-                                default_drafts=False), tiny)
+    eager, whole = _eager_beside(tiny, whole_layers=True)
     assert whole.engine.halves.compiled and whole.engine.halves.whole is not None
     for prompt in ([1, 40, 41, 42, 40, 41, 42], list(range(3, 40))):
         req = GenerationRequest(max_new_tokens=24, eos_token_ids=())
@@ -1092,12 +1098,7 @@ def test_compiled_layers_give_the_eager_tokens(tiny, method):
     really compiled them (its counters: graphs captured, none broken, as with fullgraph)."""
     from torch._dynamo.utils import counters
 
-    torch._dynamo.reset()
-    counters.clear()
-    eager = _with_heads(Decoder(tiny, engine=DeviceEngine(tiny.config, tiny.weights, DEVICE, compiled=False),
-                                default_drafts=False), tiny)
-    compiled = _with_heads(Decoder(tiny, engine=DeviceEngine(tiny.config, tiny.weights, DEVICE, compiled=True),
-                                   default_drafts=False), tiny)
+    eager, compiled = _eager_beside(tiny, compiled=True)
     assert compiled.engine.halves.compiled and not eager.engine.halves.compiled
     for prompt in ([1, 40, 41, 42, 40, 41, 42], list(range(3, 40))):
         req = GenerationRequest(max_new_tokens=24, eos_token_ids=())

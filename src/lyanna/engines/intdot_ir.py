@@ -118,22 +118,16 @@ class _Emitter:
             with plain:
                 self._switch(False)
 
-    group = GROUP  # the most input rows of one call
-
-    def _cols(self, nibbles: bool, rows: int) -> int:
-        """Output vectors a chunk takes for ``rows`` input rows."""
-        return self.cols.get(rows, 1)
-
     def _switch(self, nibbles: bool) -> None:
         """A case per number of rows, each over the tile's output vectors in chunks (``_chunk``)."""
         b, intp = self.b, self.intp
         merge = b.append_basic_block("rows.end")
         switch = b.switch(self.rows, merge)
-        for rows in range(1, self.group + 1):
+        for rows in range(1, GROUP + 1):
             case = b.append_basic_block(f"rows{rows}")
             switch.add_case(self.rows.type(rows), case)
             b.position_at_end(case)
-            cols = self._cols(nibbles, rows)
+            cols = self.cols.get(rows, 1)  # output vectors a chunk takes
             full = b.sdiv(self.nvec, intp(cols))
             with cgutils.for_range(b, full) as loop:
                 self._chunk(nibbles, rows, cols, b.mul(loop.index, intp(cols)))
@@ -192,8 +186,7 @@ class _Emitter:
 
     def _term(self, dv, mv, at, isum):
         """The rule's term of one block for 8 outputs of one row: ``(d * dx) * isum + m * xs`` (no
-        ``m * xs`` where ``mv`` is None), ``dx``/``xs`` at ``at``. Both kernels add it, so their
-        outputs have the same bits."""
+        ``m * xs`` where ``mv`` is None), ``dx``/``xs`` at ``at``."""
         b = self.b
         dx = ir_splat(b, b.load(b.gep(self.dx, [at])), self.v8f32)
         term = b.fmul(b.fmul(dv, dx), b.sitofp(isum, self.v8f32))

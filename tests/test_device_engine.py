@@ -675,6 +675,35 @@ def test_device_tree_choice_and_union_follow_the_host_rules():
     assert merged_any > 100  # most unions had nodes in both trees
 
 
+def test_device_unions_of_several_pairs_at_once_equal_each_pair_alone():
+    """``device_tree.union`` over a batch's pairs of trees at once (each sequence's fresh and
+    re-sampled tree, ``HeadRows``) gives each pair's own union, row for row."""
+    from lyanna.drafters import device_tree
+
+    def t(a, dtype=None):
+        return torch.as_tensor(np.asarray(a, dtype))[None].to(DEVICE)
+
+    def cut(c, origin, levels, m, depth):
+        return device_tree.best(t(c[0]), t(c[1]), t(c[2], np.float64), t(c[3]), t(np.full(len(c[0]), origin)),
+                                t(c[3] <= levels), m, depth, joint=True, leveled=True)
+
+    def stacked(trees):
+        return device_tree.PaddedTrees(*(torch.cat(field) for field in zip(*trees)))
+
+    rng = np.random.default_rng(1)
+    for trial in range(30):
+        depth, topk, width, vocab, m = 1 + trial % 4, 1 + trial % 3, 1 + trial % 2, 5 + trial % 4, 2 + trial % 9
+        pairs = [(cut(_candidates(rng, vocab, depth, topk, width, 2, True), 0, depth, m, depth),
+                  cut(_candidates(rng, vocab, depth, topk, width, 2, True), 1, i % (depth + 1), m, depth))
+                 for i in range(3)]
+        fused, valid = device_tree.union(stacked([a for a, _ in pairs]), stacked([b for _, b in pairs]), depth)
+        for i, (a, b) in enumerate(pairs):
+            one, one_valid = device_tree.union(a, b, depth)
+            assert all(torch.equal(x, y[i : i + 1]) for x, y in zip(one, fused)), trial
+            assert torch.equal(one_valid, valid[i : i + 1]), trial
+            assert torch.equal(device_tree.packed(one), device_tree.packed_rows(fused)[i]), trial
+
+
 @pytest.mark.parametrize("fallback", ["lowrank", "none"])
 def test_device_trees_equal_the_host_trees_on_the_same_raw_rows(tiny, fallback):
     """Token-info trees built on the device (token information formed on the fly) are the host

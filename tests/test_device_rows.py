@@ -46,11 +46,11 @@ def test_blocks_on_rows_share_a_pass_and_give_each_blocks_own_outputs(tiny):
             np.testing.assert_allclose(a.hidden[tap], b.hidden[tap], rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("method", ["ar", "lyanna", "eagle", "lyanna-device", "eagle-device"])
+@pytest.mark.parametrize("method", ["ar", "lyanna", "eagle", "lyanna-device", "lyanna-device+suffix", "eagle-device"])
 def test_a_batch_on_row_caches_decodes_as_each_prompt_alone(tiny, method, monkeypatch):
     """5 prompts, at most 4 at once, on 3 rows (a sequence finds no free row and runs on a cache
     of its own): each result is the prompt's ``ar`` output alone, and the batch's steps shared
-    passes, host trees among them (a device head's trees run in passes of their own)."""
+    passes, host trees among them."""
     from lyanna.engines.device_rows import RowSlabs
 
     widest = []
@@ -66,7 +66,12 @@ def test_a_batch_on_row_caches_decodes_as_each_prompt_alone(tiny, method, monkey
     assert [o.tokens for o in out] == alone
     assert d.engine.row_slabs.passes_run == len(widest) > 0
     assert method == "ar" or sum(o.draft_tokens for o in out) > 0
-    assert (max(widest) > 1) == (method in ("lyanna", "eagle"))
+    # Host trees share the batch's passes; so do a device Lyanna head's, drafted in one call for
+    # the batch (its trees come to the host); EAGLE's device trees run in passes of their own.
+    assert (max(widest) > 1) == (method in ("lyanna", "eagle", "lyanna-device", "lyanna-device+suffix"))
+    if method.startswith("lyanna-device"):
+        rows = d.drafter_for(method).head.rows
+        assert rows.calls > 0 and rows.most > 1
 
 
 def test_bad_row_settings_are_refused(tiny):

@@ -4,7 +4,8 @@ Each generation is the decoder's generator of forward blocks (``Decoder.steps``:
 then one verification block per round of the one decode loop). A step gathers the pending block
 of every active generation, runs them as one ragged forward (the linear layers stream their
 weights once for all rows, which is what a CPU is short of) and sends each generation its own
-output. Generations join between steps and leave when they finish, so a new request waits for
+output. Generations whose rounds ask for their drafting (``DraftRequest``: a head whose caches
+are rows of one tensor) are drafted first, in one call per group. Generations join between steps and leave when they finish, so a new request waits for
 one step, not for the batch. The kernels compute a row the same way whatever shares its block,
 so a sequence's output inside a batch is token-identical to decoding it alone.
 """
@@ -14,18 +15,21 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Generator, Hashable
 
-from ..drafters.base import Drafter, can_fork
+from ..drafters.base import Drafter, DraftRequest, can_fork
+from ..drafters.tree import DraftTree
 from ..engines.base import Block, ForwardOutput, TargetEngine
 from .budget import Load
 
-Steps = Generator[Block, ForwardOutput, Any]  # a generation: yields blocks, returns its result
+# A generation: yields blocks and drafting requests, is sent their outputs and trees, returns its result.
+Steps = Generator[Block | DraftRequest, ForwardOutput | DraftTree, Any]
 
 
 @dataclass
 class _Flight:
     steps: Steps
-    block: Block
+    block: Block | DraftRequest
     method: str
+    rows: int = 1  # rows of its last block (its drafting asked for: the block before)
 
 
 class BatchScheduler:
@@ -56,22 +60,60 @@ class BatchScheduler:
         how many requests wait."""
         def load() -> Load:
             others = [f for k, f in self.active.items() if k != key]
-            return Load(len(others), sum(f.block.rows for f in others), self.waiting)
+            return Load(len(others), sum(f.rows for f in others), self.waiting)
         return load
 
     def admit(self, key: Hashable, steps: Steps, method: str) -> None:
         """Add a generation (from ``Decoder.steps``); its prefill runs with the next step."""
         if key in self.active:
             raise ValueError(f"generation {key!r} is already in flight")
-        self.active[key] = _Flight(steps, next(steps), method)
+        block = next(steps)
+        self.active[key] = _Flight(steps, block, method, block.rows if isinstance(block, Block) else 1)
+
+    def _draft(self) -> list[tuple[Hashable, Any]]:
+        """The drafting the generations in flight ask for, one call per group; returns those that
+        failed, with the exception that ended them."""
+        groups: dict[int, list[Hashable]] = {}
+        for key, flight in self.active.items():
+            if isinstance(flight.block, DraftRequest):
+                groups.setdefault(id(flight.block.together), []).append(key)
+        outcomes: dict[Hashable, ForwardOutput | DraftTree | Exception] = {}
+        for keys in groups.values():
+            requests = [self.active[k].block for k in keys]
+            try:
+                outcomes.update(zip(keys, requests[0].together.draft(requests)))
+            except Exception as e:  # the call's failure ends its generations; the batch goes on
+                outcomes.update((k, e) for k in keys)
+        return self._send(outcomes)
+
+    def _send(self, outcomes: dict[Hashable, ForwardOutput | DraftTree | Exception]) -> list[tuple[Hashable, Any]]:
+        """Send each generation its outcome (an exception is thrown into it); returns those that
+        finished, with their result or the exception that ended them."""
+        finished: list[tuple[Hashable, Any]] = []
+        for key, out in outcomes.items():
+            flight = self.active[key]
+            try:
+                flight.block = flight.steps.throw(out) if isinstance(out, Exception) else flight.steps.send(out)
+            except StopIteration as done:
+                finished.append((key, done.value))
+            except Exception as e:  # this generation's failure; the batch goes on
+                finished.append((key, e))
+            else:
+                if isinstance(flight.block, Block):
+                    flight.rows = flight.block.rows
+                continue
+            del self.active[key]
+        return finished
 
     def step(self) -> list[tuple[Hashable, Any]]:
-        """One forward pass for every generation in flight; returns those that finished, with
-        their result or the exception that ended them (the others go on)."""
+        """One forward pass for every generation in flight (their drafting first, where they ask
+        for it); returns those that finished, with their result or the exception that ended them
+        (the others go on)."""
+        finished = self._draft()
         keys = list(self.active)
         if not keys:
             self.pass_seconds, self.pass_rows = 0.0, 0
-            return []
+            return finished
         blocks = [self.active[k].block for k in keys]
         self.pass_rows = sum(b.rows for b in blocks)
         began = time.perf_counter()
@@ -86,16 +128,4 @@ class BatchScheduler:
                 except ValueError as e:
                     outs.append(e)
         self.pass_seconds = time.perf_counter() - began
-        finished: list[tuple[Hashable, Any]] = []
-        for key, out in zip(keys, outs):
-            flight = self.active[key]
-            try:
-                flight.block = flight.steps.throw(out) if isinstance(out, Exception) else flight.steps.send(out)
-            except StopIteration as done:
-                finished.append((key, done.value))
-            except Exception as e:  # this generation's failure; the batch goes on
-                finished.append((key, e))
-            else:
-                continue
-            del self.active[key]
-        return finished
+        return finished + self._send(dict(zip(keys, outs)))

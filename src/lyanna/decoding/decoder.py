@@ -333,12 +333,14 @@ class Decoder:
         hidden = parts[0] if len(parts) == 1 else {t: np.concatenate([p[t] for p in parts]) for t in taps}
         if self.prefix_cache is not None:
             self.prefix_cache.store(prompt_ids, cache, hidden)
+        # In a batch whose decoding blocks share a pass (``batches_rows``), the host reads each
+        # step, so that the next gathers every sequence's block again, and the drafters that can
+        # draft together do (``DraftRequest``).
+        together = load is not None and getattr(self.engine, "batches_rows", False)
         state = DecodeState(
             self.engine, cache, tracker, request.sampling, request.sampling.rng(), prompt_ids,
             out.logits[-1], hidden, target_passes=len(parts) - (hit is not None),
-            # in a batch whose decoding blocks share a pass (``batches_rows``), the host reads each
-            # step, so that the next gathers every sequence's block again
-            ahead=getattr(self.engine, "pipelines", False) and not (load is not None and getattr(self.engine, "batches_rows", False)),
+            ahead=getattr(self.engine, "pipelines", False) and not together, together=together,
         )
         # The latency curve is asked for only when a round needs it: ``ar`` never measures anything.
         stats = yield from rounds(state, drafter, self._budget(method, budget, load),

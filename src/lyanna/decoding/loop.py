@@ -17,7 +17,7 @@ from typing import Any, Generator, TypeVar
 
 import numpy as np
 
-from ..drafters.base import DeviceDrafter, Drafter
+from ..drafters.base import DeviceDrafter, Drafter, DraftRequest
 from ..drafters.tree import DraftTree
 from ..engines.base import Block, Cache, ForwardOutput, LeftTree, PendingOutput, TargetEngine, Verification, first_runs
 from .budget import Budget
@@ -46,6 +46,9 @@ class DecodeState:
     # Whether a pass that verifies a tree left on the device may return before its outcome is
     # read (``Block.ahead``): the engine keeps one (``engines.device.DeviceEngine.pipelines``).
     ahead: bool = False
+    # Whether rounds ask their drafting of whoever drives the loop (``DraftRequest``), so that a
+    # batch's drafters run in one call where they can (a batch on row caches).
+    together: bool = False
 
 
 @dataclass
@@ -110,16 +113,21 @@ def _block(tree: DraftTree, root: int, start: int) -> tuple[np.ndarray, np.ndarr
     return tokens, positions, mask
 
 
-Forwards = Generator[Block, ForwardOutput, "RoundStats"]  # yields blocks to run, is sent their outputs
+# Yields blocks to run and drafting to do (``DraftRequest``), is sent their outputs and trees.
+Forwards = Generator[Block | DraftRequest, ForwardOutput | DraftTree, "RoundStats"]
 
 
-def run_alone(steps: Generator[Block, ForwardOutput, T], engine: TargetEngine) -> T:
-    """Drive a generation that yields forward blocks on ``engine``, one block per pass (the
-    batch scheduler drives many of them together instead, with ``forward_batch``)."""
+def run_alone(steps: Generator[Block | DraftRequest, ForwardOutput | DraftTree, T], engine: TargetEngine) -> T:
+    """Drive a generation that yields forward blocks on ``engine``, one block per pass, and
+    drafting requests, each alone (the batch scheduler drives many of them together instead,
+    with ``forward_batch`` and one drafting call per group)."""
     try:
-        block = next(steps)
+        item = next(steps)
         while True:
-            block = steps.send(engine.forward_batch([block])[0])
+            if isinstance(item, DraftRequest):
+                item = steps.send(item.together.draft([item])[0])
+            else:
+                item = steps.send(engine.forward_batch([item])[0])
     except StopIteration as done:
         return done.value
 
@@ -200,12 +208,17 @@ class Rounds:
         """Tokens the reply may still take after this round's bonus token."""
         return self.state.tracker.max_new_tokens - len(self.state.tracker.tokens) - 1
 
-    def draft(self, plan: Plan, t0: float, met: int) -> tuple[DraftTree | LeftTree, bool | None]:
+    def draft(self, plan: Plan, t0: float,
+              met: int) -> Generator[DraftRequest, DraftTree, tuple[DraftTree | LeftTree, bool | None]]:
         """The round's tree and whether the fallback judges it (None: a tree left on the device,
         cut to a size fixed before drafting, is known after the pass); ``met``: the engine's
-        ``first_runs`` when drafting began."""
+        ``first_runs`` when drafting began. Drafting asked of the driver (``DecodeState.
+        together``) is yielded as a ``DraftRequest`` and sent back as the tree."""
         drafter = self.drafter
-        if plan.drafting:  # a size fixed now lets a drafter on the target's device leave its tree there
+        request = drafter.request(self.context, plan.depth) if plan.drafting and self.state.together else None
+        if request is not None:
+            tree = yield request
+        elif plan.drafting:  # a size fixed now lets a drafter on the target's device leave its tree there
             if not plan.seen and isinstance(drafter, DeviceDrafter):
                 tree = drafter.propose_sized(self.context, plan.depth, plan.nodes)
             else:
@@ -323,10 +336,11 @@ class Rounds:
             verdict = followed(tree, out.kept, out.bonus)
         return _Reading(tree, out, verdict, drafted, t_pass, measured)
 
-    def _round(self, plan: Plan, t0: float) -> Generator[Block, ForwardOutput | PendingOutput, Round]:
+    def _round(self, plan: Plan, t0: float) -> Generator[Block | DraftRequest, ForwardOutput | PendingOutput | DraftTree,
+                                                          Round]:
         """Draft and launch one round from the committed context."""
         met = first_runs(self.state.engine)
-        tree, proposed = self.draft(plan, t0, met)
+        tree, proposed = yield from self.draft(plan, t0, met)
         t1, start = time.perf_counter(), self.state.cache.length
         out = yield self.launch(tree, start)
         return Round(tree, plan.drafting, proposed, start, t0, t1, time.perf_counter(), out, met)

@@ -7,8 +7,9 @@ attributes say which methods it provides and, for a draft head, which checkpoint
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, Sequence
 
 import numpy as np
 
@@ -18,6 +19,28 @@ from .tree import DraftTree
 if TYPE_CHECKING:  # annotations only: engines sit below drafters, nothing here runs them
     from ..engines.base import TargetEngine
     from ..engines.loading import Target
+
+
+class DraftsTogether(Protocol):
+    """What drafts several generations' rounds in one call (a device head whose caches are rows
+    of one tensor: ``drafters.device_rows.HeadRows``)."""
+
+    def draft(self, requests: Sequence["DraftRequest"]) -> list[DraftTree]:
+        """Each request's tree, in order, from one call for all of them."""
+        ...
+
+
+@dataclass
+class DraftRequest:
+    """A round's drafting that waits to run with the other generations' of a batch
+    (``Drafter.request``): the loop yields it instead of drafting, whoever drives the loop runs
+    the requests of one ``together`` in one call and sends each its tree. ``context``: the
+    committed tokens, the root last; ``depth``: the deepest the tree may be."""
+
+    together: DraftsTogether
+    drafter: "Drafter"
+    context: np.ndarray
+    depth: int
 
 
 class Drafter(ABC):
@@ -75,6 +98,11 @@ class Drafter(ABC):
     def skip(self) -> None:
         """Told when a round goes by without a proposal (a loaded batch where the budget keeps
         nothing): state kept from the last proposal must not be reused as is."""
+
+    def request(self, context: Sequence[int], max_depth: int) -> DraftRequest | None:
+        """``propose`` as a ``DraftRequest``, to run in one call with the other generations' of a
+        batch, where the drafter can (None, the default: it proposes on its own)."""
+        return None
 
     def propose_free(self, context: Sequence[int], max_depth: int) -> DraftTree:
         """A tree that costs no draft-model pass (model-free matches, rows left over from the

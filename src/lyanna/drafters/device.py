@@ -28,6 +28,7 @@ from ..engines.torch_layers import DecoderLayer, PackedLayer, cached_layer, rms_
 from ..errors import LyannaError
 from .checkpoint import head_layer_count, layer_prefixes
 from .device_calls import CATCH_UP_ROWS, HEAD_POOL_MIN, _DraftPass, _DraftTreesPass, _EagleTreePass, _TreePass
+from .device_rows import HeadRows
 from .head import PairContext
 from .tree import DraftTree
 
@@ -129,6 +130,7 @@ class DeviceDraftHead:
         self._pool = SlabPool(len(self.layers), c, CATCH_UP_ROWS, HEAD_POOL_MIN, self.dtype, self.device,
                               features=c.hidden_size)
         self._eagles: dict[tuple[int, ...], _EagleTreePass] = {}
+        self.rows: HeadRows | None = None  # head caches as rows of one tensor, where a head drafts on several at once
 
     @staticmethod
     def _weight(weights: dict[str, np.ndarray], name: str) -> torch.Tensor:
@@ -139,8 +141,10 @@ class DeviceDraftHead:
 
     def new_cache(self, capacity: int) -> StaticCache:
         """A head cache for ``capacity`` positions (``[1, kv heads, slots, head dim]``, the layout
-        ``PairContext`` grows by copying slices), from the pool of caches no context holds."""
-        return self._pool.cache(capacity)
+        ``PairContext`` grows by copying slices): a free row of ``rows`` if it holds them, else
+        one from the pool of caches no context holds."""
+        row = None if self.rows is None else self.rows.cache(capacity)
+        return row if row is not None else self._pool.cache(capacity)
 
     def context(self, taps: Sequence[int]) -> "DevicePairContext":
         """A new generation's view of the committed context, its features on the device."""
@@ -311,6 +315,9 @@ class DeviceChainHead(DeviceDraftHead):
         self._ti_of: Any = None
         self._informed: np.ndarray | None = None
         self._drafts: dict[tuple[int, int, int, int], _DraftPass] = {}
+        if engine.row_slabs is not None:  # a batch on the target's row caches drafts in one call
+            # (rows as long as the target's, and as a context's first head cache at least)
+            self.rows = HeadRows(self, engine.row_slabs.rows, max(engine.row_slabs.capacity, HEAD_POOL_MIN))
         self._draft_trees: dict[tuple, _DraftTreesPass] = {}
         self._trees: dict[tuple[int, int, int, int], _TreePass] = {}
 

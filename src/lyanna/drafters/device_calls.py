@@ -14,7 +14,7 @@ import torch
 from ..engines.config import ModelConfig
 from ..engines.device_slabs import HANDOFF_BONUS, HANDOFF_COUNT, HANDOFF_TOKENS, FixedShapeCall, Slab
 from ..engines.torch_layers import LayerHalves, rms_norm
-from .device_tree import PaddedTrees, best, packed, union
+from .device_tree import PaddedTrees, best, packed, packed_rows, union
 
 
 class CallHead(Protocol):
@@ -184,8 +184,8 @@ class _DraftTreesPass(_DraftPass):
             self._follow()
         super()._forward()
         raw = self.raw[None] if self.leftover is None else torch.stack([self.raw, self.leftover])
-        self.tree = _tree_tail(self.head)(self.head, raw, self.root_info, self.levels, self.topk, self.width,
-                                          self.layout, self.max_nodes, self.nodes, self.depth)
+        self.tree = _tree_tail(self.head)(self.head, raw[None], self.root_info[None], self.levels[None], self.topk,
+                                          self.width, self.layout, self.max_nodes, self.nodes, self.depth)[0]
 
 
 class _EagleTreePass(_CatchUpCall):
@@ -263,16 +263,18 @@ class _EagleTreePass(_CatchUpCall):
 
 def _round_tree(h: ChainCallHead, raw: torch.Tensor, root_info: torch.Tensor, levels: torch.Tensor, topk: int,
                 width: int, layout: tuple[torch.Tensor, ...], max_nodes: int, nodes: int, depth: int) -> torch.Tensor:
-    """A round's tree from its raw logits (``raw`` [trees, depth, draft vocab]: the chain's, and
-    the re-sampled rows' as a second tree whose ``levels`` are valid): grown (``_grow``), each
-    cut to its best ``max_nodes``, fused (``device_tree.union``), the best ``nodes`` packed."""
-    ids, parents, scores, depths = _grow(h, raw, root_info, topk, width, layout)
-    origin = torch.arange(raw.shape[0], device=raw.device)[:, None].expand_as(ids)  # the re-sampled tree: 1
-    valid = depths <= levels
-    if raw.shape[0] == 1:  # the best ``nodes`` of the best ``max_nodes`` (``nodes`` <= ``max_nodes``)
+    """Each sequence's round tree from its raw logits (``raw`` [seqs, trees, depth, draft vocab]:
+    the chain's, and the re-sampled rows' as a second tree; ``levels`` [seqs, trees, 1]: each
+    tree's valid levels; ``root_info`` [seqs, trees, 1, rank]): grown (``_grow``), each cut to its
+    best ``max_nodes``, fused (``device_tree.union``), the best ``nodes`` packed, a row a sequence."""
+    seqs, trees = raw.shape[:2]
+    ids, parents, scores, depths = _grow(h, raw.flatten(0, 1), root_info.flatten(0, 1), topk, width, layout)
+    origin = torch.arange(trees, device=raw.device).repeat(seqs)[:, None].expand_as(ids)  # a re-sampled tree: 1
+    valid = depths <= levels.flatten(0, 1)
+    if trees == 1:  # the best ``nodes`` of the best ``max_nodes`` (``nodes`` <= ``max_nodes``)
         return _packed_draft(h, ids, parents, scores, depths, origin, valid, nodes, depth, leveled=True)
     kept = best(ids, parents, scores, depths, origin, valid, max_nodes, depth, joint=True, leveled=True)
-    fused, valid = union(PaddedTrees(*(t[:1] for t in kept)), PaddedTrees(*(t[1:] for t in kept)), depth)
+    fused, valid = union(PaddedTrees(*(t[0::2] for t in kept)), PaddedTrees(*(t[1::2] for t in kept)), depth)
     return _packed_draft(h, *fused[:5], valid, nodes, depth, leveled=False)
 
 
@@ -355,13 +357,13 @@ class _TreePass(FixedShapeCall):
     def _forward(self) -> None:
         ids, parents, scores, depths = _grow(self.head, self.raw, self.root_info, self.topk, self.width, self.layout)
         self.tree = _packed_draft(self.head, ids, parents, scores, depths, self.origin.expand_as(ids),
-                                  torch.ones_like(ids, dtype=torch.bool), self.max_nodes, self.depth, leveled=True)
+                                  torch.ones_like(ids, dtype=torch.bool), self.max_nodes, self.depth, leveled=True)[0]
 
 
 def _packed_draft(head: ChainCallHead, ids: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor,
                   depths: torch.Tensor, origin: torch.Tensor, valid: torch.Tensor, nodes: int,
                   depth: int, leveled: bool) -> torch.Tensor:
-    """The best ``nodes`` of token-info candidates (draft ids, joint probabilities), their ids
-    mapped to the target's, as ``device_tree.packed`` (``leveled``: ``device_tree.best``'s)."""
+    """Each tree's best ``nodes`` of token-info candidates (draft ids, joint probabilities), their
+    ids mapped to the target's, as ``device_tree.packed_rows`` (``leveled``: ``device_tree.best``'s)."""
     kept = best(ids, parents, scores, depths, origin, valid, nodes, depth, joint=True, leveled=leveled)
-    return packed(kept._replace(tokens=head._d2t[kept.tokens]))
+    return packed_rows(kept._replace(tokens=head._d2t[kept.tokens]))

@@ -63,50 +63,54 @@ def best(tokens: torch.Tensor, parents: torch.Tensor, scores: torch.Tensor, dept
 
 
 def union(a: PaddedTrees, b: PaddedTrees, max_depth: int) -> tuple[PaddedTrees, torch.Tensor]:
-    """The union of tree 0 of ``a`` and tree 0 of ``b`` under one root (``DraftTree.merged``
-    before its cut; no sampled children; siblings have distinct tokens) as one padded tree, with
-    its ``valid`` mask. A node of ``b`` whose path is in ``a`` becomes that node (the higher
-    score, ``a``'s origin); the others follow ``a``'s nodes in ``b``'s order, under their union
-    parents. ``max_depth``: no node is deeper."""
+    """The union of each tree of ``a`` and the tree of ``b`` in its place under one root
+    (``DraftTree.merged`` before its cut; no sampled children; siblings have distinct tokens) as
+    padded trees, with their ``valid`` mask. A node of ``b`` whose path is in ``a`` becomes that
+    node (the higher score, ``a``'s origin); the others follow ``a``'s nodes in ``b``'s order,
+    under their union parents. ``max_depth``: no node is deeper."""
     dev = a.parents.device
-    ma, mb = a.parents.shape[1], b.parents.shape[1]
+    (trees, ma), mb = a.parents.shape, b.parents.shape[1]
     size = ma + mb + 1  # the last slot takes the writes of nodes that go nowhere
-    valid_a, valid_b = torch.arange(ma, device=dev) < a.count[0], torch.arange(mb, device=dev) < b.count[0]
-    pa, pb = a.parents[0], b.parents[0]
+    valid_a, valid_b = torch.arange(ma, device=dev) < a.count, torch.arange(mb, device=dev) < b.count
+    pa, pb = a.parents, b.parents
     up_a, up_b = pa.clamp(min=0), pb.clamp(min=0)  # parents as indices (a root's child reads node 0, unused)
-    # same[i, j]: b's node i and a's node j have one path (equal tokens, depths and parents' paths),
-    # found for one more level each time round.
-    alike = ((b.tokens[0][:, None] == a.tokens[0][None, :]) & (b.depths[0][:, None] == a.depths[0][None, :])
-             & valid_b[:, None] & valid_a[None, :])
-    top = (pb < 0)[:, None] & (pa < 0)[None, :]
+    # same[t, i, j]: b's node i and a's node j have one path (equal tokens, depths and parents'
+    # paths), found for one more level each time round.
+    alike = ((b.tokens[:, :, None] == a.tokens[:, None, :]) & (b.depths[:, :, None] == a.depths[:, None, :])
+             & valid_b[:, :, None] & valid_a[:, None, :])
+    top = (pb < 0)[:, :, None] & (pa < 0)[:, None, :]
     same = alike & top
-    parents_pair = (up_b[:, None] * ma + up_a[None, :]).view(-1)  # same[i, j]'s parents' entry, flat
+    parents_pair = (up_b[:, :, None] * ma + up_a[:, None, :]).view(trees, -1)  # same's parents' entries, flat
     for _ in range(max_depth - 1):
-        same = alike & (top | same.view(-1)[parents_pair].view(mb, ma))
-    found = same.any(1)
+        same = alike & (top | same.view(trees, -1).gather(1, parents_pair).view(trees, mb, ma))
+    found = same.any(2)
     new = valid_b & ~found
-    place = torch.where(found, same.long().argmax(1), a.count[0] + torch.cumsum(new.long(), 0) - 1)  # in the union
+    place = torch.where(found, same.long().argmax(2), a.count + torch.cumsum(new.long(), 1) - 1)  # in the union
     slot = torch.where(new, place, size - 1)
-    from_b = torch.where(same, b.scores[0][:, None], 0.0).amax(0)  # 0 where no b node merged (scores >= 0)
-    up = torch.where(pb >= 0, place[up_b], -1)
+    from_b = torch.where(same, b.scores[:, :, None], 0.0).amax(1)  # 0 where no b node merged (scores >= 0)
+    up = torch.where(pb >= 0, place.gather(1, up_b), -1)
     # ``a``'s values, then ``b``'s new nodes' at their places; the integer fields (tokens, parents,
     # depths, origins) as one array, so that each step is one kernel for the four of them.
-    ints = torch.zeros((4, size), dtype=torch.int64, device=dev)
+    ints = torch.zeros((4, trees, size), dtype=torch.int64, device=dev)
     ints[1].fill_(-1)  # no parent where no node goes
-    ints[:, :ma] = torch.stack([a.tokens[0], pa, a.depths[0], a.origin[0]])
-    ints.scatter_(1, slot.expand(4, -1), torch.stack([b.tokens[0], up, b.depths[0], b.origin[0]]))
-    scores = torch.zeros(size, dtype=a.scores.dtype, device=dev)
-    scores[:ma] = torch.maximum(a.scores[0], from_b)
-    scores.scatter_(0, slot, b.scores[0])
-    count = a.count + new.sum()
-    tree = PaddedTrees(ints[0][None], ints[1][None], scores[None], ints[2][None], ints[3][None], count)
+    ints[:, :, :ma] = torch.stack([a.tokens, pa, a.depths, a.origin])
+    ints.scatter_(2, slot.expand(4, -1, -1), torch.stack([b.tokens, up, b.depths, b.origin]))
+    scores = torch.zeros((trees, size), dtype=a.scores.dtype, device=dev)
+    scores[:, :ma] = torch.maximum(a.scores, from_b)
+    scores.scatter_(1, slot, b.scores)
+    count = a.count + new.sum(1, keepdim=True)
+    tree = PaddedTrees(ints[0], ints[1], scores, ints[2], ints[3], count)
     return tree, torch.arange(size, device=dev)[None, :] < count
 
 
+def packed_rows(t: PaddedTrees) -> torch.Tensor:
+    """Each tree as one float64 row (``[trees, 5 m + 1]``) for one copy to the host
+    (``DraftTree.from_packed``) or a verification pass on the device (``engines.device.
+    DeviceTree``): tokens, parents, scores, origin, depths (each ``m``), then the node count."""
+    rows = torch.stack([t.tokens.double(), t.parents.double(), t.scores, t.origin.double(), t.depths.double()], 1)
+    return torch.cat([rows.reshape(rows.shape[0], -1), t.count.double()], 1)
+
+
 def packed(t: PaddedTrees) -> torch.Tensor:
-    """Tree 0 as one float64 vector for one copy to the host (``DraftTree.from_packed``) or a
-    verification pass on the device (``engines.device.DeviceTree``): tokens, parents, scores,
-    origin, depths (each ``m``), then the node count."""
-    rows = torch.stack([t.tokens[0].double(), t.parents[0].double(), t.scores[0], t.origin[0].double(),
-                        t.depths[0].double()])
-    return torch.cat([rows.reshape(-1), t.count[0].double()])
+    """Tree 0 of ``packed_rows``, one vector."""
+    return packed_rows(t)[0]

@@ -39,8 +39,11 @@ from .suffix import SuffixDrafter
 from .tree import DraftTree
 
 if TYPE_CHECKING:
+    import torch
+
     from ..engines.device import DeviceTree
     from .device import DeviceChainHead
+    from .device_rows import ChainRequest
 
 ARCH = "lyanna"
 POLICIES = ("fuse", "reuse", "off")
@@ -353,6 +356,28 @@ class LyannaDrafter(DeviceDrafter):
 
     def propose(self, context: Sequence[int], max_depth: int) -> DraftTree:
         return self._with_suffix(self._propose_chain(context, max_depth), context, max_depth)
+
+    def request(self, context: Sequence[int], max_depth: int) -> "ChainRequest | None":
+        """A device head whose caches are rows (``device_rows.HeadRows``) drafts a batch's rounds
+        in one call; its tree comes to the host, where the budget cuts it and suffix matches join
+        it (policy ``reuse`` chooses on the host first: it proposes on its own)."""
+        rows = getattr(self.head, "rows", None)
+        depth = min(self.depth, max_depth)
+        if (rows is None or self.policy == "reuse" or depth < 1 or self.topk < 1 or self.width < 1
+                or not rows.holds(self.context, len(context), depth)):
+            return None
+        from .device_rows import ChainRequest
+
+        leftover = None
+        if self.policy == "fuse" and self._leftover is not None and len(self._leftover):
+            leftover = self._leftover[:depth]
+        return ChainRequest(rows, self, np.asarray(context, np.int64), max_depth, depth, self.context, self.ti,
+                            (self.topk, self.width, self.max_nodes), leftover)
+
+    def drafted(self, request: "ChainRequest", chain: "torch.Tensor", tree: DraftTree) -> DraftTree:
+        """A request's outcome (``HeadRows.draft``): its chain's raw-logit rows and its tree."""
+        self._chain = chain
+        return self._with_suffix(tree, request.context, request.depth)
 
     def propose_sized(self, context: Sequence[int], max_depth: int, nodes: int | None) -> "DraftTree | DeviceTree":
         """A device head leaves its best ``nodes`` on the device (``DeviceDrafter.propose_sized``), but

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from .device_slabs import KEY_BUCKET_MIN, FixedShapeCall, pow2_at_least
-from .torch_layers import _qkv, rms_norm, rotation
+from .torch_layers import LayerHalves, PackedLayer, _qkv, rms_norm, rotation
 
 # Padded prompt tokens a refill's prefill takes at most (more prompts wait for the next one), so
 # that its activations stay small beside the cache.
@@ -58,24 +58,32 @@ def batch_layers(engine, first: Callable, kv_of: Callable[[int], torch.Tensor], 
     ([r, 1, t, keys], additive; ``rows`` must then be all of them); None: a prefill from slot 0,
     which reads its own keys."""
     c = engine.config
-    r, t = tokens.shape
     cos, sin = rotation(positions.reshape(-1), engine._inv_freq, engine.dtype)
     x = engine._embed[tokens]
-    gqa = c.num_heads != c.num_kv_heads
     hidden: dict[int, torch.Tensor] = {}
     for li, p in enumerate(engine.layers):
         if li in taps:
             hidden[li] = x
-        kv = kv_of(li)
-        q, k, v = first(x, cos, sin, p.input_norm, p.qkv, p.qkv_bias, p.eps, c.num_heads, c.num_kv_heads, kv, rows, slots)
-        if keys is not None:
-            k, v = kv[0, :, :, :keys], kv[1, :, :, :keys]
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=gqa)  # [r, heads, t, d]
-        x = engine.halves.second(x.reshape(r * t, -1), o.transpose(1, 2).reshape(r * t, c.num_heads, -1).transpose(0, 1),
-                                 p.o, p.post_norm, p.gate_up, p.down, p.eps).view(r, t, -1)
+        x = batch_layer(p, engine.halves, first, x, cos, sin, kv_of(li), rows, slots, bias, keys)
     if c.num_layers in taps:
         hidden[c.num_layers] = rms_norm(x, engine._norm, c.rms_norm_eps)
     return x, hidden
+
+
+def batch_layer(p: PackedLayer, halves: LayerHalves, first: Callable, x: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, bias: torch.Tensor,
+                keys: int | None) -> torch.Tensor:
+    """One layer of ``batch_layers`` over ``x`` [r, t, hidden] (RoPE's ``cos``, ``sin`` for its
+    ``r * t`` rows; ``kv`` the layer's [2, rows, kv heads, capacity, head dim]); a draft head's
+    layer over many sequences' rows runs it too."""
+    c = p.config
+    r, t = x.shape[:2]
+    q, k, v = first(x, cos, sin, p.input_norm, p.qkv, p.qkv_bias, p.eps, c.num_heads, c.num_kv_heads, kv, rows, slots)
+    if keys is not None:
+        k, v = kv[0, :, :, :keys], kv[1, :, :, :keys]
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=c.num_heads != c.num_kv_heads)
+    return halves.second(x.reshape(r * t, -1), o.transpose(1, 2).reshape(r * t, c.num_heads, -1).transpose(0, 1),
+                         p.o, p.post_norm, p.gate_up, p.down, p.eps).view(r, t, -1)
 
 
 class BatchedGreedy:

@@ -47,17 +47,21 @@ class Slab:
     slots past ``capacity`` take the padding rows of a fixed-shape call."""
 
     def __init__(self, shape: tuple[int, ...], capacity: int, dtype: torch.dtype, device: torch.device,
-                 features: int = 0, kv: torch.Tensor | None = None):
+                 features: int | torch.Tensor = 0, kv: torch.Tensor | None = None):
         """``features``: a draft head's slab also keeps ``[capacity + scratch, features]`` fp32
         rows for the committed tokens' target features (``drafters.device.DevicePairContext``;
         scratch rows stay zero), pooled with its keys and values so that graphs reading them serve
-        later generations too. ``kv``: a view of ``(2, *shape)`` to hold the keys and values in
-        (a row of ``device_rows.RowSlabs``), instead of a tensor of its own."""
+        later generations too (a tensor: a view to keep them in, a row of ``drafters.device_rows.
+        HeadRows``). ``kv``: a view of ``(2, *shape)`` to hold the keys and values in (a row of
+        ``device_rows.RowSlabs``), instead of a tensor of its own."""
         self.kv = torch.zeros((2, *shape), dtype=dtype, device=device) if kv is None else kv
         self.row: int | None = None  # its row of a ``device_rows.RowSlabs``, if it is one
         self.k, self.v = self.kv[0], self.kv[1]
         self.capacity = capacity
-        self.features = torch.zeros((shape[2], features), dtype=torch.float32, device=device) if features else None
+        if isinstance(features, torch.Tensor):
+            self.features: torch.Tensor | None = features
+        else:
+            self.features = torch.zeros((shape[2], features), dtype=torch.float32, device=device) if features else None
         # Two, written in turn: a pass that follows another reads that one's and writes the other,
         # so running it again (a CUDA graph's first run runs it twice) reads the same.
         self.handoffs = torch.zeros((2, HANDOFF_TOKENS + ROW_BUCKETS[-1]), dtype=torch.int64, device=device).unbind(0)

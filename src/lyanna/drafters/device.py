@@ -56,6 +56,16 @@ class DevicePairContext(PairContext):
     def features(self) -> torch.Tensor:
         return self.cache.slab.features[: self._count]
 
+    def start(self, hidden: dict[int, Any]) -> None:
+        """A new generation, on a free row of the head's ``rows`` where it has one (a context
+        takes a row when it starts, not when made: a drafter that never generates holds none)."""
+        rows = self.head.rows
+        if rows is not None and self.cache.slab.row is None:
+            row = rows.cache(self.cache.capacity)
+            if row is not None:
+                self.cache = row
+        super().start(hidden)
+
     def commit(self, hidden: dict[int, Any]) -> None:
         """``hidden``: each tap's rows, on the host or on the device."""
         rows = self._features(hidden)
@@ -141,10 +151,9 @@ class DeviceDraftHead:
 
     def new_cache(self, capacity: int) -> StaticCache:
         """A head cache for ``capacity`` positions (``[1, kv heads, slots, head dim]``, the layout
-        ``PairContext`` grows by copying slices): a free row of ``rows`` if it holds them, else
-        one from the pool of caches no context holds."""
-        row = None if self.rows is None else self.rows.cache(capacity)
-        return row if row is not None else self._pool.cache(capacity)
+        ``PairContext`` grows by copying slices), from the pool of caches no context holds (a
+        context takes a row of ``rows`` when it starts: ``DevicePairContext.start``)."""
+        return self._pool.cache(capacity)
 
     def context(self, taps: Sequence[int]) -> "DevicePairContext":
         """A new generation's view of the committed context, its features on the device."""

@@ -78,6 +78,11 @@ class HeadRows:
     def _release(self, slab: Slab) -> None:
         self._free.append(slab.row)
 
+    @property
+    def idle(self) -> int:
+        """Rows no context holds."""
+        return len(self._free)
+
     def holds(self, pc: "DevicePairContext", length: int, depth: int) -> bool:
         """Whether a context on ``pc`` of ``length`` tokens drafts here: on a row, with room for
         its chain of ``depth`` rows (a context that outgrows its row drafts on its own)."""

@@ -76,6 +76,21 @@ def test_a_batch_on_row_caches_decodes_as_each_prompt_alone(tiny, method, monkey
         assert head_rows.calls > 0 and head_rows.most > 1
 
 
+def test_a_batch_drafting_together_near_the_end_of_its_rows_decodes_as_alone(tiny):
+    """Row caches of 64 positions with prompts that fill most of them: chains of several depths
+    in one call (replies end at different times), contexts with no room for the deepest chain
+    drafted at their own depth, one too long for a row on caches of its own: each result is
+    ``ar``'s alone."""
+    d = _with_heads(Decoder(tiny, engine=DeviceEngine(tiny.config, tiny.weights, DEVICE, batch_rows=3, row_capacity=64),
+                            default_drafts=False), tiny)
+    prompts = [list(range(3, 33)), list(range(5, 52)), list(range(7, 62)), [1, 40, 41, 42, 40, 41, 42]]
+    reqs = [GenerationRequest(max_new_tokens=n, eos_token_ids=()) for n in (24, 17, 12, 20)]
+    alone = [Decoder(tiny, default_drafts=False).generate(p, r).tokens for p, r in zip(prompts, reqs)]
+    out = d.generate_batch(prompts, reqs, method="lyanna-device", max_batch=3, budget=4)
+    assert [o.tokens for o in out] == alone
+    assert d.drafter_for("lyanna-device").head.rows.calls > 0
+
+
 def test_bad_row_settings_are_refused(tiny):
     with pytest.raises(LyannaError, match="batch rows"):
         DeviceEngine(tiny.config, tiny.weights, DEVICE, batch_rows=1)

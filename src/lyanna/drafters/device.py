@@ -61,7 +61,7 @@ class DevicePairContext(PairContext):
         takes a row when it starts, not when made: a drafter that never generates holds none)."""
         rows = self.head.rows
         if rows is not None and self.cache.slab.row is None:
-            row = rows.cache(self.cache.capacity)
+            row = rows.cache(1)  # a prompt longer than a row moves the context to a cache of its own
             if row is not None:
                 self.cache = row
         super().start(hidden)
@@ -325,8 +325,7 @@ class DeviceChainHead(DeviceDraftHead):
         self._informed: np.ndarray | None = None
         self._drafts: dict[tuple[int, int, int, int], _DraftPass] = {}
         if engine.row_slabs is not None:  # a batch on the target's row caches drafts in one call
-            # (rows as long as the target's, and as a context's first head cache at least)
-            self.rows = HeadRows(self, engine.row_slabs.rows, max(engine.row_slabs.capacity, HEAD_POOL_MIN))
+            self.rows = HeadRows(self, engine.row_slabs.rows, engine.row_slabs.capacity)
         self._draft_trees: dict[tuple, _DraftTreesPass] = {}
         self._trees: dict[tuple[int, int, int, int], _TreePass] = {}
 

@@ -102,7 +102,15 @@ class HeadRows:
 
     @torch.inference_mode()
     def _draft(self, requests: Sequence[ChainRequest]) -> list[DraftTree]:
+        """One call for ``requests``, every chain as deep as the deepest (a row whose context has
+        no room for that many drafts alone, at its own depth)."""
         head, depth = self.head, max(r.chain for r in requests)
+        if any(len(r.context) + depth > self.capacity for r in requests):
+            short = [i for i, r in enumerate(requests) if len(r.context) + depth > self.capacity]
+            rest = [i for i in range(len(requests)) if i not in short]
+            trees = dict(zip(rest, self._draft([requests[i] for i in rest]) if rest else []))
+            trees.update((i, self._draft([requests[i]])[0]) for i in short)
+            return [trees[i] for i in range(len(requests))]
         pendings = [head._pending(r.pc, r.context, depth) for r in requests]  # older pairs filled first
         rows = pow2_at_least(max(len(p) for p in pendings))
         keys = min(pow2_at_least(max(int(p[-1]) + depth for p in pendings), KEY_BUCKET_MIN), self.capacity)

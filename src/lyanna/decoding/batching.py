@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Generator, Hashable
 
-from ..drafters.base import Drafter, DraftRequest, can_fork
+from ..drafters.base import Drafter, DraftRequest, can_fork, draft_together
 from ..drafters.tree import DraftTree
 from ..engines.base import Block, ForwardOutput, TargetEngine
 from .budget import Load
@@ -81,7 +81,7 @@ class BatchScheduler:
         for keys in groups.values():
             requests = [self.active[k].block for k in keys]
             try:
-                outcomes.update(zip(keys, requests[0].together.draft(requests)))
+                outcomes.update(zip(keys, draft_together(requests)))
             except Exception as e:  # the call's failure ends its generations; the batch goes on
                 outcomes.update((k, e) for k in keys)
         return self._send(outcomes)

@@ -17,7 +17,7 @@ from typing import Any, Generator, TypeVar
 
 import numpy as np
 
-from ..drafters.base import DeviceDrafter, Drafter, DraftRequest
+from ..drafters.base import DeviceDrafter, Drafter, DraftRequest, draft_together
 from ..drafters.tree import DraftTree
 from ..engines.base import Block, Cache, ForwardOutput, LeftTree, PendingOutput, TargetEngine, Verification, first_runs
 from .budget import Budget
@@ -125,7 +125,7 @@ def run_alone(steps: Generator[Block | DraftRequest, ForwardOutput | DraftTree, 
         item = next(steps)
         while True:
             if isinstance(item, DraftRequest):
-                item = steps.send(item.together.draft([item])[0])
+                item = steps.send(draft_together([item])[0])
             else:
                 item = steps.send(engine.forward_batch([item])[0])
     except StopIteration as done:
@@ -217,7 +217,9 @@ class Rounds:
         drafter = self.drafter
         request = drafter.request(self.context, plan.depth) if plan.drafting and self.state.together else None
         if request is not None:
+            asked = time.perf_counter()
             tree = yield request
+            t0 += time.perf_counter() - asked - request.seconds  # the others' rounds before the call are not drafting
         elif plan.drafting:  # a size fixed now lets a drafter on the target's device leave its tree there
             if not plan.seen and isinstance(drafter, DeviceDrafter):
                 tree = drafter.propose_sized(self.context, plan.depth, plan.nodes)

@@ -6,8 +6,9 @@ attributes say which methods it provides and, for a draft head, which checkpoint
 """
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, Sequence
 
@@ -35,12 +36,23 @@ class DraftRequest:
     """A round's drafting that waits to run with the other generations' of a batch
     (``Drafter.request``): the loop yields it instead of drafting, whoever drives the loop runs
     the requests of one ``together`` in one call and sends each its tree. ``context``: the
-    committed tokens, the root last; ``depth``: the deepest the tree may be."""
+    committed tokens, the root last; ``depth``: the deepest the tree may be; ``seconds``: the
+    call's, set by whoever ran it (what the batch's step waited for; the budget weighs it)."""
 
     together: DraftsTogether
     drafter: "Drafter"
     context: np.ndarray
     depth: int
+    seconds: float = field(default=0.0, kw_only=True)
+
+
+def draft_together(requests: Sequence[DraftRequest]) -> list[DraftTree]:
+    """The requests of one ``together`` drafted in one call, each told the call's seconds."""
+    began = time.perf_counter()
+    trees = requests[0].together.draft(requests)
+    for r in requests:
+        r.seconds = time.perf_counter() - began
+    return trees
 
 
 class Drafter(ABC):

@@ -144,9 +144,13 @@ def test_seeded_sampling_in_a_batch_equals_alone(small_decoder, method):
     params = SAMPLING_GRID["t1.5-topp0.6"][0]
     reqs = [GenerationRequest(max_new_tokens=12, sampling=replace(params, seed=s)) for s in range(8)]
     prompts = [PROMPT[: 2 + s % 3] for s in range(8)]
+    batch = getattr(getattr(small_decoder.drafter_for(method), "head", None), "batch", None)
+    calls = 0 if batch is None else batch.calls
     batched = small_decoder.generate_batch(prompts, reqs, method=method, max_batch=5, budget=None)
     for ids, req, got in zip(prompts, reqs, batched):
         _same(got, small_decoder.generate(ids, req, method=method, budget=None))
+    if method in ("lyanna", "lyanna+suffix"):  # the batch's rounds drafted together (lyanna_batch), several a call
+        assert batch.calls > calls and batch.most > 1
 
 
 def _batched_counts(decoder, method, params, horizon, n):

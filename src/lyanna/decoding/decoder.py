@@ -334,13 +334,13 @@ class Decoder:
         if self.prefix_cache is not None:
             self.prefix_cache.store(prompt_ids, cache, hidden)
         # In a batch whose decoding blocks share a pass (``batches_rows``), the host reads each
-        # step, so that the next gathers every sequence's block again, and the drafters that can
-        # draft together do (``DraftRequest``).
-        together = load is not None and getattr(self.engine, "batches_rows", False)
+        # step, so that the next gathers every sequence's block again. In a batch the drafters
+        # that can draft together do (``DraftRequest``).
+        shared = load is not None and getattr(self.engine, "batches_rows", False)
         state = DecodeState(
             self.engine, cache, tracker, request.sampling, request.sampling.rng(), prompt_ids,
             out.logits[-1], hidden, target_passes=len(parts) - (hit is not None),
-            ahead=getattr(self.engine, "pipelines", False) and not together, together=together,
+            ahead=getattr(self.engine, "pipelines", False) and not shared, together=load is not None,
         )
         # The latency curve is asked for only when a round needs it: ``ar`` never measures anything.
         stats = yield from rounds(state, drafter, self._budget(method, budget, load),

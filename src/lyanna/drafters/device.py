@@ -329,6 +329,11 @@ class DeviceChainHead(DeviceDraftHead):
         self._draft_trees: dict[tuple, _DraftTreesPass] = {}
         self._trees: dict[tuple[int, int, int, int], _TreePass] = {}
 
+    def drafts_together(self, pc: PairContext, length: int, depth: int) -> HeadRows | None:
+        """What drafts a batch's rounds in one call: the head's row caches, for a context on one
+        with room for the chain (None: it drafts alone)."""
+        return self.rows if self.rows is not None and self.rows.holds(pc, length, depth) else None
+
     def _token_info(self, ti, root: int) -> np.ndarray:
         """``ti`` made current (``ti_rows``) and ``root``'s own ``A`` row ([rank], on the host:
         zero where it gets no token information)."""

@@ -14,7 +14,6 @@ Rows that draft nothing this round are computed as padding and written only to s
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
@@ -26,25 +25,12 @@ from ..engines.device_slabs import KEY_BUCKET_MIN, FixedShapeCall, Slab, StaticC
 from ..engines.torch_layers import attention_bias, rms_norm
 from .base import DraftRequest
 from .device_calls import CATCH_UP_ROWS, _grow_layout, _tree_tail
+from .head import PairContext
+from .lyanna_batch import ChainRequest
 from .tree import DraftTree
 
 if TYPE_CHECKING:
     from .device import DeviceChainHead, DevicePairContext
-    from .lyanna import LyannaDrafter, TokenInfo
-
-
-@dataclass
-class ChainRequest(DraftRequest):
-    """A Lyanna round's drafting (``LyannaDrafter.request``): its chain's depth, its context's
-    head cache, its token information and tree shape, and the last chain's rows still valid
-    (None: none)."""
-
-    drafter: "LyannaDrafter"
-    chain: int
-    pc: "DevicePairContext"
-    ti: "TokenInfo"
-    shape: tuple[int, int, int]  # top-k, width, max nodes
-    leftover: torch.Tensor | None
 
 
 class HeadRows:
@@ -83,7 +69,7 @@ class HeadRows:
         """Rows no context holds."""
         return len(self._free)
 
-    def holds(self, pc: "DevicePairContext", length: int, depth: int) -> bool:
+    def holds(self, pc: PairContext, length: int, depth: int) -> bool:
         """Whether a context on ``pc`` of ``length`` tokens drafts here: on a row, with room for
         its chain of ``depth`` rows (a context that outgrows its row drafts on its own)."""
         slab = pc.cache.slab

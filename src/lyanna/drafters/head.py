@@ -15,7 +15,7 @@ from ..engines.base import TargetEngine
 from ..engines.fused import FusedLayers
 from ..engines.kernels import linear, rms_norm, rope_qk
 from ..engines.quant import QuantMatrix, quantize_q8_0
-from ..engines.transformer import KVCache, LayerWeights, Weight, attention_bias, layer_forward, rotation
+from ..engines.transformer import KVCache, LayerWeights, Span, Weight, attention_bias, ragged_layer_forward, rotation
 from ..errors import LyannaError
 from .checkpoint import head_layer_count, layer_prefixes
 
@@ -65,13 +65,14 @@ class DraftHead:
         """A new generation's view of the committed context (``PairContext``)."""
         return PairContext(self, taps)
 
-    def _fuse(self, features: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    def fuse(self, features: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+        """The fusion FC over each pair's [feature ; token embedding]: the head layers' input rows."""
         return linear(np.concatenate([features, self.embed[tokens]], axis=-1), self.fc_w) + self.fc_b
 
     def step(self, features: np.ndarray, tokens: np.ndarray, positions: np.ndarray, cache: KVCache,
              bias: np.ndarray | None) -> np.ndarray:
         """Predict the next features for n (feature, token) pairs appended to ``cache``."""
-        out = self.layer_step(self._fuse(features, tokens), positions, cache, bias)
+        out = self.layer_step(self.fuse(features, tokens), positions, cache, bias)
         cache.length += len(tokens)
         return out
 
@@ -85,7 +86,7 @@ class DraftHead:
         c, n = self.config, len(tokens)
         if not n:
             return
-        x = self._fuse(features, tokens)
+        x = self.fuse(features, tokens)
         if len(self.layers) > 1:  # each pair sees those before it
             x = self.layer_step(x, positions, cache, attention_bias(cache.length, np.tril(np.ones((n, n), bool))),
                                 below=True)
@@ -106,12 +107,20 @@ class DraftHead:
                    bias: np.ndarray | None, below: bool = False) -> np.ndarray:
         """The head's decoder layers (``below``: all but the last) over rows ``x`` at
         ``positions``, written to the cache after its ``length`` rows (the caller advances ``length``)."""
+        return self.layers_over(x, positions, [(0, x.shape[0], cache, bias)], below)
+
+    def layers_over(self, x: np.ndarray, positions: np.ndarray | Sequence[int],
+                    spans: Sequence[tuple[int, int, KVCache, np.ndarray | None]], below: bool = False) -> np.ndarray:
+        """``layer_step`` for the rows of several sequences at once (``spans``: each one's rows
+        ``[lo, hi)`` of ``x``, its cache and its additive mask or None), the weights streamed
+        once for all of them; each row's numbers are those it gets alone."""
         rot = rotation(self.inv_freq, positions)
         layers, fused = (self.layers[:-1], self._fused_below) if below else (self.layers, self._fused)
         if fused is not None:
-            return fused(x, rot, [(0, x.shape[0], cache.k, cache.v, cache.length, bias)], [])[0]
+            return fused(x, rot, [(lo, hi, cache.k, cache.v, cache.length, bias) for lo, hi, cache, bias in spans], [])[0]
         for i, layer in enumerate(layers):
-            x = layer_forward(layer, self.config, x, rot, cache.k[i], cache.v[i], cache.length, bias)
+            x = ragged_layer_forward(layer, self.config, x, rot,
+                                     [Span(lo, hi, cache.k[i], cache.v[i], cache.length, bias) for lo, hi, cache, bias in spans])
         return x
 
     def log_probs(self, features: np.ndarray) -> np.ndarray:

@@ -31,9 +31,10 @@ from ..engines.base import PendingOutput, TargetEngine
 from ..engines.kernels import exp_nonpositive, linear, rms_norm
 from ..engines.loading import Target
 from ..errors import LyannaError
-from .base import DeviceDrafter, Drafter
+from .base import DeviceDrafter, Drafter, DraftsTogether
 from .checkpoint import decode_settings, head_taps, load_head
 from .head import DraftHead, PairContext
+from .lyanna_batch import ChainRequest, HostChains
 from .registry import register
 from .suffix import SuffixDrafter
 from .tree import DraftTree
@@ -43,7 +44,6 @@ if TYPE_CHECKING:
 
     from ..engines.device import DeviceTree
     from .device import DeviceChainHead
-    from .device_rows import ChainRequest
 
 ARCH = "lyanna"
 POLICIES = ("fuse", "reuse", "off")
@@ -97,6 +97,11 @@ class ChainHead(DraftHead):
         # The target's LM-head rows of the draft vocabulary, in the target's own weight format
         # (a quantized LM head stays quantized: a third of the bytes per draft step).
         self.draft_lm_head = target.lm_head.take(d2t, axis=0)
+        self.batch = HostChains(self)  # a batch's rounds drafted together
+
+    def drafts_together(self, pc: PairContext, length: int, depth: int) -> DraftsTogether | None:
+        """What drafts a batch's rounds in one pass of the head a step (every context, here)."""
+        return self.batch
 
     def chain(self, first: np.ndarray, root_position: int, depth: int, cache) -> np.ndarray:
         """``f_1..f_depth`` from ``f_1 = first``: ``f_k = layer(f_{k-1})`` (one row, no token
@@ -357,24 +362,23 @@ class LyannaDrafter(DeviceDrafter):
     def propose(self, context: Sequence[int], max_depth: int) -> DraftTree:
         return self._with_suffix(self._propose_chain(context, max_depth), context, max_depth)
 
-    def request(self, context: Sequence[int], max_depth: int) -> "ChainRequest | None":
-        """A device head whose caches are rows (``device_rows.HeadRows``) drafts a batch's rounds
-        in one call; its tree comes to the host, where the budget cuts it and suffix matches join
-        it (policy ``reuse`` chooses on the host first: it proposes on its own)."""
-        rows = getattr(self.head, "rows", None)
+    def request(self, context: Sequence[int], max_depth: int) -> ChainRequest | None:
+        """A batch's rounds draft together (``lyanna_batch``; on the device, on its row caches);
+        the tree comes to the host, where the budget cuts it and suffix matches join it (policy
+        ``reuse`` chooses on the host first: it proposes on its own)."""
         depth = min(self.depth, max_depth)
-        if (rows is None or self.policy == "reuse" or depth < 1 or self.topk < 1 or self.width < 1
-                or not rows.holds(self.context, len(context), depth)):
+        if self.policy == "reuse" or depth < 1 or self.topk < 1 or self.width < 1:
             return None
-        from .device_rows import ChainRequest
-
+        together = self.head.drafts_together(self.context, len(context), depth)
+        if together is None:
+            return None
         leftover = None
         if self.policy == "fuse" and self._leftover is not None and len(self._leftover):
             leftover = self._leftover[:depth]
-        return ChainRequest(rows, self, np.asarray(context, np.int64), max_depth, depth, self.context, self.ti,
+        return ChainRequest(together, self, np.asarray(context, np.int64), max_depth, depth, self.context, self.ti,
                             (self.topk, self.width, self.max_nodes), leftover)
 
-    def drafted(self, request: "ChainRequest", chain: "torch.Tensor", tree: DraftTree) -> DraftTree:
+    def drafted(self, request: ChainRequest, chain: "np.ndarray | torch.Tensor", tree: DraftTree) -> DraftTree:
         """A request's outcome (``HeadRows.draft``): its chain's raw-logit rows and its tree."""
         self._chain = chain
         return self._with_suffix(tree, request.context, request.depth)

@@ -739,6 +739,7 @@ def test_loadtest_is_bounded_and_loopback_only(server):
     assert engine["waiting_steps"] == 0  # 3 clients, a batch of 8: nobody waits for a place
     assert 0 < engine["busy_seconds"] <= report["wall_seconds"] + 0.01 and 0 < engine["busy_share"] <= 1.01
     assert 0 < engine["pass_seconds"] <= engine["busy_seconds"] and engine["ms_per_pass"] <= engine["ms_per_step"]
+    assert 0 <= engine["draft_seconds"] <= engine["busy_seconds"] - engine["pass_seconds"] + 1e-3
     with pytest.raises(LyannaError, match="loopback"):
         run_load("http://10.0.0.1:8000", ["x"], 1, 1, 1)
 

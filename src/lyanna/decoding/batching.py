@@ -4,9 +4,9 @@ Each generation is the decoder's generator of forward blocks (``Decoder.steps``:
 then one verification block per round of the one decode loop). A step gathers the pending block
 of every active generation, runs them as one ragged forward (the linear layers stream their
 weights once for all rows, which is what a CPU is short of) and sends each generation its own
-output. Generations whose rounds ask for their drafting (``DraftRequest``: a head whose caches
-are rows of one tensor) are drafted first, in one call per group. Generations join between steps and leave when they finish, so a new request waits for
-one step, not for the batch. The kernels compute a row the same way whatever shares its block,
+output. Rounds that ask for their drafting (``DraftRequest``: a ``lyanna`` head's) are drafted
+first, in one call per head. Generations join between steps and leave when they finish, so a new
+request waits for one step, not for the batch. The kernels compute a row the same way whatever shares its block,
 so a sequence's output inside a batch is token-identical to decoding it alone.
 """
 from __future__ import annotations
@@ -41,8 +41,10 @@ class BatchScheduler:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.engine, self.drafter_for, self.max_batch = engine, drafter_for, max_batch
         self.active: dict[Hashable, _Flight] = {}
-        # The last step's forward pass: its seconds (the rest of a step: its rounds' host work) and rows.
+        # The last step's forward pass: its seconds (the rest of a step: its rounds' host work) and rows;
+        # its drafting calls shared by several rounds (``DraftRequest``): their seconds and rounds.
         self.pass_seconds, self.pass_rows = 0.0, 0
+        self.draft_seconds, self.drafted = 0.0, 0
         # Requests queued for a place in the batch, as whoever feeds it counts them (an auto budget
         # drafts nothing while any wait: ``Budget.throughput_bound``).
         self.waiting = 0
@@ -78,12 +80,14 @@ class BatchScheduler:
             if isinstance(flight.block, DraftRequest):
                 groups.setdefault(id(flight.block.together), []).append(key)
         outcomes: dict[Hashable, ForwardOutput | DraftTree | Exception] = {}
+        began = time.perf_counter()
         for keys in groups.values():
             requests = [self.active[k].block for k in keys]
             try:
                 outcomes.update(zip(keys, draft_together(requests)))
             except Exception as e:  # the call's failure ends its generations; the batch goes on
                 outcomes.update((k, e) for k in keys)
+        self.draft_seconds, self.drafted = time.perf_counter() - began, len(outcomes)
         return self._send(outcomes)
 
     def _send(self, outcomes: dict[Hashable, ForwardOutput | DraftTree | Exception]) -> list[tuple[Hashable, Any]]:

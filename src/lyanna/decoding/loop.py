@@ -17,7 +17,7 @@ from typing import Any, Generator, TypeVar
 
 import numpy as np
 
-from ..drafters.base import DeviceDrafter, Drafter, DraftRequest, draft_together
+from ..drafters.base import BatchDrafter, DeviceDrafter, Drafter, DraftRequest, draft_together
 from ..drafters.tree import DraftTree
 from ..engines.base import Block, Cache, ForwardOutput, LeftTree, PendingOutput, TargetEngine, Verification, first_runs
 from .budget import Budget
@@ -215,7 +215,9 @@ class Rounds:
         ``first_runs`` when drafting began. Drafting asked of the driver (``DecodeState.
         together``) is yielded as a ``DraftRequest`` and sent back as the tree."""
         drafter = self.drafter
-        request = drafter.request(self.context, plan.depth) if plan.drafting and self.state.together else None
+        request = None
+        if plan.drafting and self.state.together and isinstance(drafter, BatchDrafter):
+            request = drafter.request(self.context, plan.depth)
         if request is not None:
             asked = time.perf_counter()
             tree = yield request
@@ -338,8 +340,8 @@ class Rounds:
             verdict = followed(tree, out.kept, out.bonus)
         return _Reading(tree, out, verdict, drafted, t_pass, measured)
 
-    def _round(self, plan: Plan, t0: float) -> Generator[Block | DraftRequest, ForwardOutput | PendingOutput | DraftTree,
-                                                          Round]:
+    def _round(self, plan: Plan,
+               t0: float) -> Generator[Block | DraftRequest, ForwardOutput | PendingOutput | DraftTree, Round]:
         """Draft and launch one round from the committed context."""
         met = first_runs(self.state.engine)
         tree, proposed = yield from self.draft(plan, t0, met)

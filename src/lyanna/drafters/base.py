@@ -111,11 +111,6 @@ class Drafter(ABC):
         """Told when a round goes by without a proposal (a loaded batch where the budget keeps
         nothing): state kept from the last proposal must not be reused as is."""
 
-    def request(self, context: Sequence[int], max_depth: int) -> DraftRequest | None:
-        """``propose`` as a ``DraftRequest``, to run in one call with the other generations' of a
-        batch, where the drafter can (None, the default: it proposes on its own)."""
-        return None
-
     def propose_free(self, context: Sequence[int], max_depth: int) -> DraftTree:
         """A tree that costs no draft-model pass (model-free matches, rows left over from the
         last chain), proposed instead of ``propose`` on rounds when drafting waits because it
@@ -123,6 +118,16 @@ class Drafter(ABC):
         default has none, and the round is a ``skip``."""
         self.skip()
         return DraftTree.empty()
+
+
+class BatchDrafter(Drafter):
+    """A drafter whose rounds in a batch can draft together (``lyanna``'s heads): one hook the
+    loop uses where a drafter has it."""
+
+    def request(self, context: Sequence[int], max_depth: int) -> DraftRequest | None:
+        """``propose`` as a ``DraftRequest``, to run in one call with the other generations' of a
+        batch (None: this round proposes on its own)."""
+        return None
 
 
 class DeviceDrafter(Drafter):

@@ -14,7 +14,7 @@ Rows that draft nothing this round are computed as padding and written only to s
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import Any, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -22,22 +22,31 @@ import torch
 from ..engines.device_batch import batch_layer, first_half
 from ..engines.device_passes import _fetch
 from ..engines.device_slabs import KEY_BUCKET_MIN, FixedShapeCall, Slab, StaticCache, pow2_at_least
-from ..engines.torch_layers import attention_bias, rms_norm
+from ..engines.torch_layers import PackedLayer, attention_bias, rms_norm
 from .base import DraftRequest
-from .device_calls import CATCH_UP_ROWS, _grow_layout, _tree_tail
+from .device_calls import CATCH_UP_ROWS, ChainCallHead, _grow_layout, _tree_tail
 from .head import PairContext
-from .lyanna_batch import ChainRequest
+from .lyanna_batch import ChainRequest, TokenTable, chain_requests
 from .tree import DraftTree
 
-if TYPE_CHECKING:
-    from .device import DeviceChainHead, DevicePairContext
+
+class RowsHead(ChainCallHead, Protocol):
+    """What ``HeadRows`` uses of its head (``device.DeviceChainHead``), which makes it: stated
+    here so that this module need not import the head's."""
+
+    layers: list[PackedLayer]
+    _graph_pool: Any
+
+    def _pending(self, pc: PairContext, ctx: np.ndarray, extra: int) -> np.ndarray: ...
+
+    def _token_info(self, ti: TokenTable, root: int) -> np.ndarray: ...
 
 
 class HeadRows:
     """``rows`` head caches of ``capacity`` positions as rows of one tensor, for ``head`` (a
     ``device.DeviceChainHead``), and the calls that draft on several rows at once."""
 
-    def __init__(self, head: "DeviceChainHead", rows: int, capacity: int):
+    def __init__(self, head: RowsHead, rows: int, capacity: int):
         c = head.config
         self.head, self.rows, self.capacity = head, rows, capacity
         slots = capacity + CATCH_UP_ROWS
@@ -78,13 +87,14 @@ class HeadRows:
     def draft(self, requests: Sequence[DraftRequest]) -> list[DraftTree]:
         """Each ``ChainRequest``'s tree, in order: one call per token-info table and tree shape
         among them (forks of one drafter share both)."""
+        reqs = chain_requests(requests)
         trees: dict[int, DraftTree] = {}
         groups: dict[tuple[int, tuple[int, int, int]], list[int]] = {}
-        for i, r in enumerate(requests):
+        for i, r in enumerate(reqs):
             groups.setdefault((id(r.ti), r.shape), []).append(i)
         for members in groups.values():
-            trees.update(zip(members, self._draft([requests[i] for i in members])))
-        return [trees[i] for i in range(len(requests))]
+            trees.update(zip(members, self._draft([reqs[i] for i in members])))
+        return [trees[i] for i in range(len(reqs))]
 
     @torch.inference_mode()
     def _draft(self, requests: Sequence[ChainRequest]) -> list[DraftTree]:
@@ -153,8 +163,8 @@ class _DraftRowsPass(FixedShapeCall):
         """Every row's inputs: the requests' rows as ``_CatchUpCall.load`` and ``DeviceChainHead.
         _drafted`` lay out one sequence's, the other rows as padding (scratch slots, slot 0 seen)."""
         cap, rows, keys, chain = self.owner.capacity, self.rows, self.keys, self.depth - 1
-        feats, tokens, positions, slots, mask, root = (self.host(n) for n in ("features", "tokens", "positions", "slots",
-                                                                             "mask", "root"))
+        names = ("features", "tokens", "positions", "slots", "mask", "root")
+        feats, tokens, positions, slots, mask, root = (self.host(name) for name in names)
         c_pos, c_slots, c_mask = (self.host(n) for n in ("chain_positions", "chain_slots", "chain_mask"))
         info, levels = self.host("root_info"), self.host("levels")
         feats[:], tokens[:], positions[:], slots[:], root[:] = cap, 0, 0, cap + np.arange(rows), 0
@@ -163,7 +173,8 @@ class _DraftRowsPass(FixedShapeCall):
         at = np.arange(keys)
         for r, pending in zip(requests, pendings):
             i, n, base = r.pc.cache.slab.row, len(pending), int(pending[-1])
-            feats[i, :n], tokens[i, :n], positions[i, :n], slots[i, :n] = pending - 1, r.context[pending], pending, pending - 1
+            feats[i, :n], tokens[i, :n] = pending - 1, r.context[pending]
+            positions[i, :n], slots[i, :n] = pending, pending - 1
             mask[i, :n] = at[None, :] <= (pending - 1)[:, None]
             root[i] = n - 1
             chain_slots = base + np.arange(chain)
@@ -177,7 +188,8 @@ class _DraftRowsPass(FixedShapeCall):
     def _forward(self) -> None:
         o, h, n = self.owner, self.head, self.rows
         seqs, d = o.rows, h.config.head_dim
-        cos, sin = (t.view(seqs, -1, d) for t in h.rotation(torch.cat([self.positions, self.chain_positions], 1).view(-1)))
+        every = torch.cat([self.positions, self.chain_positions], 1).view(-1)  # one RoPE for every row
+        cos, sin = (t.view(seqs, -1, d) for t in h.rotation(every))
         x = h.fc(torch.cat([o.features[o.every[:, None], self.features].to(h.dtype), h._embed[self.tokens]], dim=-1))
         x = self._layers(x, cos[:, :n], sin[:, :n], self.slots, self.mask)
         f = x[o.every, self.root][:, None]  # [seqs, 1, hidden]: each row's prediction after its root

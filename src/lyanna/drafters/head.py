@@ -117,10 +117,10 @@ class DraftHead:
         rot = rotation(self.inv_freq, positions)
         layers, fused = (self.layers[:-1], self._fused_below) if below else (self.layers, self._fused)
         if fused is not None:
-            return fused(x, rot, [(lo, hi, cache.k, cache.v, cache.length, bias) for lo, hi, cache, bias in spans], [])[0]
+            return fused(x, rot, [(lo, hi, kv.k, kv.v, kv.length, bias) for lo, hi, kv, bias in spans], [])[0]
         for i, layer in enumerate(layers):
             x = ragged_layer_forward(layer, self.config, x, rot,
-                                     [Span(lo, hi, cache.k[i], cache.v[i], cache.length, bias) for lo, hi, cache, bias in spans])
+                                     [Span(lo, hi, kv.k[i], kv.v[i], kv.length, bias) for lo, hi, kv, bias in spans])
         return x
 
     def log_probs(self, features: np.ndarray) -> np.ndarray:

@@ -31,7 +31,7 @@ from ..engines.base import PendingOutput, TargetEngine
 from ..engines.kernels import exp_nonpositive, linear, rms_norm
 from ..engines.loading import Target
 from ..errors import LyannaError
-from .base import DeviceDrafter, Drafter, DraftsTogether
+from .base import BatchDrafter, DeviceDrafter, Drafter, DraftsTogether
 from .checkpoint import decode_settings, head_taps, load_head
 from .head import DraftHead, PairContext
 from .lyanna_batch import ChainRequest, HostChains
@@ -246,7 +246,7 @@ def token_info_tree(raw: np.ndarray, root: int, ti: TokenInfo, d2t: np.ndarray, 
 
 
 @register
-class LyannaDrafter(DeviceDrafter):
+class LyannaDrafter(DeviceDrafter, BatchDrafter):
     ARCH = ARCH
     # The methods one checkpoint provides: Lyanna and its ablations (no re-sampling; re-sampling
     # without fusion, its tree verified alone whenever it has one).

@@ -13,17 +13,47 @@ drafts alone. The device head drafts a batch on its row caches (``device_rows.He
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 import numpy as np
 
-from ..engines.transformer import attention_bias
+from ..engines.transformer import KVCache, attention_bias
 from .base import DraftRequest
 from .head import STEP_CATCH_UP, PairContext
 from .tree import DraftTree
 
 if TYPE_CHECKING:
-    from .lyanna import ChainHead, LyannaDrafter, TokenInfo
+    import torch
+
+
+class TokenTable(Protocol):
+    """What the heads read of a request's token information (``lyanna.TokenInfo``): stated here
+    so that this module need not import ``lyanna``, which imports it."""
+
+    fallback: str
+    row_of: np.ndarray
+
+
+class ChainDrafting(Protocol):
+    """A request's drafter (``lyanna.LyannaDrafter``), told its outcome."""
+
+    def drafted(self, request: "ChainRequest", chain: "np.ndarray | torch.Tensor", tree: DraftTree) -> DraftTree: ...
+
+
+class HostChainHead(Protocol):
+    """What ``HostChains`` runs of its head (``lyanna.ChainHead``)."""
+
+    def fill(self, features: np.ndarray, tokens: np.ndarray, positions: np.ndarray, cache: KVCache) -> None: ...
+
+    def fuse(self, features: np.ndarray, tokens: np.ndarray) -> np.ndarray: ...
+
+    def layers_over(self, x: np.ndarray, positions: np.ndarray | Sequence[int],
+                    spans: Sequence[tuple[int, int, KVCache, np.ndarray | None]], below: bool = False) -> np.ndarray: ...
+
+    def raw_logits(self, features: np.ndarray) -> np.ndarray: ...
+
+    def tree(self, raw: np.ndarray, root: int, ti: Any, topk: int, width: int, max_nodes: int,
+             origin: int = 0) -> DraftTree: ...
 
 
 @dataclass
@@ -32,26 +62,32 @@ class ChainRequest(DraftRequest):
     token information and tree shape, and the last chain's rows still valid (None: none; host
     rows on the host head, device rows on the device head)."""
 
-    drafter: "LyannaDrafter"
+    drafter: ChainDrafting
     chain: int
     pc: PairContext
-    ti: "TokenInfo"
+    ti: TokenTable
     shape: tuple[int, int, int]  # top-k, width, max nodes
-    leftover: Any
+    leftover: "np.ndarray | torch.Tensor | None"
+
+
+def chain_requests(requests: Sequence[DraftRequest]) -> list[ChainRequest]:
+    """``requests`` as the ``ChainRequest``s a Lyanna head drafts (a clear error for others)."""
+    reqs = [r for r in requests if isinstance(r, ChainRequest)]
+    if len(reqs) != len(requests):
+        raise TypeError("a Lyanna head drafts ChainRequests only")
+    return reqs
 
 
 class HostChains:
     """Drafts a batch's ``ChainRequest``s on the host ``head`` together (see the module)."""
 
-    def __init__(self, head: "ChainHead"):
+    def __init__(self, head: HostChainHead):
         self.head = head
         self.calls, self.most = 0, 0  # calls run, and the most sequences one drafted for
 
     def draft(self, requests: Sequence[DraftRequest]) -> list[DraftTree]:
         """Each request's tree, in order."""
-        reqs: list[ChainRequest] = [r for r in requests if isinstance(r, ChainRequest)]
-        if len(reqs) != len(requests):
-            raise TypeError("HostChains drafts ChainRequests only")
+        reqs = chain_requests(requests)
         self.calls, self.most = self.calls + 1, max(self.most, len(reqs))
         chains = self._chains(reqs)
         sizes = [r.chain for r in reqs]

@@ -129,7 +129,8 @@ def _engine_during(before: dict[str, Any] | None, after: dict[str, Any] | None,
     """What the server's engine thread did during the load (``/health``'s ``engine`` counters,
     after less before; None for a server without them): its steps, their rows, the steps with
     requests waiting for a place in the batch (no drafting in them), its busy seconds (of which in
-    forward passes) and their share of the wall time. A share well below 1 with requests waiting
+    forward passes, and in drafting calls several rounds shared, with those rounds) and their
+    share of the wall time. A share well below 1 with requests waiting
     means the time went around the engine (HTTP, streaming, the host), not into passes and
     drafting; a step much longer than its pass, into the rounds' host work."""
     if not before or not after:
@@ -137,8 +138,10 @@ def _engine_during(before: dict[str, Any] | None, after: dict[str, Any] | None,
     steps, rows = after["steps"] - before["steps"], after["rows"] - before["rows"]
     waiting = after.get("waiting_steps", 0) - before.get("waiting_steps", 0)  # 0 from a server that does not count them
     busy, passes = (after[k] - before[k] for k in ("busy_seconds", "pass_seconds"))
+    drafting, drafted = (after.get(k, 0) - before.get(k, 0) for k in ("draft_seconds", "drafted_rounds"))
     return {"steps": int(steps), "rows": int(rows), "waiting_steps": int(waiting),
             "busy_seconds": round(busy, 3), "pass_seconds": round(passes, 3),
+            "draft_seconds": round(drafting, 3), "drafted_rounds": int(drafted),
             "busy_share": round(busy / wall, 3) if wall > 0 else None,
             "ms_per_step": round(1e3 * busy / steps, 2) if steps else None,
             "ms_per_pass": round(1e3 * passes / steps, 2) if steps else None}

@@ -35,8 +35,12 @@ class Metrics:
         self.pass_time = Counter("lyanna_engine_pass_seconds", "Of that, time in the forward passes", registry=r)
         self.waiting_steps = Counter("lyanna_engine_waiting_steps",
                                      "Steps with requests waiting for a place in the batch (no drafting in them)", registry=r)
+        self.draft_time = Counter("lyanna_engine_draft_seconds",
+                                  "Of the steps' time, in drafting calls several rounds shared", registry=r)
+        self.drafted_rounds = Counter("lyanna_engine_drafted_rounds", "Rounds drafted in those calls", registry=r)
         self._totals = {"tokens": 0, "passes": 0, "drafted": 0, "accepted": 0}
-        self._engine = {"steps": 0, "rows": 0, "waiting_steps": 0, "busy_seconds": 0.0, "pass_seconds": 0.0}
+        self._engine = {"steps": 0, "rows": 0, "waiting_steps": 0, "busy_seconds": 0.0, "pass_seconds": 0.0,
+                        "draft_seconds": 0.0, "drafted_rounds": 0}
 
     def record(self, result: GenerationResult) -> None:
         """Count one generation's work (called on the engine thread only)."""
@@ -57,29 +61,35 @@ class Metrics:
         if t["drafted"]:
             self.acceptance.set(t["accepted"] / t["drafted"])
 
-    def record_step(self, seconds: float, pass_seconds: float, rows: int, waiting: int) -> None:
+    def record_step(self, seconds: float, pass_seconds: float, rows: int, waiting: int, draft_seconds: float = 0.0,
+                    drafted: int = 0) -> None:
         """Count one step of the engine thread (called on that thread only): comparing its busy
         time with a load's wall time tells whether the engine or something around it (HTTP,
         the host) set the pace, and its pass time whether the passes or the rounds' host work
         (drafting, verification) fill the step; ``waiting``: requests that waited for a place in
-        the batch meanwhile (then the auto budget drafts nothing)."""
+        the batch meanwhile (then the auto budget drafts nothing); ``draft_seconds``: its drafting
+        calls shared by ``drafted`` rounds (a batch's ``lyanna`` rounds draft together)."""
         self.steps.inc()
         self.step_rows.inc(rows)
         held_back = int(waiting > 0)
         self.waiting_steps.inc(held_back)
         self.busy.inc(seconds)
         self.pass_time.inc(pass_seconds)
+        self.draft_time.inc(draft_seconds)
+        self.drafted_rounds.inc(drafted)
         e = self._engine
         e["steps"] += 1
         e["rows"] += rows
         e["waiting_steps"] += held_back
         e["busy_seconds"] += seconds
         e["pass_seconds"] += pass_seconds
+        e["draft_seconds"] += draft_seconds
+        e["drafted_rounds"] += drafted
 
     def engine(self) -> dict[str, int | float]:
         """The engine thread's totals so far (``/health``)."""
         e = self._engine
-        return {**e, "busy_seconds": round(e["busy_seconds"], 3), "pass_seconds": round(e["pass_seconds"], 3)}
+        return {**e, **{k: round(e[k], 3) for k in ("busy_seconds", "pass_seconds", "draft_seconds")}}
 
     def render(self) -> str:
         from prometheus_client import generate_latest

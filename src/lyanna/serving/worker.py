@@ -62,10 +62,11 @@ class EngineWorker:
     ``max_pending`` queued or running."""
 
     def __init__(self, decoder: Decoder, max_pending: int, on_result: Callable[[GenerationResult], None],
-                 max_batch: int, on_step: Callable[[float, float, int, int], None] | None = None):
-        """``on_step(seconds, pass_seconds, rows, waiting)``: told after each batched step (of which
-        its forward pass took ``pass_seconds``, while ``waiting`` requests waited for a place),
-        on the engine thread."""
+                 max_batch: int, on_step: Callable[[float, float, int, int, float, int], None] | None = None):
+        """``on_step(seconds, pass_seconds, rows, waiting, draft_seconds, drafted)``: told after
+        each batched step (of which its forward pass took ``pass_seconds`` and the drafting calls
+        its rounds shared ``draft_seconds`` for ``drafted`` rounds, while ``waiting`` requests
+        waited for a place), on the engine thread."""
         self.decoder, self.max_pending, self.on_result, self.on_step = decoder, max_pending, on_result, on_step
         self.max_batch = max_batch
         self.closing = False
@@ -128,7 +129,8 @@ class EngineWorker:
             began = time.perf_counter()
             finished = batch.step()
             if self.on_step is not None and batch.pass_rows:
-                self.on_step(time.perf_counter() - began, batch.pass_seconds, batch.pass_rows, batch.waiting)
+                self.on_step(time.perf_counter() - began, batch.pass_seconds, batch.pass_rows, batch.waiting,
+                             batch.draft_seconds, batch.drafted)
             for job, outcome in finished:
                 self._finish(job, outcome)
         for job in waiting:

@@ -47,7 +47,7 @@ class DecodeState:
     # read (``Block.ahead``): the engine keeps one (``engines.device.DeviceEngine.pipelines``).
     ahead: bool = False
     # Whether rounds ask their drafting of whoever drives the loop (``DraftRequest``), so that a
-    # batch's drafters run in one call where they can (a batch on row caches).
+    # batch's drafters run in one call where they can (in a batch).
     together: bool = False
 
 

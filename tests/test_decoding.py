@@ -60,11 +60,12 @@ def test_tiny_greedy_equals_hf_generate(tiny_decoder):
 
 @pytest.mark.slow
 def test_default_greedy_equals_hf_generate(default_decoder, hf_default):
-    """Each output equals Hugging Face's, or parts from it only at a measured tie."""
+    """Each output equals Hugging Face's, or parts from it only at a measured tie: one question of
+    each of the 13 categories (the suite's slowest test at 20 questions)."""
     hf = HFGenerate(default_decoder.target.path, default_decoder.tokenizer, default_decoder.eos_token_ids)
     hf.model = hf_default
-    questions = load_questions(limit=20)
-    assert len(questions) == 20
+    questions = load_questions(limit=13)
+    assert len({q.category for q in questions}) == 13
     for q in questions:
         ids = default_decoder.encode(q.prompt)
         ours = default_decoder.generate(ids, GenerationRequest(max_new_tokens=64)).tokens

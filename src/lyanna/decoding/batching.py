@@ -6,8 +6,8 @@ of every active generation, runs them as one ragged forward (the linear layers s
 weights once for all rows, which is what a CPU is short of) and sends each generation its own
 output. Rounds that ask for their drafting (``DraftRequest``: a ``lyanna`` head's) are drafted
 first, in one call per head. Generations join between steps and leave when they finish, so a new
-request waits for one step, not for the batch. The kernels compute a row the same way whatever shares its block,
-so a sequence's output inside a batch is token-identical to decoding it alone.
+request waits for one step, not for the batch. The kernels compute a row the same way whatever
+shares its block, so a sequence's output inside a batch is token-identical to decoding it alone.
 """
 from __future__ import annotations
 
@@ -74,7 +74,7 @@ class BatchScheduler:
 
     def _draft(self) -> list[tuple[Hashable, Any]]:
         """The drafting the generations in flight ask for, one call per group; returns those that
-        failed, with the exception that ended them."""
+        finished meanwhile (a failed call's, with the exception that ended them)."""
         groups: dict[int, list[Hashable]] = {}
         for key, flight in self.active.items():
             if isinstance(flight.block, DraftRequest):

@@ -27,7 +27,13 @@ MANY_TILES, MANY_TILES_GROUP = 4, 4
 MAX_TILE = 512  # output rows per parallel task (see ``quant.MAX_TILE``)
 NIBBLE_BYTES = OUT * QK // 2  # bytes of one output vector's block, packed: 4 vectors of 32
 BYTE_BYTES = OUT * QK  # the same, one byte per weight: 8 vectors of 32
-PREFETCH_BYTES = 4096  # see quant.PREFETCH_BYTES
+# Bytes ahead of the weights being multiplied that the kernel asks the CPU to fetch, into its L2
+# (``prefetcht1``), not L1: a core holds few L1 misses in flight, too few to keep memory streaming
+# while it computes, so with L1 prefetches a pass took about the time of its stream plus its sums.
+# Measured on the 2-core Zen 4 (the layers' 120 products as in a pass, and whole passes after 256
+# cached tokens, each against the L1 prefetch 4 KB ahead in alternating processes): docs/engine.md.
+PREFETCH_BYTES = 8192
+PREFETCH_LOCALITY = 2  # llvm.prefetch's locality: 2 is prefetcht1 (L2 and beyond) on x86
 HAS_AVX2 = "+avx2" in _FEATURES
 HAS_F16C = "+f16c" in _FEATURES  # fp16 -> fp32 in one instruction (``pack`` keeps fp16 scales only then)
 HAS_512 = HAS_AVX2 and "+avx512vl" in _FEATURES  # 32 vector registers, EVEX-encoded 256-bit ops
@@ -153,7 +159,7 @@ class _Emitter:
             for c in range(cols):
                 for line in range(0, size, 64):  # 64-byte cache lines; a prefetch never faults
                     ptr = b.gep(self.q, [b.add(qbase[c], intp(PREFETCH_BYTES + line))])
-                    b.call(self.prefetch_fn, [ptr, self.i32(0), self.i32(3), self.i32(1)])
+                    b.call(self.prefetch_fn, [ptr, self.i32(0), self.i32(PREFETCH_LOCALITY), self.i32(1)])
         xrow = [b.add(self.xoff, b.mul(intp(r), self.k)) for r in range(rows)]
         sums = self._packed_sums(qbase, xrow) if nibbles else self._byte_sums(qbase, xrow)
         with b.if_else(b.icmp_signed("!=", self.offsets, intp(0))) as (with_offsets, without):

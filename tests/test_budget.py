@@ -325,6 +325,40 @@ def test_the_cost_model_follows_a_slower_host():
     assert len(budget.choose(binary_tree(6, 0.6), 0.005)) >= len(fast.choose(binary_tree(6, 0.6), 0.005))
 
 
+def test_a_rounds_host_work_is_priced_once_plain_and_drafting_rounds_measured_it():
+    """A round pays its host work (reading the verdict, committing, the loop) whatever it
+    verifies, so a tree that saves rounds saves it too: 1.33 expected tokens for 1 ms of drafting
+    and a 3-token pass of 11.5-13 ms lose to a 10 ms one-token pass alone (0.095 against 0.1 a ms),
+    and win with 5 ms of host work in every round (0.070 against 0.067). Priced only when both
+    kinds of round were measured: a drafting round's work against nothing for plain rounds would
+    overprice drafting."""
+    tree = DraftTree(np.array([NODE0, NODE0 + 1]), np.array([-1, 0]), np.array([0.2, 0.13]))
+
+    def after(plain: bool, drafting: bool) -> Budget:
+        budget = Budget("auto", curve([1, 3, 64], [0.010, 0.013, 0.2]))
+        budget.choose(binary_tree(4, 0.99), 0.001)  # a tree that pays: no wait starts
+        budget.observe(DraftTree.empty(), 0, None, 0.005 if drafting else None)  # its round, nothing accepted
+        if plain:
+            budget.observe(DraftTree.empty(), 0, None, 0.005)  # a round that drafted nothing
+        assert budget.correction == 1.0 and budget.wants_drafts()
+        assert len(budget.choose(tree, 0.001)) > 0
+        return budget
+
+    assert after(plain=True, drafting=True).wants_drafts()  # paid: drafting goes on
+    assert not after(plain=False, drafting=True).wants_drafts()  # weighed without host work: a wait
+    assert not after(plain=False, drafting=False).wants_drafts()
+    priced = after(plain=True, drafting=True)
+    assert priced.plain_seconds() == pytest.approx(0.010 + 0.005)
+    assert after(plain=False, drafting=True).plain_seconds() == pytest.approx(0.010)
+
+
+def test_the_fallback_weighs_rounds_against_a_plain_round_as_it_costs_now():
+    """Given what a plain round costs now (``Budget.plain_seconds``: this host's speed and a
+    round's host work), the fallback judges drafting rounds against that, not the calibrated pass."""
+    assert not Fallback(lambda: 1.0, warmup_rounds=1).keep_drafting(2.0, 1)  # 1 token in 2 s: slower than 1 s
+    assert Fallback(lambda: 1.0, warmup_rounds=1).keep_drafting(2.0, 1, plain=lambda: 2.5)
+
+
 def test_correction_learns_from_rejections_and_forgets_them():
     budget = Budget("auto", MODERATE)
     tree = binary_tree(20, 0.9)
@@ -573,9 +607,9 @@ def test_the_loop_does_not_measure_rounds_that_ran_a_shape_first(decoder, ar_out
 
     observe = Policy.observe
 
-    def recorded(self, *args, measured=True):
+    def recorded(self, *args, measured=True, drafted=None):
         flags.append(measured)
-        return observe(self, *args, measured=measured)
+        return observe(self, *args, measured=measured, drafted=drafted)
 
     monkeypatch.setattr(engine, "forward_batch", counting)
     monkeypatch.setattr(engine, "first_runs", 0, raising=False)

@@ -281,6 +281,11 @@ class Budget:
         # Measured pass seconds over the curve's prediction, decayed: a shared host that has slowed
         # down since calibration (or sped up) scales every verification cost, not the drafting time.
         self.slowdown = 1.0
+        # Host seconds a round spends outside its pass and its drafting (reading the verdict,
+        # committing, the loop's own work), decayed, for rounds that drafted and rounds that did
+        # not: a round costs them whatever it verifies, so fewer rounds for the same tokens save
+        # them. Priced only once both are measured (see ``_overheads``).
+        self.overhead = {True: None, False: None}
         self._kept_depths: deque[int] = deque(maxlen=DEPTH_WINDOW)  # depth of each recent auto-sized tree
         self._judged = False  # whether ``choose`` saw a tree since the last ``observe``
         self._ahead: int | None = None  # under ``auto``, the size of a tree fixed before drafting (None: not yet)
@@ -341,8 +346,10 @@ class Budget:
         others, other_rows, _ = self.load()
         closed = tree.closed_scores()
         passes = self.curve.span(other_rows + 1, len(tree) + 1)  # the pass with 0, 1, ... nodes
+        drafting_round, plain_round = self._overheads()
+        seconds += drafting_round
         keep, rate = _best_size(closed, self.correction, others + 1.0, seconds, self.slowdown, passes)
-        plain_pass = self.slowdown * passes[0]
+        plain_pass = self.slowdown * passes[0] + plain_round
         if others and rate < (1.0 + SHARED_MARGIN) * (others + 1.0) / (seconds + plain_pass):
             keep = 0
         # Drafting pays only if the best tree beats plain decoding's rate with its drafting time
@@ -362,6 +369,19 @@ class Budget:
         if keep and not free:
             self._ahead = _bucket(keep)
         return chosen
+
+    def _overheads(self) -> tuple[float, float]:
+        """The host seconds outside pass and drafting of a drafting round and of a plain one. Both
+        0 until both were measured: ``choose`` then weighs pass and drafting alone, as it did
+        before it knew them (a drafting round's alone against nothing for plain rounds would
+        price drafting above its cost; the plain rounds of a pause or a wait measure theirs)."""
+        drafting, plain = self.overhead[True], self.overhead[False]
+        return (0.0, 0.0) if drafting is None or plain is None else (drafting, plain)
+
+    def plain_seconds(self) -> float:
+        """What a plain round (one token) costs now: the one-token pass of the curve, scaled by
+        this host's measured ``slowdown``, plus a plain round's host work once measured."""
+        return self.slowdown * float(self.curve(1)) + self._overheads()[1]
 
     def nodes_ahead(self) -> int | None:
         """The size of a tree fixed before drafting (``Drafter.propose_sized``: a drafter on the
@@ -400,16 +420,23 @@ class Budget:
             return False
         return True
 
-    def observe(self, tree: DraftTree, accepted: int, seconds: float | None = None) -> None:
+    def observe(self, tree: DraftTree, accepted: int, seconds: float | None = None,
+                overhead: float | None = None) -> None:
         """Learn how the drafter's estimates compare with what verification accepted, and, given
         the pass's measured ``seconds`` alone, how this host's speed compares with the latency
-        curve's. Evidence decays with every drafted round, those whose trees were cut to nothing
-        included (so drafting is tried again after a while), but not over rounds that drafted
-        nothing: a pause in drafting must not make its probe trust estimates that did not pay."""
-        if seconds is not None and self._curve_used and not self.load().others:
+        curve's, and, given the round's ``overhead`` (host seconds outside pass and drafting),
+        what a drafting or a plain round adds to them. Evidence decays with every drafted round,
+        those whose trees were cut to nothing included (so drafting is tried again after a
+        while), but not over rounds that drafted nothing: a pause in drafting must not make its
+        probe trust estimates that did not pay."""
+        alone = not self.load().others
+        if seconds is not None and self._curve_used and alone:
             ratio = seconds / self.curve(len(tree) + 1)
             self.slowdown = self.decay * self.slowdown + (1 - self.decay) * ratio
         judged, self._judged = self._judged, False
+        if overhead is not None and alone:
+            kept = self.overhead[judged]
+            self.overhead[judged] = overhead if kept is None else self.decay * kept + (1 - self.decay) * overhead
         if not (len(tree) or judged):
             return
         predicted = float(np.minimum(tree.closed_scores(), 1.0).sum()) if len(tree) else 0.0

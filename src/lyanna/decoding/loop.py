@@ -306,7 +306,7 @@ class Rounds:
         seconds = now - r.t0 if isinstance(r.out, ForwardOutput) else now - self.read_at
         proposed = r.drafting and len(tree) > 0 if r.proposed is None else r.proposed
         if self.policy.observe(tree, len(verdict.path), got.t_pass, proposed, seconds, taken,
-                              measured=got.measured):
+                              measured=got.measured, drafted=got.drafted if isinstance(r.out, ForwardOutput) else None):
             if self.stats.fell_back_after_tokens is None:
                 self.stats.fell_back_after_tokens = len(tracker.tokens)
             self.stats.fallback_pauses += 1

@@ -67,15 +67,18 @@ class Fallback:
             return False
         return True
 
-    def keep_drafting(self, seconds: float, tokens: int) -> bool:
+    def keep_drafting(self, seconds: float, tokens: int, plain: Callable[[], float] | None = None) -> bool:
         """Account one drafting round (its seconds, the tokens it committed); False when it ends a
-        stretch that did not pay, which starts a pause."""
+        stretch that did not pay, which starts a pause. ``plain``: what a plain round costs now
+        (``Budget.plain_seconds``: the one-token pass as this host runs it now, with a round's host
+        work), else the calibrated one-token pass: a drafting round's seconds hold its host work
+        and this host's current speed, so the plain round it is weighed against must too."""
         self._rounds += 1
         self._seconds += seconds
         self._tokens += tokens
         if self._rounds < self._stretch:
             return True
-        paid = self._tokens * self._step_seconds() >= self._seconds
+        paid = self._tokens * (self._step_seconds() if plain is None else plain()) >= self._seconds
         self._rounds, self._seconds, self._tokens = 0, 0.0, 0
         if paid:
             self._stretch, self._next_pause = self.warmup_rounds, self.first_pause
@@ -122,13 +125,18 @@ class Policy:
             self.budget.choose_after(tree, seconds, measured)
 
     def observe(self, tree: DraftTree, accepted: int, pass_seconds: float, judged: bool, seconds: float,
-                committed: int, measured: bool = True) -> bool:
-        """A round's outcome: the budget learns how many of ``tree``'s nodes were accepted and
-        what the pass cost; a ``judged`` round (a drafted tree) is the fallback's to weigh, its
-        ``seconds`` against the ``committed`` tokens. True when that starts a pause. A round not
-        ``measured`` (it ran a shape for the first time: ``engines.base.first_runs``) teaches
-        acceptance only: its times are a compile's."""
-        if self.budget is not None:
-            self.budget.observe(tree, accepted, pass_seconds if measured else None)
+                committed: int, measured: bool = True, drafted: float | None = None) -> bool:
+        """A round's outcome: the budget learns how many of ``tree``'s nodes were accepted, what
+        the pass cost and, given the round's ``drafted`` seconds, the host work around them (the
+        round's ``seconds`` less pass and drafting); a ``judged`` round (a drafted tree) is the
+        fallback's to weigh, its ``seconds`` against the ``committed`` tokens at a plain round's
+        cost. True when that starts a pause. A round not ``measured`` (it ran a shape for the
+        first time: ``engines.base.first_runs``) teaches acceptance only: its times are a compile's."""
+        budget = self.budget
+        if budget is not None:
+            overhead = None if drafted is None or not measured else max(0.0, seconds - pass_seconds - drafted)
+            budget.observe(tree, accepted, pass_seconds if measured else None, overhead)
         judged = judged and measured
-        return judged and self.fallback is not None and not self.fallback.keep_drafting(seconds, committed)
+        if not judged or self.fallback is None:
+            return False
+        return not self.fallback.keep_drafting(seconds, committed, None if budget is None else budget.plain_seconds)

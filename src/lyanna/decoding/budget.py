@@ -6,12 +6,13 @@ the block size once per model and machine (cached as JSON); ``Budget("auto")`` t
 round, the ``n`` best nodes of the drafter's candidate tree that maximize expected committed
 tokens per second::
 
-    (1 + c * sum of the n best acceptance probabilities) / (draft seconds + latency(n + 1))
+    (1 + c * sum of the n best acceptance probabilities) / (draft seconds + host work + latency(n + 1))
 
 where the probabilities are the drafter's ``DraftTree.scores`` (each node's estimated probability
 of being accepted, in [0, 1], so their sum is the expected number of accepted draft tokens) and
 ``c`` an online correction (accepted over predicted, recent drafted rounds weighted most; each term
-``c * p`` is capped at 1), so a miscalibrated draft still gets a sensible size. ``Budget(n)`` is
+``c * p`` is capped at 1), so a miscalibrated draft still gets a sensible size; ``host work`` is
+what a round spends outside pass and drafting (``Budget.overhead``). ``Budget(n)`` is
 the fixed alternative.
 
 Under ``auto`` the budget also bounds how deep the next tree is drafted (``limit_depth``): one

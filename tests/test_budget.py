@@ -550,11 +550,14 @@ def test_a_useless_drafter_falls_back_to_plain_decoding(decoder, ar_outputs, mon
         r = decoder.generate(ids, req, method="wrong", budget=None, fallback=True)
         assert r.tokens == ar.tokens
         assert r.accepted_draft_tokens == 0
-        # every round commits one token: the prefill's, then one per warm-up round
-        assert r.extra["fell_back_after_tokens"] == FALLBACK_WARMUP_ROUNDS + 1
-        # then a pause of plain rounds, one probe that does not pay either, and a longer pause
-        probed = min(PROBE_ROUNDS, N_NEW - (FALLBACK_WARMUP_ROUNDS + 1 + FIRST_PAUSE_ROUNDS))
-        assert r.draft_tokens == 3 * (FALLBACK_WARMUP_ROUNDS + probed) and r.extra["fallback_pauses"] == 2
+        # every round commits one token: the prefill's, the first drafted round's (it catches the
+        # drafter up on the prompt: not judged), then one per warm-up round
+        assert r.extra["fell_back_after_tokens"] == FALLBACK_WARMUP_ROUNDS + 2
+        # then a pause of plain rounds, one probe that does not pay either (after its own
+        # catch-up round), and a longer pause; a round drafts 3 tokens, or what room is left
+        start = FALLBACK_WARMUP_ROUNDS + 2 + FIRST_PAUSE_ROUNDS + 1  # tokens before the probe's judged rounds
+        probe = [min(3, N_NEW - t - 1) for t in range(start, min(start + PROBE_ROUNDS, N_NEW))]
+        assert r.draft_tokens == 3 * (FALLBACK_WARMUP_ROUNDS + 2) + sum(probe) and r.extra["fallback_pauses"] == 2
         # The next generation starts where this one left off: in its pause, so it opens with plain rounds.
         again = decoder.generate(ids, req, method="wrong", budget=None, fallback=True)
         assert again.tokens == ar.tokens and again.draft_tokens < r.draft_tokens
@@ -589,6 +592,30 @@ def test_a_round_that_ran_a_shape_first_teaches_acceptance_not_costs():
     assert compiled.slowdown == 1.0 and fallback.pauses == 0 and compiled.evidence.accepted == 2
     assert policy.observe(tree, 0, 10.0, True, 10.0, 1)  # measured: that slow round pauses drafting
     assert compiled.slowdown > 1.0 and fallback.pauses == 1
+
+
+def test_a_round_that_catches_its_drafter_up_teaches_acceptance_not_costs():
+    """A generation's first drafted round catches the head up on the whole prompt, and the first
+    after plain rounds on every token since: tens of ms once, not a round's drafting cost. Such a
+    round neither sets the drafting time nor is judged by the fallback; the rounds after it are."""
+    from lyanna.decoding.policy import Policy
+
+    budget = Budget("auto", curve([1, 2, 64], [0.01, 0.0101, 0.02]))
+    fallback = Fallback(lambda: 0.01, warmup_rounds=1)
+    policy = Policy(budget, fallback)
+    tree = binary_tree(4, 0.9)
+    assert len(policy.cut(tree, 5.0, free=False)) > 0  # the prompt's catch-up: 5 s
+    assert budget.evidence.draft_seconds is None and budget.wants_drafts()
+    assert not policy.observe(tree, 2, 0.01, True, 5.0, 1) and fallback.pauses == 0
+    policy.cut(tree, 0.001, free=False)  # a steady round: timed
+    assert budget.evidence.draft_seconds == 0.001
+    assert not policy.observe(tree, 2, 0.01, True, 0.012, 3)
+    assert not policy.observe(DraftTree.empty(), 0, 0.01, False, 0.011, 1)  # a plain round: the head falls behind
+    policy.cut(tree, 7.0, free=False)  # the catch-up after it
+    assert budget.evidence.draft_seconds == 0.001
+    assert not policy.observe(tree, 0, 0.01, True, 7.0, 1) and fallback.pauses == 0
+    policy.cut(tree, 7.0, free=False)  # a steady round as slow: judged, and it pauses drafting
+    assert policy.observe(tree, 0, 0.01, True, 7.0, 1) and fallback.pauses == 1
 
 
 def test_the_loop_does_not_measure_rounds_that_ran_a_shape_first(decoder, ar_outputs, monkeypatch):

@@ -96,6 +96,13 @@ class Policy:
 
     def __init__(self, budget: Budget | None, fallback: Fallback | None):
         self.budget, self.fallback = budget, fallback
+        # Whether the next drafted round catches its drafter up on many tokens: the generation's
+        # first (its whole prompt) and the first after rounds that drafted nothing. Its drafting
+        # time is that catch-up's, paid once (tens of ms for a head's prompt), not what a round's
+        # drafting costs: such a round is timed as one that ran a shape first (``measured``
+        # False), so it neither sets the drafting time, nor starts a wait, nor is judged by the
+        # fallback.
+        self._stale, self._catching_up = True, False
 
     def gate(self) -> bool:
         """Whether this round may draft: the fallback's pauses and the budget's waits, asked
@@ -115,14 +122,20 @@ class Policy:
     def cut(self, tree: DraftTree, seconds: float, free: bool, measured: bool = True) -> DraftTree:
         """The nodes of a tree seen on the host to verify (``seconds``: its drafting time; not
         ``measured``: a time that includes a compile, see ``Budget.choose``)."""
-        if not len(tree) or self.budget is None:
+        if not len(tree):
             return tree
-        return self.budget.choose(tree, seconds, free=free, measured=measured)
+        measured = self._timed(measured, free)
+        return tree if self.budget is None else self.budget.choose(tree, seconds, free=free, measured=measured)
+
+    def _timed(self, measured: bool, free: bool) -> bool:
+        """Whether this round's times say what a round costs (not a compile's, not a catch-up's)."""
+        self._catching_up = self._stale and not free
+        return measured and not self._catching_up
 
     def sized(self, tree: DraftTree, seconds: float, measured: bool = True) -> None:
         """Told a tree cut to a size fixed before drafting, once it is seen (after its pass)."""
         if len(tree) and self.budget is not None:
-            self.budget.choose_after(tree, seconds, measured)
+            self.budget.choose_after(tree, seconds, self._timed(measured, False))
 
     def observe(self, tree: DraftTree, accepted: int, pass_seconds: float, judged: bool, seconds: float,
                 committed: int, measured: bool = True, drafted: float | None = None) -> bool:
@@ -133,6 +146,8 @@ class Policy:
         cost. True when that starts a pause. A round not ``measured`` (it ran a shape for the
         first time: ``engines.base.first_runs``) teaches acceptance only: its times are a compile's."""
         budget = self.budget
+        measured, self._catching_up = measured and not self._catching_up, False
+        self._stale = not judged  # a drafted round caught its drafter up; a plain one leaves it behind
         if budget is not None:
             overhead = None if drafted is None or not measured else max(0.0, seconds - pass_seconds - drafted)
             budget.observe(tree, accepted, pass_seconds if measured else None, overhead)

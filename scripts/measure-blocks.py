@@ -14,7 +14,9 @@ interleaved measurements, size by size.
 it changed, on the same host at the same time (rows ``ours-gguf@<commit>``; a child holds one
 engine, where this process holds four).
 Writes docs/bench/blocks.json (``--out`` elsewhere).
-Usage: .venv/bin/python scripts/measure-blocks.py [--against DIR] [--out PATH]
+``--rounds N``: passes over every engine (default 3); on a host whose speed moves a lot between
+runs, more rounds let each engine meet its fast moments.
+Usage: .venv/bin/python scripts/measure-blocks.py [--against DIR] [--rounds N] [--out PATH]
 """
 from __future__ import annotations
 
@@ -107,6 +109,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--against", type=Path, help="another checkout of this repository to measure beside ours")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="where the JSON goes (default: docs/bench/blocks.json)")
+    parser.add_argument("--rounds", type=int, default=ROUNDS, help=f"passes over every engine (default {ROUNDS})")
     args = parser.parse_args()
     kernels = {}
     default_path = intdot.PATH
@@ -126,7 +129,9 @@ def main() -> None:
     ms: dict[str, list[float]] = {}
     gguf = source_gguf(DEFAULT_MODEL)
     llamacpp_failed = None if importlib.util.find_spec("llama_cpp") else "llama-cpp-python is not installed"
-    for i in range(ROUNDS):
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    for i in range(args.rounds):
         for name, (path, engine) in engines.items():
             intdot.PATH = path
             curve = calibrate(engine, DEFAULT_MODEL, sizes=SIZES, context=CONTEXT, repeats=REPEATS)
@@ -140,11 +145,13 @@ def main() -> None:
                 row = call_in_child(llamacpp_ms, gguf, vocab, kind="llamacpp", hint=LLAMACPP_HINT)
                 ms["llamacpp"] = fastest(ms.get("llamacpp"), row)
             except PeerFailed as e:
-                llamacpp_failed = f"round {i + 1} of {ROUNDS}: {e}"  # rounds before it stay in ms
+                llamacpp_failed = f"round {i + 1} of {args.rounds}: {e}"  # rounds before it stay in ms
     intdot.PATH = default_path
     report = {
         "command": "python scripts/measure-blocks.py" + (" --against CHECKOUT" if args.against else "")
+                   + (f" --rounds {args.rounds}" if args.rounds != ROUNDS else "")
                    + (f" --out {_shown(args.out)}" if args.out != DEFAULT_OUT else ""),
+        "rounds": args.rounds,
         "commit": commit_of(REPO),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": machine_info(),

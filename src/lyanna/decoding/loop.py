@@ -303,10 +303,11 @@ class Rounds:
             self.root = verdict.tokens[-1]
         # A round launched ahead took, as far as the host can tell, the time since the last read.
         now = time.perf_counter()
-        seconds = now - r.t0 if isinstance(r.out, ForwardOutput) else now - self.read_at
+        timed = isinstance(r.out, ForwardOutput)  # this round's own times (not one launched ahead)
+        seconds = now - r.t0 if timed else now - self.read_at
         proposed = r.drafting and len(tree) > 0 if r.proposed is None else r.proposed
         if self.policy.observe(tree, len(verdict.path), got.t_pass, proposed, seconds, taken,
-                              measured=got.measured, drafted=got.drafted if isinstance(r.out, ForwardOutput) else None):
+                              measured=got.measured, drafted=got.drafted if timed else None):
             if self.stats.fell_back_after_tokens is None:
                 self.stats.fell_back_after_tokens = len(tracker.tokens)
             self.stats.fallback_pauses += 1

@@ -102,7 +102,7 @@ class Policy:
         # drafting costs: such a round is timed as one that ran a shape first (``measured``
         # False), so it neither sets the drafting time, nor starts a wait, nor is judged by the
         # fallback.
-        self._stale, self._catching_up = True, False
+        self._stale = True
 
     def gate(self) -> bool:
         """Whether this round may draft: the fallback's pauses and the budget's waits, asked
@@ -124,18 +124,18 @@ class Policy:
         ``measured``: a time that includes a compile, see ``Budget.choose``)."""
         if not len(tree):
             return tree
-        measured = self._timed(measured, free)
+        measured = self._timed(measured, not free)
         return tree if self.budget is None else self.budget.choose(tree, seconds, free=free, measured=measured)
 
-    def _timed(self, measured: bool, free: bool) -> bool:
-        """Whether this round's times say what a round costs (not a compile's, not a catch-up's)."""
-        self._catching_up = self._stale and not free
-        return measured and not self._catching_up
+    def _timed(self, measured: bool, drafted: bool) -> bool:
+        """Whether a round's times say what a round costs: not a compile's (``measured``), not a
+        catch-up's (a ``drafted`` round while the drafter is behind)."""
+        return measured and not (self._stale and drafted)
 
     def sized(self, tree: DraftTree, seconds: float, measured: bool = True) -> None:
         """Told a tree cut to a size fixed before drafting, once it is seen (after its pass)."""
         if len(tree) and self.budget is not None:
-            self.budget.choose_after(tree, seconds, self._timed(measured, False))
+            self.budget.choose_after(tree, seconds, self._timed(measured, True))
 
     def observe(self, tree: DraftTree, accepted: int, pass_seconds: float, judged: bool, seconds: float,
                 committed: int, measured: bool = True, drafted: float | None = None) -> bool:
@@ -146,7 +146,7 @@ class Policy:
         cost. True when that starts a pause. A round not ``measured`` (it ran a shape for the
         first time: ``engines.base.first_runs``) teaches acceptance only: its times are a compile's."""
         budget = self.budget
-        measured, self._catching_up = measured and not self._catching_up, False
+        measured = self._timed(measured, judged)
         self._stale = not judged  # a drafted round caught its drafter up; a plain one leaves it behind
         if budget is not None:
             overhead = None if drafted is None or not measured else max(0.0, seconds - pass_seconds - drafted)

@@ -30,7 +30,7 @@ import os
 import platform
 import time
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import Callable, NamedTuple, Sequence
@@ -43,6 +43,7 @@ from ..engines.base import TargetEngine
 from ..engines.loading import cache_dir
 from ..engines.transformer import ENGINE_REVISION
 from ..errors import LyannaError
+from .costs import DraftCost, PassCost
 
 DEFAULT_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80)
 # Block sizes whose latency a curve keeps in a table: a batch of 8 sequences with 128-token prefill
@@ -250,6 +251,7 @@ class Evidence:
     predicted: float = 0.0  # decayed sums of predicted and accepted draft tokens
     accepted: float = 0.0
     draft_seconds: float | None = None  # a round's drafting time, smoothed
+    drafting: DraftCost = field(default_factory=DraftCost)  # a round's drafting time by its depth
     wait: int = PROBE_EVERY - 1  # the next wait's length (see ``Budget.wants_drafts``)
     paid: bool = True  # whether the last tree judged beat plain decoding
 
@@ -279,9 +281,10 @@ class Budget:
         # Rounds still to go without drafting (see wants_drafts): a budget joining others that
         # found drafting not paying starts with their wait.
         self._skip_left = 0 if self.evidence.paid else self.evidence.wait
-        # Measured pass seconds over the curve's prediction, decayed: a shared host that has slowed
-        # down since calibration (or sped up) scales every verification cost, not the drafting time.
-        self.slowdown = 1.0
+        # Measured pass seconds against the curve's prediction: a shared host that has slowed down
+        # since calibration (or sped up) scales every verification cost, not the drafting time; and
+        # each block size's own measures correct the curve's shape (``costs.PassCost``).
+        self.cost = PassCost(decay)
         # Host seconds a round spends outside its pass and its drafting (reading the verdict,
         # committing, the loop's own work), decayed, for rounds that drafted and rounds that did
         # not: a round costs them whatever it verifies, so fewer rounds for the same tokens save
@@ -296,6 +299,15 @@ class Budget:
         """Accepted over predicted, with one pseudo-round at face value that never decays: after
         drafted rounds with nothing verified the evidence fades and drafting is tried again."""
         return (self.evidence.accepted + 1.0) / (self.evidence.predicted + 1.0)
+
+    @property
+    def slowdown(self) -> float:
+        """This host's pass times over the curve's now, for every block alike (``PassCost``)."""
+        return self.cost.slowdown
+
+    @slowdown.setter
+    def slowdown(self, value: float) -> None:
+        self.cost.slowdown = value
 
     @property
     def curve(self) -> LatencyCurve:
@@ -332,6 +344,7 @@ class Budget:
         judged = not free and measured  # whether this tree's drafting time tells what drafting costs
         if judged:
             ev.draft_seconds = draft_seconds if ev.draft_seconds is None else 0.5 * (ev.draft_seconds + draft_seconds)
+            ev.drafting.observe(int(tree.depths.max()) if len(tree) else 1, draft_seconds)
         seconds = draft_seconds if free or ev.draft_seconds is None else ev.draft_seconds
         self._judged = True
         if tree.sampled_from or not len(tree):
@@ -346,10 +359,13 @@ class Budget:
         # that exceeds what it is worth and the tree shrinks towards plain decoding by itself.
         others, other_rows, _ = self.load()
         closed = tree.closed_scores()
-        passes = self.curve.span(other_rows + 1, len(tree) + 1)  # the pass with 0, 1, ... nodes
+        passes = self.cost.shaped(self.curve.span(other_rows + 1, len(tree) + 1), other_rows + 1)  # 0, 1, ... nodes
         drafting_round, plain_round = self._overheads()
+        by_depth = None if free else ev.drafting.by_depth()  # a free tree's own time prices it whatever its depth
+        keep, rate = _best_size(closed, tree.depths, self.correction, others + 1.0,
+                                np.array([seconds]) if by_depth is None else by_depth, drafting_round, self.slowdown,
+                                passes)
         seconds += drafting_round
-        keep, rate = _best_size(closed, self.correction, others + 1.0, seconds, self.slowdown, passes)
         plain_pass = self.slowdown * passes[0] + plain_round
         if others and rate < (1.0 + SHARED_MARGIN) * (others + 1.0) / (seconds + plain_pass):
             keep = 0
@@ -432,8 +448,7 @@ class Budget:
         probe trust estimates that did not pay."""
         alone = not self.load().others
         if seconds is not None and self._curve_used and alone:
-            ratio = seconds / self.curve(len(tree) + 1)
-            self.slowdown = self.decay * self.slowdown + (1 - self.decay) * ratio
+            self.cost.observe(len(tree) + 1, seconds, self.curve(len(tree) + 1))
         judged, self._judged = self._judged, False
         if overhead is not None and alone:
             kept = self.overhead[judged]
@@ -447,18 +462,24 @@ class Budget:
 
 
 @njit(cache=True)
-def _best_size(closed: np.ndarray, correction: float, base: float, seconds: float, slowdown: float,
-               passes: np.ndarray) -> tuple[int, float]:  # pragma: no cover - compiled
+def _best_size(closed: np.ndarray, depths: np.ndarray, correction: float, base: float, drafting: np.ndarray,
+               host: float, slowdown: float, passes: np.ndarray) -> tuple[int, float]:  # pragma: no cover - compiled
     """The node count ``n`` that maximizes ``(base + sum of the n best min(correction * closed, 1))
-    / (seconds + slowdown * passes[n])`` (the first of equals) and that rate, in one compiled call:
-    a round sizes its tree with this while its data is cold, where each numpy call costs several
-    microseconds."""
-    p = np.sort(closed)[::-1]
+    / (drafting + host + slowdown * passes[n])`` (the first of equals) and that rate, in one
+    compiled call: a round sizes its tree with this while its data is cold, where each numpy call
+    costs several microseconds. ``drafting[d]`` is a round drafting ``d`` levels (deeper ones take
+    the last entry; one entry prices every tree alike); the ``n`` best, kept to depth ``k``, are
+    priced at ``drafting[k + 1]``: what the rounds after them draft (``Budget.limit_depth``)."""
+    order = np.argsort(-closed, kind="mergesort")
+    last = drafting.shape[0] - 1
     accepted = 0.0  # summed on its own, then added to base: the order numpy's cumsum had, bit for bit
-    best, best_rate = 0, base / (seconds + slowdown * passes[0])
-    for n in range(1, p.shape[0] + 1):
-        accepted += min(p[n - 1] * correction, 1.0)
-        rate = (base + accepted) / (seconds + slowdown * passes[n])
+    deepest = 0
+    best, best_rate = 0, base / ((drafting[min(1, last)] + host) + slowdown * passes[0])
+    for n in range(1, order.shape[0] + 1):
+        node = order[n - 1]
+        accepted += min(closed[node] * correction, 1.0)
+        deepest = max(deepest, depths[node])
+        rate = (base + accepted) / ((drafting[min(deepest + 1, last)] + host) + slowdown * passes[n])
         if rate > best_rate:
             best, best_rate = n, rate
     return best, best_rate

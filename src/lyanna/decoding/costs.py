@@ -1,0 +1,119 @@
+"""What a round costs on this host now, as the auto budget prices it: the target's pass over a
+block of n rows (``PassCost``) and the drafting of d levels (``DraftCost``), both corrected by what
+decoding measures.
+
+The pass starts from the calibrated latency curve (``budget.LatencyCurve``) and is scaled by two
+things: ``slowdown``, how much slower (or faster) than at calibration this host runs now, for every
+block alike (a shared host's speed drifts over minutes); and a factor per block size against the
+one-row pass, the curve's *shape* as decoding meets it. A calibration is a few seconds of passes; on
+a noisy 2-core host its small sizes came out several tenths apart from one calibration to the next
+(the pass over 4 rows 1.16x to 1.54x the one-row pass), so that an auto budget trusting it kept
+trees whose rows cost more than their tokens were worth.
+
+Drafting is priced by depth because a deeper tree is dearer to draft, not only to verify: a draft
+head's chain takes one more step of its layer a level, and its tree one more level of logits.
+Priced as one average whatever the depth, a tree kept deep looked as cheap to draft as a shallow
+one, and the next rounds drafted ever deeper for nodes that did not pay for their levels.
+
+In both, each size or depth measured corrects its own value; one not met yet is interpolated
+between those met around it (above the largest, extended as explained at each class).
+"""
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+
+# Block sizes whose factor is learned (a tree verified alone rarely has more rows; larger blocks
+# take the last factor). The factor of one row is 1 by definition: ``slowdown`` holds the drift.
+SHAPE_ROWS = 64
+# Weight of what a factor knew before each new measure of its size: factors change only with the
+# engine or the CPU, not with the host's load, so they average over more passes than the drift.
+SHAPE_DECAY = 0.9
+MAX_DEPTH = 32  # drafting depths priced apart (deeper ones take the last)
+DRAFT_MEASURES = 5  # a depth's last measures whose median prices it
+
+
+def _filled(learned: np.ndarray) -> np.ndarray:
+    """``learned`` (NaN where not met; index 0 unused) with its gaps interpolated and the sizes
+    past the largest met holding its value."""
+    met = np.flatnonzero(~np.isnan(learned))
+    out = np.zeros_like(learned)
+    out[1:] = np.interp(np.arange(1, len(learned)), met, learned[met])
+    return out
+
+
+class PassCost:
+    """The pass's price model: ``shaped`` curve values, corrected by each ``observe``d pass."""
+
+    def __init__(self, decay: float):
+        """``decay``: the weight of the drift's earlier value at each measured pass."""
+        self.decay = decay
+        self.slowdown = 1.0
+        self._learned = np.full(SHAPE_ROWS + 1, np.nan)  # per block size; NaN: not met yet
+        self._learned[1] = 1.0
+        self._factors = np.ones(SHAPE_ROWS + 1)  # ``_learned`` with its gaps interpolated
+
+    def factor(self, rows: int) -> float:
+        """The shape factor of a block of ``rows`` rows."""
+        return float(self._factors[min(max(rows, 1), SHAPE_ROWS)])
+
+    def shaped(self, passes: np.ndarray, first: int) -> np.ndarray:
+        """Curve values ``passes`` for blocks of ``first``, ``first + 1``, ... rows, each times
+        its size's factor, never decreasing with the size (without ``slowdown``: callers scale)."""
+        sizes = np.minimum(np.arange(first, first + len(passes)), SHAPE_ROWS)
+        return np.maximum.accumulate(passes * self._factors[np.maximum(sizes, 1)])
+
+    def observe(self, rows: int, seconds: float, predicted: float) -> None:
+        """A pass over ``rows`` rows took ``seconds`` where the curve says ``predicted``: the
+        drift moves by what the shape does not explain, then the size's factor by what the drift
+        does not."""
+        ratio = seconds / predicted
+        self.slowdown = self.decay * self.slowdown + (1 - self.decay) * ratio / self.factor(rows)
+        if not 1 < rows <= SHAPE_ROWS:
+            return
+        seen, now = self._learned[rows], ratio / self.slowdown
+        self._learned[rows] = now if np.isnan(seen) else SHAPE_DECAY * seen + (1 - SHAPE_DECAY) * now
+        self._factors = _filled(self._learned)
+
+
+class DraftCost:
+    """A drafting round's seconds by the depth it drafted: the median of that depth's last few
+    measures (one round that met a hiccup of the host must not price a depth out of reach, for a
+    depth priced too dear is not drafted again, so never measured again). Depths shallower than
+    any met cost what the shallowest met does; deeper than any met, each further level adds what
+    the last level between the two deepest met did (nothing while only one depth was met). No
+    depth costs less than the one above it, nor more than it plus a whole round of the shallowest
+    depth met: a level adds a chain step and a row of logits, never more than a round's catch-up,
+    step and logits together."""
+
+    def __init__(self) -> None:
+        self._recent: dict[int, deque[float]] = {}
+        self._by_depth: np.ndarray | None = None  # filled; None: nothing met yet
+
+    def observe(self, depth: int, seconds: float) -> None:
+        depth = min(max(depth, 1), MAX_DEPTH)
+        self._recent.setdefault(depth, deque(maxlen=DRAFT_MEASURES)).append(seconds)
+        learned = np.full(MAX_DEPTH + 1, np.nan)
+        for d, recent in self._recent.items():
+            learned[d] = np.median(recent)
+        met = np.flatnonzero(~np.isnan(learned))
+        filled = _filled(learned)
+        if len(met) > 1:
+            top, below = met[-1], met[-2]
+            step = max(0.0, (learned[top] - learned[below]) / (top - below))
+            filled[top:] = learned[top] + step * np.arange(MAX_DEPTH + 1 - top)
+        filled[0] = filled[1]
+        self._by_depth = _bounded(filled, learned[met[0]])
+
+    def by_depth(self) -> np.ndarray | None:
+        """Seconds of a round drafting 0, 1, ... ``MAX_DEPTH`` levels (None before any measure)."""
+        return self._by_depth
+
+
+def _bounded(by_depth: np.ndarray, level_at_most: float) -> np.ndarray:
+    """``by_depth`` made non-decreasing, each depth at most ``level_at_most`` above the one before."""
+    out = by_depth.copy()
+    for d in range(1, len(out)):
+        out[d] = min(max(out[d], out[d - 1]), out[d - 1] + level_at_most)
+    return out

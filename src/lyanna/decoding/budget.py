@@ -12,8 +12,9 @@ where the probabilities are the drafter's ``DraftTree.scores`` (each node's esti
 of being accepted, in [0, 1], so their sum is the expected number of accepted draft tokens) and
 ``c`` an online correction (accepted over predicted, recent drafted rounds weighted most; each term
 ``c * p`` is capped at 1), so a miscalibrated draft still gets a sensible size; ``host work`` is
-what a round spends outside pass and drafting (``Budget.overhead``). ``Budget(n)`` is
-the fixed alternative.
+what a round spends outside pass and drafting (``Budget.overhead``); the latency and the draft
+seconds are priced as decoding measures them (``costs``: the curve corrected per block size, the
+drafting time per depth). ``Budget(n)`` is the fixed alternative.
 
 Under ``auto`` the budget also bounds how deep the next tree is drafted (``limit_depth``): one
 level deeper than the deepest tree it kept in recent rounds. Levels it would cut anyway cost draft

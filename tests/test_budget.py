@@ -561,6 +561,9 @@ def test_a_useless_drafter_falls_back_to_plain_decoding(decoder, ar_outputs, mon
         # The next generation starts where this one left off: in its pause, so it opens with plain rounds.
         again = decoder.generate(ids, req, method="wrong", budget=None, fallback=True)
         assert again.tokens == ar.tokens and again.draft_tokens < r.draft_tokens
+        # Another tree budget of the same method has a fallback of its own: it starts drafting afresh.
+        fixed = decoder.generate(ids, req, method="wrong", budget=3, fallback=True)
+        assert fixed.tokens == ar.tokens and fixed.extra["fell_back_after_tokens"] == FALLBACK_WARMUP_ROUNDS + 2
         # Under the auto budget the drafting time alone (against passes that look free) stops the
         # drafts before the fallback has a stretch to judge: a probe now and then.
         decoder._fallbacks.clear()

@@ -125,10 +125,11 @@ class Decoder:
         self.eos_token_ids = target.config.eos_token_ids
         self.drafters: dict[str, Drafter] = {}  # the speculative methods
         self._plain = NoDrafter()
-        # One fallback per method for the decoder's life: a method that did not pay on the last
-        # generation starts the next where that one left off (paused, or probing), instead of
-        # paying a fresh stretch of slow rounds on every request.
-        self._fallbacks: dict[str, Fallback] = {}
+        # One fallback per method and tree budget for the decoder's life: a method that did not pay
+        # on the last generation starts the next where that one left off (paused, or probing),
+        # instead of paying a fresh stretch of slow rounds on every request. Per budget too, as the
+        # budgets are: ``lyanna`` and ``lyanna@2`` benchmarked side by side must not pause each other.
+        self._fallbacks: dict[tuple[str, int | str | None], Fallback] = {}
         # Likewise one auto/fixed budget per method for generations alone (a batch sizes trees by
         # its load, per sequence): its skip waits, drafting time and corrections carry over. In a
         # batch each generation has its own budget, and a method's budgets share their evidence.
@@ -301,10 +302,11 @@ class Decoder:
             self._budgets[key] = Budget(spec, self.latency_curve)
         return self._budgets[key]
 
-    def _fallback(self, method: str) -> Fallback:
-        if method not in self._fallbacks:
-            self._fallbacks[method] = Fallback(lambda: float(self.latency_curve()(1)))
-        return self._fallbacks[method]
+    def _fallback(self, method: str, spec: int | str | None) -> Fallback:
+        key = (method, None if spec is None else parse_budget(spec))
+        if key not in self._fallbacks:
+            self._fallbacks[key] = Fallback(lambda: float(self.latency_curve()(1)))
+        return self._fallbacks[key]
 
     def _steps(self, drafter: Drafter, method: str, prompt_ids: list[int], request: GenerationRequest,
                on_text: Callable[[str], None] | None, should_cancel: Callable[[], bool] | None,
@@ -344,7 +346,7 @@ class Decoder:
         )
         # The latency curve is asked for only when a round needs it: ``ar`` never measures anything.
         stats = yield from rounds(state, drafter, self._budget(method, budget, load),
-                                  self._fallback(method) if fallback else None)
+                                  self._fallback(method, budget) if fallback else None)
         t1 = time.perf_counter()
         return GenerationResult(
             method=method,

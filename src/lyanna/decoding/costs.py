@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections import deque
 
 import numpy as np
+from numba import njit
 
 # Block sizes whose factor is learned (a tree verified alone rarely has more rows; larger blocks
 # take the last factor). The factor of one row is 1 by definition: ``slowdown`` holds the drift.
@@ -89,14 +90,18 @@ class DraftCost:
 
     def __init__(self) -> None:
         self._recent: dict[int, deque[float]] = {}
+        self._learned = np.full(MAX_DEPTH + 1, np.nan)  # each depth's median; NaN: not met yet
         self._by_depth: np.ndarray | None = None  # filled; None: nothing met yet
 
     def observe(self, depth: int, seconds: float) -> None:
+        """Told every judged drafting round, so in the decode loop: only the depth measured
+        changes its median, and the bounds are one compiled call."""
         depth = min(max(depth, 1), MAX_DEPTH)
-        self._recent.setdefault(depth, deque(maxlen=DRAFT_MEASURES)).append(seconds)
-        learned = np.full(MAX_DEPTH + 1, np.nan)
-        for d, recent in self._recent.items():
-            learned[d] = np.median(recent)
+        recent = self._recent.setdefault(depth, deque(maxlen=DRAFT_MEASURES))
+        recent.append(seconds)
+        ordered, half = sorted(recent), len(recent) // 2
+        learned = self._learned
+        learned[depth] = ordered[half] if len(ordered) % 2 else (ordered[half - 1] + ordered[half]) / 2
         met = np.flatnonzero(~np.isnan(learned))
         filled = _filled(learned)
         if len(met) > 1:
@@ -111,7 +116,8 @@ class DraftCost:
         return self._by_depth
 
 
-def _bounded(by_depth: np.ndarray, level_at_most: float) -> np.ndarray:
+@njit(cache=True)
+def _bounded(by_depth: np.ndarray, level_at_most: float) -> np.ndarray:  # pragma: no cover - compiled
     """``by_depth`` made non-decreasing, each depth at most ``level_at_most`` above the one before."""
     out = by_depth.copy()
     for d in range(1, len(out)):

@@ -16,7 +16,9 @@ engine, where this process holds four).
 Writes docs/bench/blocks.json (``--out`` elsewhere).
 ``--rounds N``: passes over every engine (default 3); on a host whose speed moves a lot between
 runs, more rounds let each engine meet its fast moments.
-Usage: .venv/bin/python scripts/measure-blocks.py [--against DIR] [--rounds N] [--out PATH]
+``--sizes 1,2,5,8``: other block sizes (1 first; default 1,2,8,16,64): a change for some sizes
+measured at those.
+Usage: .venv/bin/python scripts/measure-blocks.py [--against DIR] [--rounds N] [--sizes LIST] [--out PATH]
 """
 from __future__ import annotations
 
@@ -45,15 +47,15 @@ REPEATS = 7
 ROUNDS = 3  # passes over every engine (see ``main``)
 
 
-def llamacpp_ms(gguf: Path, vocab: int) -> list[float]:
+def llamacpp_ms(gguf: Path, vocab: int, sizes: tuple[int, ...] = SIZES) -> list[float]:
     import llama_cpp
 
-    llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=CONTEXT + max(SIZES) + 8, n_threads=os.cpu_count(),
+    llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=CONTEXT + max(sizes) + 8, n_threads=os.cpu_count(),
                           logits_all=True, verbose=False)
     rng = np.random.default_rng(0)
     llm.eval(rng.integers(vocab, size=CONTEXT).tolist())
     out = []
-    for n in SIZES:
+    for n in sizes:
         tokens = rng.integers(vocab, size=n).tolist()
         times = []
         for _ in range(REPEATS + 1):  # the first is a warm-up
@@ -77,9 +79,9 @@ print(json.dumps([round(s * 1e3, 2) for s in curve.seconds]))
 """
 
 
-def against_ms(checkout: Path) -> list[float]:
+def against_ms(checkout: Path, sizes: tuple[int, ...] = SIZES) -> list[float]:
     """The default engine's row of ms in a child that imports ``checkout``'s package."""
-    code = _AGAINST.format(model=DEFAULT_MODEL, sizes=SIZES, context=CONTEXT, repeats=REPEATS)
+    code = _AGAINST.format(model=DEFAULT_MODEL, sizes=sizes, context=CONTEXT, repeats=REPEATS)
     env = dict(os.environ, PYTHONPATH=str(checkout / "src"))
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -110,7 +112,15 @@ def main() -> None:
     parser.add_argument("--against", type=Path, help="another checkout of this repository to measure beside ours")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="where the JSON goes (default: docs/bench/blocks.json)")
     parser.add_argument("--rounds", type=int, default=ROUNDS, help=f"passes over every engine (default {ROUNDS})")
+    parser.add_argument("--sizes", default=",".join(map(str, SIZES)),
+                        help="block sizes in tokens, comma-separated, 1 first (default: %(default)s)")
     args = parser.parse_args()
+    try:
+        sizes = tuple(int(s) for s in args.sizes.split(","))
+    except ValueError:
+        parser.error(f"--sizes {args.sizes!r}: comma-separated whole numbers")
+    if sizes[0] != 1 or len(sizes) < 2 or any(b <= a for a, b in zip(sizes, sizes[1:])):
+        parser.error(f"--sizes {args.sizes!r}: 1 first, then larger sizes in increasing order")
     kernels = {}
     default_path = intdot.PATH
     # The default engine on each integer path this CPU runs (the same bits, different instructions).
@@ -134,15 +144,15 @@ def main() -> None:
     for i in range(args.rounds):
         for name, (path, engine) in engines.items():
             intdot.PATH = path
-            curve = calibrate(engine, DEFAULT_MODEL, sizes=SIZES, context=CONTEXT, repeats=REPEATS)
+            curve = calibrate(engine, DEFAULT_MODEL, sizes=sizes, context=CONTEXT, repeats=REPEATS)
             ms[name] = fastest(ms.get(name), [round(s * 1e3, 2) for s in curve.seconds])
         for checkout in () if args.against is None else (REPO, args.against.resolve()):  # alike: each in a child
             name = f"ours-gguf@{commit_of(checkout)}"
-            ms[name] = fastest(ms.get(name), against_ms(checkout))
+            ms[name] = fastest(ms.get(name), against_ms(checkout, sizes))
             kernels[name] = kernels["ours-gguf"]
         if llamacpp_failed is None:  # in a child (loading the model each round, as before): a crash kills only it
             try:
-                row = call_in_child(llamacpp_ms, gguf, vocab, kind="llamacpp", hint=LLAMACPP_HINT)
+                row = call_in_child(llamacpp_ms, gguf, vocab, sizes, kind="llamacpp", hint=LLAMACPP_HINT)
                 ms["llamacpp"] = fastest(ms.get("llamacpp"), row)
             except PeerFailed as e:
                 llamacpp_failed = f"round {i + 1} of {args.rounds}: {e}"  # rounds before it stay in ms
@@ -150,6 +160,7 @@ def main() -> None:
     report = {
         "command": "python scripts/measure-blocks.py" + (" --against CHECKOUT" if args.against else "")
                    + (f" --rounds {args.rounds}" if args.rounds != ROUNDS else "")
+                   + (f" --sizes {','.join(map(str, sizes))}" if sizes != SIZES else "")
                    + (f" --out {_shown(args.out)}" if args.out != DEFAULT_OUT else ""),
         "rounds": args.rounds,
         "commit": commit_of(REPO),
@@ -157,7 +168,7 @@ def main() -> None:
         "machine": machine_info(),
         "model": DEFAULT_MODEL,
         "context": CONTEXT,
-        "sizes": list(SIZES),
+        "sizes": list(sizes),
         "kernels": kernels,
         "ms": ms,
     }

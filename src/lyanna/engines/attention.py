@@ -39,7 +39,11 @@ def prefill_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, b
 
 
 _PV_VECTORS = 4  # accumulators per query and pass over the keys: 64 dimensions of a head on AVX-512
-QUERIES = 4  # query rows of one head per task: they share each key's and value's loads
+# Query rows of one head per task: they share each key's and value's loads, and each task reads
+# its head's keys and values, so a block cut into more tasks reads them more often. With AVX-512's
+# 32 registers, 6 rows' accumulators (``_PV_VECTORS`` each) and the loaded values still fit: a
+# block of 5 or 6 rows is one task a head instead of two.
+QUERIES = 6 if LANES == 16 else 4
 _KEYS = 8  # keys scored together: 8 lanes of a 256-bit vector, one key's dot product per lane
 
 
@@ -317,7 +321,8 @@ def _weighted_rows(typingctx, p, pstride, nq, v, voff, n, hd, out, ooff, ostride
 @njit(cache=True, nogil=True)
 def _row_chunks(span_of: np.ndarray) -> np.ndarray:  # pragma: no cover - compiled
     """[first, end) of each run of up to ``QUERIES`` consecutive rows of one span (rows of span -1
-    skipped)."""
+    skipped), a span's runs as even as they can be (7 rows as 4 + 3, not 6 + 1: a run's time is
+    mostly its reads of the keys and values, whatever its rows)."""
     n = span_of.shape[0]
     bounds = np.empty((n, 2), np.int64)
     count, i = 0, 0
@@ -325,12 +330,15 @@ def _row_chunks(span_of: np.ndarray) -> np.ndarray:  # pragma: no cover - compil
         if span_of[i] < 0:
             i += 1
             continue
-        j = i + 1
-        while j < n and j - i < QUERIES and span_of[j] == span_of[i]:
-            j += 1
-        bounds[count, 0], bounds[count, 1] = i, j
-        count += 1
-        i = j
+        end = i + 1
+        while end < n and span_of[end] == span_of[i]:
+            end += 1
+        runs = (end - i + QUERIES - 1) // QUERIES
+        size = (end - i + runs - 1) // runs
+        while i < end:
+            bounds[count, 0], bounds[count, 1] = i, min(i + size, end)
+            count += 1
+            i = min(i + size, end)
     return bounds[:count]
 
 

@@ -35,9 +35,8 @@ BYTE_BYTES = OUT * QK  # the same, one byte per weight: 8 vectors of 32
 PREFETCH_BYTES = 8192
 PREFETCH_LOCALITY = 2  # llvm.prefetch's locality: 2 is prefetcht1 (L2 and beyond) on x86
 # The scales (``d``, ``m``: a block's scales for a tile are one short run) are asked for this many
-# blocks ahead, like the weights: left to the hardware's prefetcher, the layers' products with
-# their weights streamed from memory took 3-9% longer at 1 to 8 rows on the 2-core Zen 4
-# (docs/engine.md).
+# blocks ahead, like the weights, rather than left to the hardware's prefetcher, which missed
+# some of them while the weights streamed from memory (docs/engine.md, latency against block size).
 SCALES_AHEAD = 8
 HAS_AVX2 = "+avx2" in _FEATURES
 HAS_F16C = "+f16c" in _FEATURES  # fp16 -> fp32 in one instruction (``pack`` keeps fp16 scales only then)

@@ -295,7 +295,7 @@ class Decoder:
     def _budget(self, method: str, spec: int | str | None, load: Callable[[], Load] | None) -> Budget | None:
         if spec is None:
             return None
-        key = (method, parse_budget(spec))
+        key = _key(method, spec)
         if load is not None:
             return Budget(spec, self.latency_curve, load=load, evidence=self._batch_evidence.setdefault(key, Evidence()))
         if key not in self._budgets:
@@ -303,7 +303,7 @@ class Decoder:
         return self._budgets[key]
 
     def _fallback(self, method: str, spec: int | str | None) -> Fallback:
-        key = (method, None if spec is None else parse_budget(spec))
+        key = _key(method, spec)
         if key not in self._fallbacks:
             self._fallbacks[key] = Fallback(lambda: float(self.latency_curve()(1)))
         return self._fallbacks[key]
@@ -361,3 +361,8 @@ class Decoder:
             accepted_draft_tokens=stats.accepted_draft_tokens,
             extra=stats.to_extra(),
         )
+
+
+def _key(method: str, spec: int | str | None) -> tuple[str, int | str | None]:
+    """What a method's budget and fallback are kept by: the method and its parsed tree budget."""
+    return method, None if spec is None else parse_budget(spec)

@@ -9,7 +9,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .kernels import _EXP_FLOOR, _FAST, _LN2_HI, _LN2_LO, _LOG2E, LANES, _aligned, _launch, ir_muladd, ir_splat
+from .kernels import _EXP_FLOOR, _FAST, _LN2_HI, _LN2_LO, _LOG2E, LANES, _aligned, _launch, even_group, ir_muladd, ir_splat
 
 
 def prefill_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, bias: np.ndarray) -> np.ndarray:
@@ -333,12 +333,12 @@ def _row_chunks(span_of: np.ndarray) -> np.ndarray:  # pragma: no cover - compil
         end = i + 1
         while end < n and span_of[end] == span_of[i]:
             end += 1
-        runs = (end - i + QUERIES - 1) // QUERIES
-        size = (end - i + runs - 1) // runs
+        size = even_group(end - i, QUERIES)
         while i < end:
-            bounds[count, 0], bounds[count, 1] = i, min(i + size, end)
+            j = min(i + size, end)
+            bounds[count, 0], bounds[count, 1] = i, j
             count += 1
-            i = min(i + size, end)
+            i = j
     return bounds[:count]
 
 

@@ -46,7 +46,7 @@ from numba.extending import intrinsic, overload
 from .intdot_ir import (ALL_PATHS, BYTE_BYTES, GROUP, HAS_512, HAS_AVX2, HAS_F16C, HAS_VNNI, MANY_TILES,  # noqa: F401
                         MANY_TILES_GROUP, MAX_TILE, NIBBLE_BYTES, OUT, PATHS, PREFETCH_BYTES, QK, _block_avx2,
                         _block_portable, _block_vnni)
-from .kernels import ir_splat
+from .kernels import even_group, ir_splat
 
 
 def _chosen_path() -> str:
@@ -137,7 +137,7 @@ def quantize_rows(x):  # pragma: no cover - compiled
 
 # Blocks of ROW_SHARES_MIN rows and more on matrices of fewer than MANY_TILES tiles (a layer's qkv,
 # o and down projections) are shared among the threads by rows, up to ROW_SHARE rows a task (as
-# even as they go: ``_even_group``) over every
+# even as they go: ``kernels.even_group``) over every
 # tile, instead of by tiles: split by tiles, each of two threads held one tile of such a matrix
 # and the pair ran well below twice one thread's speed, while by rows each streams the whole
 # matrix (a few hundred KB, the second time from its cache) for its rows with the kernel's best
@@ -175,7 +175,7 @@ def _by_rows(xq, dx, xs, d, m, q, out, path):  # pragma: no cover - compiled
     """``int_linear_kernel`` by shares of ``ROW_SHARE`` rows: each share every block of every tile."""
     rows, k, tiles, nb, tw, nvec, nibbles, offsets = _shapes(xq, d, m, q)
     flat, xflat, dflat, sflat, width = q.reshape(-1), xq.reshape(-1), dx.reshape(-1), xs.reshape(-1), out.shape[1]
-    size = _even_group(rows, ROW_SHARE)
+    size = even_group(rows, ROW_SHARE)
     for share in prange((rows + size - 1) // size):
         i = share * size
         group = min(size, rows - i)
@@ -192,7 +192,9 @@ def _by_blocks(xq, dx, xs, d, m, q, out, path):  # pragma: no cover - compiled
     """``int_linear_kernel`` block by block: each block of every tile for up to GROUP rows a call."""
     rows, k, tiles, nb, tw, nvec, nibbles, offsets = _shapes(xq, d, m, q)
     most = MANY_TILES_GROUP if tiles >= MANY_TILES and path == 0 and HAS_512 else GROUP  # measured there only
-    most = _even_group(rows, most)
+    # as even as they go: 5 rows in groups of 4 were 4 + 1, the second group paying nearly a whole
+    # group's unpacking and scaling for one row (docs/engine.md); each row's sums are the same bits
+    most = even_group(rows, most)
     flat, xflat, dflat, sflat, width = q.reshape(-1), xq.reshape(-1), dx.reshape(-1), xs.reshape(-1), out.shape[1]
     for c in prange(tiles):
         out[:, c * tw : (c + 1) * tw] = 0
@@ -204,16 +206,6 @@ def _by_blocks(xq, dx, xs, d, m, q, out, path):  # pragma: no cover - compiled
                 _block(path, (flat, qoff, nvec, nibbles, xflat, i * k + b * QK, k, dflat, sflat, i * nb + b, nb, d, m,
                               (c * nb + b) * tw, out, i * width + c * tw, width, group, 1 if i == 0 else 0, offsets))
                 i += group
-
-
-@njit(cache=True, nogil=True)
-def _even_group(rows, most):  # pragma: no cover - compiled
-    """The rows a group takes when ``rows`` go in groups of at most ``most``, as even as they can
-    be: 5 rows in groups of 4 were 4 + 1, the second group paying nearly a whole group's unpacking
-    and scaling for one row (as 3 + 2, or 3 + 3 rows shared by two threads instead of 4 + 2, the
-    same rows take less time, docs/engine.md); each row's sums are the same bits either way."""
-    groups = (rows + most - 1) // most
-    return (rows + groups - 1) // groups
 
 
 @njit(cache=True, nogil=True)

@@ -164,7 +164,7 @@ class _Emitter:
                 for line in range(0, size, 64):  # 64-byte cache lines; a prefetch never faults
                     ptr = b.gep(self.q, [b.add(qbase[c], intp(PREFETCH_BYTES + line))])
                     b.call(self.prefetch_fn, [ptr, self.i32(0), self.i32(PREFETCH_LOCALITY), self.i32(1)])
-        with b.if_then(b.icmp_signed("!=", self.prefetch, intp(0))):  # this chunk's scales SCALES_AHEAD blocks on
+            # this chunk's scales SCALES_AHEAD blocks on
             ahead = b.add(self.dmoff, b.add(b.mul(j, intp(OUT)), b.mul(self.nvec, intp(OUT * SCALES_AHEAD))))
             for array in (self.d, self.m):
                 ptr = b.bitcast(b.gep(array, [ahead]), ir.IntType(8).as_pointer())

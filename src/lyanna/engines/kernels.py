@@ -357,6 +357,15 @@ def _gemm(x: np.ndarray, w: np.ndarray) -> np.ndarray:
         return torch.nn.functional.linear(torch.from_numpy(_aligned(x)), torch.from_numpy(w)).numpy()
 
 
+@njit(cache=True, nogil=True)
+def even_group(count: int, most: int) -> int:  # pragma: no cover - compiled
+    """The size of each group when ``count`` items go in groups of at most ``most``, as even as
+    they can be (5 in groups of 4: 3 + 2, not 4 + 1): the kernels' row groups and attention's
+    runs of query rows, where a group's cost is mostly what it reads, whatever its rows."""
+    groups = (count + most - 1) // most
+    return (count + groups - 1) // groups
+
+
 def ir_splat(b: ir.IRBuilder, scalar: ir.Value, kind: ir.Type) -> ir.Value:
     """``scalar`` in every lane of a value of ``kind`` (itself when ``kind`` is a scalar type)."""
     if not isinstance(kind, ir.VectorType):

@@ -130,6 +130,30 @@ def test_bench_repeats_keep_each_methods_fastest_run(tmp_path, tiny_decoder, mon
     assert report["settings"]["repeats"] == 3
 
 
+def test_bench_reports_rounds_by_draft_size(tmp_path, tiny_decoder):
+    """Every round is counted once under the nodes it verified, and its committed tokens are
+    the generation's tokens but the first (which the prefill's logits give)."""
+    from lyanna.decoding.decoder import GenerationRequest
+    from lyanna.measure.bench import load_questions, run_bench
+
+    for method in ("ar", "suffix"):
+        r = tiny_decoder.generate([1, 2, 3, 1, 2, 3, 1, 2], GenerationRequest(max_new_tokens=12), method=method)
+        cells = r.extra["rounds_by_size"]
+        assert sum(c[0] for c in cells.values()) == r.extra["rounds"]
+        assert sum(c[1] for c in cells.values()) == len(r.tokens) - 1
+        assert all(c[2] > 0 for c in cells.values())
+        if method == "ar":
+            assert set(cells) == {0}
+    questions = tmp_path / "q.jsonl"
+    questions.write_text("\n".join(json.dumps({"question_id": i, "category": "a", "turns": [f"q {i}"]}) for i in range(2)))
+    report = run_bench(tiny_decoder, ["ar", "suffix"], load_questions(questions), 6, progress=False)
+    for row in report["results"]:
+        sizes = row["rounds_by_size"]
+        assert abs(sum(v["share"] for v in sizes.values()) - 1.0) < 1e-3
+        assert sum(v["rounds"] for v in sizes.values()) == row["new_tokens"] - 2  # two prompts
+    assert set(report["results"][0]["rounds_by_size"]) == {"0"}
+
+
 def test_bench_turns_start_at_the_next_method(tmp_path, tiny_decoder, monkeypatch):
     """No method always runs first on a prompt: each turn (a prompt, or a repeat of it) starts
     one method further along."""

@@ -68,6 +68,17 @@ class RoundStats:
     accepted_by_depth: Counter[int] = field(default_factory=Counter)
     fell_back_after_tokens: int | None = None  # tokens committed when the fallback first paused drafting
     fallback_pauses: int = 0
+    # Per number of draft nodes verified in a round (0: a plain round): [rounds, tokens committed,
+    # seconds]. How often a method drafted and what its rounds of each size earned, which totals
+    # hide: a budget that waits too long or keeps trees too large shows here, not in tau.
+    by_size: dict[int, list[float]] = field(default_factory=dict)
+
+    def timed(self, nodes: int, committed: int, seconds: float) -> None:
+        """One round's size, committed tokens and seconds (``by_size``)."""
+        cell = self.by_size.setdefault(nodes, [0, 0, 0.0])
+        cell[0] += 1
+        cell[1] += committed
+        cell[2] += seconds
 
     def record(self, tree: DraftTree, verdict: Verdict, committed_drafts: int) -> None:
         self.rounds += 1
@@ -96,6 +107,7 @@ class RoundStats:
             "verify_seconds": self.verify_seconds,
             "other_seconds": self.other_seconds,
             "accepted_by_depth": {d: [self.accepted_by_depth[d], self.tried_by_depth[d]] for d in sorted(self.tried_by_depth)},
+            "rounds_by_size": {n: list(self.by_size[n]) for n in sorted(self.by_size)},
         }
 
 
@@ -306,6 +318,7 @@ class Rounds:
         timed = isinstance(r.out, ForwardOutput)  # this round's own times (not one launched ahead)
         seconds = now - r.t0 if timed else now - self.read_at
         proposed = r.drafting and len(tree) > 0 if r.proposed is None else r.proposed
+        self.stats.timed(len(tree), taken, seconds)
         if self.policy.observe(tree, len(verdict.path), got.t_pass, proposed, seconds, taken,
                               measured=got.measured, drafted=got.drafted if timed else None):
             if self.stats.fell_back_after_tokens is None:

@@ -203,12 +203,18 @@ def _aggregate(results: list[GenerationResult]) -> dict[str, Any]:
             cell[0] += acc
             cell[1] += tried
     split = {k: round(sum(r.extra.get(f"{k}_seconds", 0.0) for r in results), 3) for k in ("draft", "verify", "other")}
+    by_size: dict[int, list[float]] = {}
+    for r in results:
+        for n, (count, committed, secs) in r.extra.get("rounds_by_size", {}).items():
+            cell = by_size.setdefault(int(n), [0, 0, 0.0])
+            cell[0], cell[1], cell[2] = cell[0] + count, cell[1] + committed, cell[2] + secs
     return {
         "new_tokens": tokens,
         "seconds": round(seconds, 3),
         "prefill_seconds": round(sum(r.prefill_seconds for r in results), 3),
         "time_split": split if any(split.values()) else None,
         "acceptance_by_depth": {str(d): round(a / t, 4) for d, (a, t) in sorted(by_depth.items()) if t} or None,
+        "rounds_by_size": _by_size(by_size),
         "recovered_tokens": sum(r.extra.get("recovered_tokens", 0) for r in results) if any("recovered_tokens" in r.extra for r in results) else None,
         "draft_passes_per_token": round(sum(r.extra.get("draft_passes", 0) for r in results) / tokens, 4)
         if tokens and any("draft_passes" in r.extra for r in results) else None,
@@ -219,6 +225,16 @@ def _aggregate(results: list[GenerationResult]) -> dict[str, Any]:
         "fell_back": sum("fell_back_after_tokens" in r.extra for r in results),
         "waste_ratio": round(1 - sum(r.accepted_draft_tokens for r in results) / drafted, 4) if drafted else None,
     }
+
+
+def _by_size(cells: dict[int, list[float]]) -> dict[str, dict[str, float]] | None:
+    """Per draft nodes verified a round (0: plain rounds): the share of rounds and the tokens a
+    second those rounds committed (their own seconds, from drafting to the next round)."""
+    total = sum(c[0] for c in cells.values())
+    if not total:
+        return None
+    return {str(n): {"rounds": int(c[0]), "share": round(c[0] / total, 4),
+                     "tokens_per_s": round(c[1] / c[2], 1) if c[2] > 0 else None} for n, c in sorted(cells.items())}
 
 
 def _first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:

@@ -287,7 +287,7 @@ def _failed_row(method: str, failure: PeerFailed, rs: list[GenerationResult], qu
     row: dict[str, Any] = {"method": method, "failed": str(failure), "failed_signal": failure.signal,
                            "questions_done": len(rs)}
     row.update(dict.fromkeys(("new_tokens", "seconds", "prefill_seconds", "time_split", "acceptance_by_depth",
-                              "recovered_tokens", "draft_passes_per_token", "tokens_per_s", "decode_tokens_per_s",
+                              "rounds_by_size", "recovered_tokens", "draft_passes_per_token", "tokens_per_s", "decode_tokens_per_s",
                               "tau", "draft_tokens", "fell_back", "waste_ratio", "speedup", "equal_to_ar")))
     row["per_category"] = {c: {"tokens_per_s": None, "speedup": None} for c in dict.fromkeys(q.category for q in questions)}
     row["per_question"] = [{"question_id": q.question_id, "category": q.category, "new_tokens": r.new_tokens,

@@ -56,7 +56,6 @@ class RoundStats:
     """What the rounds of one generation did: draft tokens verified and committed, acceptance
     by depth, and where the time went."""
 
-    rounds: int = 0
     draft_tokens: int = 0  # draft nodes sent to verification
     accepted_draft_tokens: int = 0  # of those, committed
     recovered_tokens: int = 0  # committed nodes that came from re-sampling an earlier chain
@@ -73,6 +72,11 @@ class RoundStats:
     # hide: a budget that waits too long or keeps trees too large shows here, not in tau.
     by_size: dict[int, list[float]] = field(default_factory=dict)
 
+    @property
+    def rounds(self) -> int:
+        """Rounds read so far (each counted once in ``by_size``)."""
+        return int(sum(cell[0] for cell in self.by_size.values()))
+
     def timed(self, nodes: int, committed: int, seconds: float) -> None:
         """One round's size, committed tokens and seconds (``by_size``)."""
         cell = self.by_size.setdefault(nodes, [0, 0, 0.0])
@@ -81,7 +85,6 @@ class RoundStats:
         cell[2] += seconds
 
     def record(self, tree: DraftTree, verdict: Verdict, committed_drafts: int) -> None:
-        self.rounds += 1
         if not len(tree):  # nothing was drafted (always, for ar): nothing else to count
             return
         self.draft_tokens += len(tree)

@@ -286,9 +286,7 @@ def _failed_row(method: str, failure: PeerFailed, rs: list[GenerationResult], qu
     others ran, they would not compare), ``failed`` (why) and the questions it finished."""
     row: dict[str, Any] = {"method": method, "failed": str(failure), "failed_signal": failure.signal,
                            "questions_done": len(rs)}
-    row.update(dict.fromkeys(("new_tokens", "seconds", "prefill_seconds", "time_split", "acceptance_by_depth",
-                              "rounds_by_size", "recovered_tokens", "draft_passes_per_token", "tokens_per_s", "decode_tokens_per_s",
-                              "tau", "draft_tokens", "fell_back", "waste_ratio", "speedup", "equal_to_ar")))
+    row.update(dict.fromkeys([*_aggregate([]), "speedup", "equal_to_ar"]))  # every aggregate a row has
     row["per_category"] = {c: {"tokens_per_s": None, "speedup": None} for c in dict.fromkeys(q.category for q in questions)}
     row["per_question"] = [{"question_id": q.question_id, "category": q.category, "new_tokens": r.new_tokens,
                             "seconds": round(r.seconds, 4), "prefill_seconds": round(r.prefill_seconds, 4)}

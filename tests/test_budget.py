@@ -13,10 +13,9 @@ from hypothesis import strategies as st
 from lyanna.cli import main
 from lyanna.decoding import budget as budget_module
 from lyanna.decoding.budget import (
-    DEPTH_WINDOW,
     MAX_PROBE_WAIT,
     MAX_SKIP,
-    PROBE_EVERY,
+    MARGIN_DECAY,
     PROBE_SHARE,
     Budget,
     Evidence,
@@ -237,27 +236,44 @@ def test_auto_in_a_batch_pays_for_the_whole_pass():
 
 
 def test_drafting_that_does_not_pay_is_skipped_then_probed_again():
-    """Once no tree beats plain decoding (a loaded pass leaves no room, or the drafting time
-    costs more than the tree saves), the next PROBE_EVERY - 1 rounds draft nothing (their
-    drafting time would be spent for nothing), then one drafts again; each probe that still does
-    not pay doubles the wait (up to MAX_SKIP), and one that pays resets it."""
+    """While the trees judged lately do not beat plain decoding on average (a loaded pass leaves
+    no room, or the drafting time costs more than the trees save), drafting waits: 0, 1, 3, 7...
+    rounds between probes (up to MAX_SKIP), each probe judged on its own; once drafting pays
+    again it goes on every round, and one round that does not pay after rounds that did starts
+    no wait."""
     load = [(7, 16)]
     budget = Budget("auto", FLAT_THEN_STEEP, load=lambda: load[0])
     assert budget.wants_drafts()
-    assert len(budget.choose(binary_tree(20, 0.5), 0.0)) == 0
-    assert [budget.wants_drafts() for _ in range(PROBE_EVERY)] == [False] * (PROBE_EVERY - 1) + [True]
-    assert len(budget.choose(binary_tree(20, 0.5), 0.0)) == 0
-    waits = [budget.wants_drafts() for _ in range(2 * PROBE_EVERY)]
-    assert waits == [False] * (2 * PROBE_EVERY - 1) + [True]  # the wait doubled
-    load[0] = (0, 0)  # the others left: now a tree pays, and the wait resets
-    assert len(budget.choose(binary_tree(20, 0.5), 0.0)) > 0 and budget.wants_drafts()
+    for wait in (0, 1, 3, 7):  # each tree cut to nothing loses its 5 ms of drafting
+        assert len(budget.choose(binary_tree(20, 0.5), 0.005)) == 0 and not budget.evidence.paid
+        assert [budget.wants_drafts() for _ in range(wait + 1)] == [False] * wait + [True]
+    load[0] = (0, 0)  # the others left: now trees pay, and the probe that finds it ends the waits
+    assert len(budget.choose(binary_tree(20, 0.5), 0.005)) > 0
+    assert budget.evidence.paid and budget.evidence.wait == 0 and budget.wants_drafts()
+    for _ in range(4):
+        assert len(budget.choose(binary_tree(20, 0.5), 0.0)) > 0
+    load[0] = (7, 16)
+    assert len(budget.choose(binary_tree(20, 0.5), 0.0)) == 0  # one round that does not pay
+    assert budget.evidence.paid and budget.wants_drafts()
     # Alone: a tree that pays for its verification but not for its drafting time is not drafted again.
     flat = curve([1, 2, 64], [0.01, 0.0101, 0.02])
     cheap, dear = Budget("auto", flat), Budget("auto", flat)
     assert len(cheap.choose(binary_tree(20, 0.5), 0.001)) > 0 and cheap.wants_drafts()
+    assert len(dear.choose(binary_tree(20, 0.5), 0.2)) > 0 and not dear.evidence.paid
+    assert dear.wants_drafts()  # the first wait is no round at all
     assert len(dear.choose(binary_tree(20, 0.5), 0.2)) > 0 and not dear.wants_drafts()
-    assert [dear.wants_drafts() for _ in range(PROBE_EVERY - 1)] == [False] * (PROBE_EVERY - 2) + [True]
-    assert MAX_SKIP >= PROBE_EVERY
+    assert 0 < MARGIN_DECAY < 1 and MAX_SKIP >= 8
+
+
+def test_a_probe_is_judged_on_its_own():
+    """The round after a wait judges drafting afresh: the rounds before the wait are stale (a
+    probe that paid, averaged with them, still looked like a loss, and the waits doubled)."""
+    for probing in (True, False):
+        budget = Budget("auto", FLAT_THEN_STEEP)
+        budget.evidence.margin, budget._skip_left = -1.0, 2 if probing else 0  # a stretch that lost, a wait
+        assert [budget.wants_drafts() for _ in range(3)] == ([False, False, True] if probing else [True] * 3)
+        assert len(budget.choose(binary_tree(20, 0.5), 0.005)) > 0
+        assert budget.evidence.paid == probing  # right after a wait, this tree's own margin decides
 
 
 def _longest_wait(draft_seconds: float, rounds: int = 12, others: int = 0,
@@ -307,7 +323,8 @@ def test_budgets_sharing_evidence_start_from_what_the_others_learned():
     joined = Budget("auto", FLAT_THEN_STEEP, load=lambda: load[0], evidence=evidence)
     assert joined.correction == first.correction < 0.5 and fresh.correction == 1.0
     # The wait it joins is the one the first budget's next failed probe would start (doubled).
-    assert [joined.wants_drafts() for _ in range(2 * PROBE_EVERY)] == [False] * (2 * PROBE_EVERY - 1) + [True]
+    assert not evidence.paid and evidence.wait == 1
+    assert [joined.wants_drafts() for _ in range(2)] == [False, True]
     assert fresh.wants_drafts()
 
 
@@ -336,7 +353,7 @@ def test_a_rounds_host_work_is_priced_once_plain_and_drafting_rounds_measured_it
 
     def after(plain: bool, drafting: bool) -> Budget:
         budget = Budget("auto", curve([1, 3, 64], [0.010, 0.013, 0.2]))
-        budget.choose(binary_tree(4, 0.99), 0.001)  # a tree that pays: no wait starts
+        budget.choose(binary_tree(4, 0.99), 0.001, free=True)  # a tree offered free: not judged
         budget.observe(DraftTree.empty(), 0, None, 0.005 if drafting else None)  # its round, nothing accepted
         if plain:
             budget.observe(DraftTree.empty(), 0, None, 0.005)  # a round that drafted nothing
@@ -344,9 +361,9 @@ def test_a_rounds_host_work_is_priced_once_plain_and_drafting_rounds_measured_it
         assert len(budget.choose(tree, 0.001)) > 0
         return budget
 
-    assert after(plain=True, drafting=True).wants_drafts()  # paid: drafting goes on
-    assert not after(plain=False, drafting=True).wants_drafts()  # weighed without host work: a wait
-    assert not after(plain=False, drafting=False).wants_drafts()
+    assert after(plain=True, drafting=True).evidence.paid  # drafting goes on
+    assert not after(plain=False, drafting=True).evidence.paid  # weighed without host work: it does not pay
+    assert not after(plain=False, drafting=False).evidence.paid
     priced = after(plain=True, drafting=True)
     assert priced.plain_seconds() == pytest.approx(0.010 + 0.005)
     assert after(plain=False, drafting=True).plain_seconds() == pytest.approx(0.010)
@@ -583,10 +600,10 @@ def test_a_round_that_ran_a_shape_first_teaches_acceptance_not_costs():
 
     flat = curve([1, 2, 64], [0.01, 0.0101, 0.02])
     compiled, timed = Budget("auto", flat), Budget("auto", flat)
-    assert len(timed.choose(binary_tree(20, 0.5), 5.0)) > 0 and not timed.wants_drafts()
+    assert len(timed.choose(binary_tree(20, 0.5), 5.0)) > 0 and not timed.evidence.paid
     compiled.choose(binary_tree(20, 0.5), 5.0, measured=False)
-    assert compiled.evidence.draft_seconds is None and compiled.wants_drafts()
-    assert len(compiled.choose(binary_tree(20, 0.5), 0.001)) > 0 and compiled.wants_drafts()
+    assert compiled.evidence.draft_seconds is None and compiled.evidence.margin == 0.0
+    assert len(compiled.choose(binary_tree(20, 0.5), 0.001)) > 0 and compiled.evidence.paid
     assert compiled.evidence.draft_seconds == 0.001
     fallback = Fallback(lambda: 0.01, warmup_rounds=1)
     policy = Policy(compiled, fallback)
@@ -746,18 +763,16 @@ def test_cli_rejects_a_bad_budget(capsys, command, value):
     assert "budget must be 'auto' or a number" in capsys.readouterr().err
 
 
-def test_auto_budget_drafts_one_level_deeper_than_it_kept_lately():
+def test_auto_budget_drafts_one_level_deeper_than_it_kept_last():
+    """What ``choose`` prices a kept tree at: the next round drafting one level below it."""
     budget = Budget("auto", FLAT_THEN_STEEP)
     assert budget.limit_depth(100) == 100  # nothing kept yet: draft as deep as there is room
     chosen = budget.choose(binary_tree(20, 0.9), 0.0)
     assert len(chosen) == 7 and chosen.depths.max() == 3
     assert budget.limit_depth(100) == 4 and budget.limit_depth(2) == 2
     star = DraftTree(np.arange(NODE0, NODE0 + 5), np.full(5, -1), np.full(5, 0.9))  # depth 1
-    for _ in range(DEPTH_WINDOW - 1):
-        budget.choose(star, 0.0)
-    assert budget.limit_depth(100) == 4  # the deep tree is still in the window
     budget.choose(star, 0.0)
-    assert budget.limit_depth(100) == 2  # it left the window
+    assert budget.limit_depth(100) == 2
     fixed = Budget(4)
     fixed.choose(binary_tree(20, 0.9), 0.0)
     assert fixed.limit_depth(100) == 4 and fixed.limit_depth(3) == 3  # 4 nodes are never deeper than 4

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from lyanna.decoding.budget import Budget, LatencyCurve
-from lyanna.decoding.costs import MAX_DEPTH, SHAPE_ROWS, DraftCost, PassCost
+from lyanna.decoding.costs import ANCHOR_PASSES, MAX_DEPTH, SHAPE_ROWS, DraftCost, PassCost
 from lyanna.drafters.tree import DraftTree
 
 # A calibration that met a noisy moment: every block up to 8 rows priced like one row.
@@ -48,9 +48,10 @@ def test_each_size_learns_what_the_curve_got_wrong_and_larger_sizes_follow():
 
 def test_a_size_met_later_keeps_its_own_factor_and_prices_those_above():
     cost = PassCost(0.8)
-    cost.observe(2, 0.02, 0.01)  # 2 rows: twice the curve (the first measure also moves the drift)
+    cost.observe(1, 0.01, 0.01)
+    cost.observe(2, 0.02, 0.01)  # 2 rows: twice the one-row pass's ratio to the curve
     factor_two = cost.factor(2)
-    assert cost.factor(5) == factor_two
+    assert factor_two == 2.0 and cost.factor(5) == factor_two
     cost.observe(4, 0.01, 0.01)
     assert cost.factor(2) == factor_two and cost.factor(5) == cost.factor(4) < cost.factor(3) < factor_two
     priced = cost.shaped(FLAT.span(1, 6), 1)
@@ -116,3 +117,28 @@ def test_the_auto_budget_keeps_a_tree_shallow_where_its_levels_cost_more_than_th
     assert len(same.choose(chain, 0.002, free=False)) == 6
     kept = dear.choose(chain, 0.012, free=False)
     assert 0 < len(kept) < 6 and dear.limit_depth(6) == len(kept) + 1
+
+
+def test_a_factor_learns_only_against_a_recent_one_row_pass():
+    """While one size makes every pass, its factor and the drift explain each other equally well:
+    learned against the drift, they wandered apart and priced the one-row pass a fifth above its
+    measure. A factor moves only with a one-row pass measured within ``ANCHOR_PASSES`` passes,
+    and then the plain pass is priced as the one-row passes measured it."""
+    cost = PassCost(0.8)
+    for _ in range(200):  # only four-row passes, 1.3x the curve: no one-row pass to learn against
+        cost.observe(4, 0.013, 0.01)
+    assert cost.factor(4) == 1.0 and cost.slowdown == pytest.approx(1.3, rel=0.01)
+    cost.observe(1, 0.010, 0.01)  # the one-row pass runs as calibrated
+    for _ in range(ANCHOR_PASSES):
+        cost.observe(4, 0.013, 0.01)
+    learned = cost.factor(4)
+    assert learned > 1.05
+    for _ in range(10):
+        cost.observe(4, 0.013, 0.01)  # too long after it: the factor stays
+    assert cost.factor(4) == learned
+    for _ in range(100):  # one plain pass in nine: the factor settles, the drift with it
+        cost.observe(1, 0.010, 0.01)
+        for _ in range(8):
+            cost.observe(4, 0.013, 0.01)
+    assert cost.factor(4) == pytest.approx(1.3, rel=0.02)
+    assert cost.slowdown * cost.factor(1) == pytest.approx(1.0, rel=0.05)

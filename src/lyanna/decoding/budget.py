@@ -17,10 +17,10 @@ seconds are priced as decoding measures them (``costs``: the curve corrected per
 drafting time per depth). ``Budget(n)`` is the fixed alternative.
 
 Under ``auto`` the budget also bounds how deep the next tree is drafted (``limit_depth``): one
-level deeper than the deepest tree it kept in recent rounds. Levels it would cut anyway cost draft
-passes for nothing: on the 2-core CPU it keeps a few nodes a round (``lyanna`` in
-docs/bench/default.json, 2026-11-23: 3827 draft nodes verified in 1701 target passes, 2.25 a
-pass), so a chain drafted deeper than the kept trees mostly adds drafting time.
+level deeper than the tree it kept last round, which is the drafting ``choose`` prices a kept tree
+at. Levels it would cut anyway cost draft passes for nothing, and a window of recent rounds (the
+deepest of the last 8 kept trees, once) drafted one or two levels deeper than the trees it priced,
+so the bigger trees looked cheaper than the rounds after them were.
 """
 from __future__ import annotations
 
@@ -30,7 +30,6 @@ import json
 import os
 import platform
 import time
-from collections import deque
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -208,16 +207,19 @@ def parse_budget(text: str | int) -> int | str:
     raise LyannaError(f"budget must be 'auto' or a number of draft nodes, got {text!r}")
 
 
-# After a round whose best tree, drafting time included, commits tokens more slowly than plain
-# decoding would (alone, or in a loaded batch), one round in this many drafts again to see whether
-# the text, the load or the drafter's estimates changed; each probe that still does not pay doubles
-# the wait, up to MAX_SKIP rounds, or further for a drafter whose probe is dear: until a probe costs
-# at most PROBE_SHARE of the plain steps it waits for (a draft head's probe, ~25 ms with its
-# catch-up and LM-head passes, cost 2-3% of the time at 64 rounds on a 2-core CPU where a step is
-# ~9 ms; in a batch every sequence waits for it), but never more than MAX_PROBE_WAIT rounds, so
-# that a text turning predictable is seen.
-PROBE_EVERY = 8
-MAX_SKIP = 8 * PROBE_EVERY
+# Drafting stops for a while only when the trees judged lately, on average, do not beat plain
+# decoding: each judged round's margin (its best tree's rate over plain decoding's, less one; a
+# tree cut to nothing loses its drafting time) is averaged with this decay, and while the average
+# is not positive the rounds wait, 0, 1, 3, 7... rounds between probes (each probe judged on its
+# own), up to MAX_SKIP, or further for
+# a drafter whose probe is dear: until a probe costs at most PROBE_SHARE of the plain steps it
+# waits for (a draft head's probe, ~25 ms with its catch-up and LM-head passes, cost 2-3% of the
+# time at 64 rounds on a 2-core CPU where a step is ~9 ms; in a batch every sequence waits for it),
+# but never more than MAX_PROBE_WAIT rounds, so that a text turning predictable is seen. Waiting
+# after any one round that did not pay (the rule before) kept the default drafter plain in most
+# rounds on a 2-core CPU, where a round it drafted committed tokens a fifth faster than one it did not.
+MARGIN_DECAY = 0.7
+MAX_SKIP = 64
 PROBE_SHARE = 0.01
 MAX_PROBE_WAIT = 16 * MAX_SKIP
 # In a shared pass a tree is verified only if the pass's tokens per second beat plain decoding's
@@ -229,10 +231,6 @@ MAX_PROBE_WAIT = 16 * MAX_SKIP
 # matched but its 95th percentile stayed 2% later; from 15% (30% alike) both matched, at 1.5%
 # more tokens/s.
 SHARED_MARGIN = 0.15
-# Rounds whose kept trees set the next drafting depth: long enough to ride out one short tree, short
-# enough to follow the text into a more predictable stretch within a few rounds.
-DEPTH_WINDOW = 8
-
 
 class Load(NamedTuple):
     """What shares a batched pass with one sequence: the ``others`` in flight beside it, the
@@ -253,8 +251,14 @@ class Evidence:
     accepted: float = 0.0
     draft_seconds: float | None = None  # a round's drafting time, smoothed
     drafting: DraftCost = field(default_factory=DraftCost)  # a round's drafting time by its depth
-    wait: int = PROBE_EVERY - 1  # the next wait's length (see ``Budget.wants_drafts``)
-    paid: bool = True  # whether the last tree judged beat plain decoding
+    margin: float = 0.0  # the judged trees' margins over plain decoding, averaged (see ``MARGIN_DECAY``)
+    wait: int = 0  # the next wait's length (see ``Budget.wants_drafts``)
+
+    @property
+    def paid(self) -> bool:
+        """Whether the trees judged lately beat plain decoding, on average (before any was
+        judged, not yet: but the first wait is no round at all)."""
+        return self.margin > 0.0
 
 
 def _bucket(nodes: int) -> int:
@@ -282,6 +286,7 @@ class Budget:
         # Rounds still to go without drafting (see wants_drafts): a budget joining others that
         # found drafting not paying starts with their wait.
         self._skip_left = 0 if self.evidence.paid else self.evidence.wait
+        self._probing = False  # whether the next judged tree ends a wait (``_judge``)
         # Measured pass seconds against the curve's prediction: a shared host that has slowed down
         # since calibration (or sped up) scales every verification cost, not the drafting time; and
         # each block size's own measures correct the curve's shape (``costs.PassCost``).
@@ -291,7 +296,7 @@ class Budget:
         # not: a round costs them whatever it verifies, so fewer rounds for the same tokens save
         # them. Priced only once both are measured (see ``_overheads``).
         self.overhead = {True: None, False: None}
-        self._kept_depths: deque[int] = deque(maxlen=DEPTH_WINDOW)  # depth of each recent auto-sized tree
+        self._kept_depth: int | None = None  # depth of the last auto-sized tree (None: none yet)
         self._judged = False  # whether ``choose`` saw a tree since the last ``observe``
         self._ahead: int | None = None  # under ``auto``, the size of a tree fixed before drafting (None: not yet)
 
@@ -370,23 +375,31 @@ class Budget:
         plain_pass = self.slowdown * passes[0] + plain_round
         if others and rate < (1.0 + SHARED_MARGIN) * (others + 1.0) / (seconds + plain_pass):
             keep = 0
-        # Drafting pays only if the best tree beats plain decoding's rate with its drafting time
-        # counted; if not, skip the next drafts (they would cost that time for nothing).
         if judged:
-            ev.paid = bool(keep > 0 and rate >= (others + 1.0) / plain_pass)
-            if ev.paid:
-                ev.wait = PROBE_EVERY - 1
-            else:
-                # A probe's drafting stalls the whole pass: every sequence in it waits, so in a
-                # batch it costs its seconds once per sequence.
-                dear = int(seconds * (others + 1) / (PROBE_SHARE * plain_pass))
-                longest = min(MAX_PROBE_WAIT, max(MAX_SKIP, dear))
-                self._skip_left, ev.wait = ev.wait, min(2 * ev.wait + 1, longest)
+            self._judge(rate * plain_pass / (others + 1.0) - 1.0 if keep else -seconds / (seconds + plain_pass),
+                        int(seconds * (others + 1) / (PROBE_SHARE * plain_pass)))
         chosen = tree.best(keep, closed)
-        self._kept_depths.append(int(chosen.depths.max()) if len(chosen) else 0)
+        self._kept_depth = int(chosen.depths.max()) if len(chosen) else 0
         if keep and not free:
             self._ahead = _bucket(keep)
         return chosen
+
+    def _judge(self, margin: float, dear: int) -> None:
+        """Average a judged round's ``margin`` into the evidence and, while the average is not
+        positive, start the next wait (``MARGIN_DECAY``). A probe, the round after a wait, is
+        judged on its own: averaged with the rounds before its wait, a probe that paid left the
+        average negative, and the waits doubled while drafting paid. A wait lasts at most MAX_SKIP
+        rounds, or ``dear`` where more (the plain steps of which a probe costs PROBE_SHARE; in a
+        batch a probe's drafting stalls every sequence of the pass, so it counts once for each),
+        never more than MAX_PROBE_WAIT."""
+        ev = self.evidence
+        ev.margin = margin if self._probing else MARGIN_DECAY * ev.margin + (1 - MARGIN_DECAY) * margin
+        self._probing = False
+        if ev.paid:
+            ev.wait = 0
+            return
+        longest = min(MAX_PROBE_WAIT, max(MAX_SKIP, dear))
+        self._skip_left, ev.wait = ev.wait, min(2 * ev.wait + 1, longest)
 
     def _overheads(self) -> tuple[float, float]:
         """The host seconds outside pass and drafting of a drafting round and of a plain one. Both
@@ -418,14 +431,14 @@ class Budget:
 
     def limit_depth(self, room: int) -> int:
         """How deep to draft this round, at most ``room``: under ``auto``, one level deeper than
-        the deepest tree kept in the last ``DEPTH_WINDOW`` rounds (so a tree that fills its depth
-        lets the next one grow a level), on the first round to ``room``; a fixed budget of ``n``
+        the tree kept last round (so a tree that fills its depth lets the next one grow a level:
+        what ``choose`` priced it at), on the first round to ``room``; a fixed budget of ``n``
         nodes no deeper than ``n`` (a chain step drafted below that could never be verified)."""
         if self.spec != "auto":
             return min(room, int(self.spec))
-        if not self._kept_depths:
+        if self._kept_depth is None:
             return room
-        return min(room, max(self._kept_depths) + 1)
+        return min(room, self._kept_depth + 1)
 
     def wants_drafts(self) -> bool:
         """Whether to propose a tree this round: not while requests wait for the batch
@@ -435,6 +448,7 @@ class Budget:
             return False
         if self._skip_left:
             self._skip_left -= 1
+            self._probing = not self._skip_left
             return False
         return True
 

@@ -5,7 +5,10 @@ decoding measures.
 The pass starts from the calibrated latency curve (``budget.LatencyCurve``) and is scaled by two
 things: ``slowdown``, how much slower (or faster) than at calibration this host runs now, for every
 block alike (a shared host's speed drifts over minutes); and a factor per block size against the
-one-row pass, the curve's *shape* as decoding meets it. A calibration is a few seconds of passes; on
+one-row pass, the curve's *shape* as decoding meets it, learned against one-row passes measured
+shortly before (never against ``slowdown``: while one size made nearly every pass, a factor and the
+drift traded off freely, and on a 2-core CPU a plain pass ended up priced a fifth above its measure,
+so that every tree looked cheaper than plain decoding by that much). A calibration is a few seconds of passes; on
 a noisy 2-core host its small sizes came out several tenths apart from one calibration to the next
 (the pass over 4 rows 1.16x to 1.54x the one-row pass), so that an auto budget trusting it kept
 trees whose rows cost more than their tokens were worth.
@@ -31,6 +34,9 @@ SHAPE_ROWS = 64
 # Weight of what a factor knew before each new measure of its size: factors change only with the
 # engine or the CPU, not with the host's load, so they average over more passes than the drift.
 SHAPE_DECAY = 0.9
+# A pass teaches its size's factor only within this many passes of a one-row pass, against that
+# pass (see ``PassCost.observe``).
+ANCHOR_PASSES = 16
 MAX_DEPTH = 32  # drafting depths priced apart (deeper ones take the last)
 DRAFT_MEASURES = 5  # a depth's last measures whose median prices it
 
@@ -54,6 +60,8 @@ class PassCost:
         self._learned = np.full(SHAPE_ROWS + 1, np.nan)  # per block size; NaN: not met yet
         self._learned[1] = 1.0
         self._factors = np.ones(SHAPE_ROWS + 1)  # ``_learned`` with its gaps interpolated
+        self._one: float | None = None  # the last one-row pass's seconds over the curve's
+        self._since_one = 0  # passes since it
 
     def factor(self, rows: int) -> float:
         """The shape factor of a block of ``rows`` rows."""
@@ -67,13 +75,17 @@ class PassCost:
 
     def observe(self, rows: int, seconds: float, predicted: float) -> None:
         """A pass over ``rows`` rows took ``seconds`` where the curve says ``predicted``: the
-        drift moves by what the shape does not explain, then the size's factor by what the drift
-        does not."""
+        drift moves by what the shape does not explain; the size's factor, if a one-row pass was
+        measured within ``ANCHOR_PASSES`` passes, by this pass's ratio over that one's."""
         ratio = seconds / predicted
         self.slowdown = self.decay * self.slowdown + (1 - self.decay) * ratio / self.factor(rows)
-        if not 1 < rows <= SHAPE_ROWS:
+        if rows <= 1:
+            self._one, self._since_one = ratio, 0
             return
-        seen, now = self._learned[rows], ratio / self.slowdown
+        self._since_one += 1
+        if rows > SHAPE_ROWS or self._one is None or self._since_one > ANCHOR_PASSES:
+            return
+        seen, now = self._learned[rows], ratio / self._one
         self._learned[rows] = now if np.isnan(seen) else SHAPE_DECAY * seen + (1 - SHAPE_DECAY) * now
         self._factors = _filled(self._learned)
 

@@ -211,13 +211,13 @@ def parse_budget(text: str | int) -> int | str:
 # decoding: each judged round's margin (its best tree's rate over plain decoding's, less one; a
 # tree cut to nothing loses its drafting time) is averaged with this decay, and while the average
 # is not positive the rounds wait, 0, 1, 3, 7... rounds between probes (each probe judged on its
-# own), up to MAX_SKIP, or further for
-# a drafter whose probe is dear: until a probe costs at most PROBE_SHARE of the plain steps it
-# waits for (a draft head's probe, ~25 ms with its catch-up and LM-head passes, cost 2-3% of the
-# time at 64 rounds on a 2-core CPU where a step is ~9 ms; in a batch every sequence waits for it),
-# but never more than MAX_PROBE_WAIT rounds, so that a text turning predictable is seen. Waiting
-# after any one round that did not pay (the rule before) kept the default drafter plain in most
-# rounds on a 2-core CPU, where a round it drafted committed tokens a fifth faster than one it did not.
+# own), up to MAX_SKIP, or further for a drafter whose probe is dear: until a probe costs at most
+# PROBE_SHARE of the plain steps it waits for (a draft head's probe, ~25 ms with its catch-up and
+# LM-head passes, cost 2-3% of the time at 64 rounds on a 2-core CPU where a step is ~9 ms; in a
+# batch every sequence waits for it), but never more than MAX_PROBE_WAIT rounds, so that a text
+# turning predictable is seen. Waiting after any one round that did not pay (the rule before) kept
+# the default drafter plain in most rounds on a 2-core CPU, where a round it drafted committed
+# tokens a fifth faster than one it did not.
 MARGIN_DECAY = 0.7
 MAX_SKIP = 64
 PROBE_SHARE = 0.01

@@ -7,11 +7,11 @@ things: ``slowdown``, how much slower (or faster) than at calibration this host 
 block alike (a shared host's speed drifts over minutes); and a factor per block size against the
 one-row pass, the curve's *shape* as decoding meets it, learned against one-row passes measured
 shortly before (never against ``slowdown``: while one size made nearly every pass, a factor and the
-drift traded off freely, and on a 2-core CPU a plain pass ended up priced a fifth above its measure,
-so that every tree looked cheaper than plain decoding by that much). A calibration is a few seconds of passes; on
-a noisy 2-core host its small sizes came out several tenths apart from one calibration to the next
-(the pass over 4 rows 1.16x to 1.54x the one-row pass), so that an auto budget trusting it kept
-trees whose rows cost more than their tokens were worth.
+drift traded off freely, and on a 2-core CPU a plain pass ended up priced a fifth above its
+measure, so that every tree looked cheaper than plain decoding by that much). A calibration is a
+few seconds of passes; on a noisy 2-core host its small sizes came out several tenths apart from
+one calibration to the next (the pass over 4 rows 1.16x to 1.54x the one-row pass), so that an
+auto budget trusting it kept trees whose rows cost more than their tokens were worth.
 
 Drafting is priced by depth because a deeper tree is dearer to draft, not only to verify: a draft
 head's chain takes one more step of its layer a level, and its tree one more level of logits.

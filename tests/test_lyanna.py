@@ -89,6 +89,39 @@ def test_catch_up_writes_the_cache_rows_a_full_step_writes(tiny_decoder, fitted)
     np.testing.assert_array_equal(pred, ref[-1])
 
 
+def test_a_compiled_round_drafts_the_step_by_step_bits(tiny_model_dir, fitted):
+    """On a GGUF's blocks a round's draft passes run in one compiled call (``host_round``): its raw
+    logits and the head's cache rows must be bit-identical to the step-by-step path's, for
+    catch-ups of one to several pairs and chains one to four deep."""
+    from lyanna.engines.loading import load_target
+    from lyanna.engines.quant import quantize_q8_0
+    from lyanna.engines.transformer import Transformer
+
+    target = load_target(tiny_model_dir)
+    engine = Transformer(target.config, {n: quantize_q8_0(w) if w.ndim == 2 else w for n, w in target.weights.items()})
+    head, _, examples = fitted
+    w = export(head, range(0, 256, 2))
+    w["d2t"] = D2T[:256].copy()  # a whole number of the kernel's output vectors: no padded rows
+    compiled, steps = ChainHead(engine, w), ChainHead(engine, w)
+    steps._compiled = None
+    assert compiled._compiled is not None
+    tap = engine.config.num_layers
+    tokens, features = np.asarray(examples[0].tokens), examples[0].features
+    contexts = [h.context((tap,)) for h in (compiled, steps)]
+    for pc in contexts:
+        pc.start({tap: features[:4]})
+    end = 4
+    for step, depth in zip([0, 1, 3, 2, 5, 1, 4], [1, 2, 4, 3, 1, 2, 4]):
+        for pc in contexts:
+            pc.commit({tap: features[end : end + step]})
+        end += step
+        raws = [h.draft(pc, tokens[: end + 1], depth) for h, pc in zip((compiled, steps), contexts)]
+        np.testing.assert_array_equal(raws[0], raws[1])
+        assert raws[0].shape[0] == depth and contexts[0].cache.length == contexts[1].cache.length == end
+        for kv in ("k", "v"):
+            np.testing.assert_array_equal(getattr(contexts[0].cache, kv)[:, :, :end], getattr(contexts[1].cache, kv)[:, :, :end])
+
+
 def test_a_two_layer_chain_matches_its_torch_twin_and_decodes_losslessly(tiny_decoder, tiny_examples, tmp_path):
     """A head of two decoder layers: the numpy chain (catch-up through both layers, the second's
     cache filled from the first's outputs) gives the torch unroll's raw logits, the catch-up leaves

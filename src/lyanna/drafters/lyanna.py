@@ -34,6 +34,7 @@ from ..errors import LyannaError
 from .base import BatchDrafter, DeviceDrafter, Drafter, DraftsTogether
 from .checkpoint import decode_settings, head_taps, load_head
 from .head import DraftHead, PairContext
+from .host_round import CompiledChain
 from .lyanna_batch import ChainRequest, HostChains
 from .registry import register
 from .suffix import SuffixDrafter
@@ -98,6 +99,7 @@ class ChainHead(DraftHead):
         # (a quantized LM head stays quantized: a third of the bytes per draft step).
         self.draft_lm_head = target.lm_head.take(d2t, axis=0)
         self.batch = HostChains(self)  # a batch's rounds drafted together
+        self._compiled = CompiledChain.of(self)  # a round's passes in one call, where the head allows
 
     def drafts_together(self, pc: PairContext, length: int, depth: int) -> DraftsTogether | None:
         """What drafts a batch's rounds in one pass of the head a step (every context, here)."""
@@ -118,6 +120,9 @@ class ChainHead(DraftHead):
     def draft(self, pc: PairContext, ctx: np.ndarray, depth: int) -> np.ndarray:
         """Raw logits ``l_1..l_depth`` after ``ctx``: the catch-up, the chain, the logits; the
         context's cache is left at its committed pairs."""
+        raw = None if self._compiled is None else self._compiled.draft(pc, ctx, depth)
+        if raw is not None:
+            return raw
         features = self.chain(pc.catch_up(ctx, extra=depth), len(ctx) - 1, depth, pc.cache)
         pc.passes += depth - 1
         pc.rewind()

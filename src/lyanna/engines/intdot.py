@@ -21,8 +21,8 @@ any size, or beside other sequences in a batch (greedy equality with ``ar`` reli
 
 Layouts: matrices whose values are all 0..15 (Q4_1) keep two weights per byte; others (Q8_0, and
 Q4_0's -8..7) one signed byte, multiplied by the sign trick (``|q|`` times ``x`` with ``q``'s sign;
-``vnni`` instead offsets the inputs to unsigned bytes and takes the offset's products off). Output rows go 8 to a vector (8 int32 lanes of a 256-bit
-register); each vector's 32 weights of a block are ``[quad p][output][4 inputs]`` so a broadcast of
+``vnni`` instead reads each weight as the unsigned byte ``q + 128`` and takes ``128 * sum(xq)`` of
+the row's block off). Output rows go 8 to a vector (8 int32 lanes of a 256-bit register); each vector's 32 weights of a block are ``[quad p][output][4 inputs]`` so a broadcast of
 four input bytes meets four consecutive weights of every output. The packed layout holds quad
 ``p`` in the low nibbles and quad ``p + 4`` in the high ones.
 
@@ -68,9 +68,10 @@ def path_index() -> int:
 
 
 @intrinsic
-def _quantize_block(typingctx, x, xoff, xq, dx, xs, soff):
+def _quantize_block(typingctx, x, xoff, xq, dx, xs, xc, soff):
     """One block of 32 inputs at ``x[xoff:]`` by the module's rule, in vectors of 8: ``xq`` at the
-    same offset, ``dx[soff]`` and ``xs[soff]``. The sum goes in float64 in the order the rule
+    same offset, ``dx[soff]``, ``xs[soff]`` and ``xc[soff] = 128 * sum(xq)`` (exact in int32: what
+    ``vnni`` takes off a block's sums, ``intdot_ir``). The sum goes in float64 in the order the rule
     states (lane j of eight: ``((x[j] + x[j+8]) + x[j+16]) + x[j+24]``, then the lanes pairwise),
     which the vector unit runs as it stands: summed one input after another in fp32 it was a chain
     of 31 dependent additions a block, and quantizing took a tenth of a 64-row pass. Why float64:
@@ -80,8 +81,9 @@ def _quantize_block(typingctx, x, xoff, xq, dx, xs, soff):
     span more than about 24 binary orders of magnitude, and is then rounded once."""
     def codegen(context, builder, signature, args):
         b = builder
-        xp, xqp, dxp, xsp = (context.make_array(signature.args[i])(context, builder, args[i]).data for i in (0, 2, 3, 4))
-        xoff, soff = args[1], args[5]
+        xp, xqp, dxp, xsp, xcp = (context.make_array(signature.args[i])(context, builder, args[i]).data
+                                  for i in (0, 2, 3, 4, 5))
+        xoff, soff = args[1], args[6]
         f32, i32, i8 = ir.FloatType(), ir.IntType(32), ir.IntType(8)
         v8f, v8i, v8b = ir.VectorType(f32, 8), ir.VectorType(i32, 8), ir.VectorType(i8, 8)
         module = b.module
@@ -112,27 +114,36 @@ def _quantize_block(typingctx, x, xoff, xq, dx, xs, soff):
         b.store(step, b.gep(dxp, [soff]))
         inv = b.select(b.fcmp_ordered(">", step, f32(0.0)), b.fdiv(f32(1.0), step), f32(0.0))
         scale, lo, hi = ir_splat(b, inv, v8f), ir_splat(b, f32(-127.0), v8f), ir_splat(b, f32(127.0), v8f)
+        ints = []
         for g, v in enumerate(parts):
             r = b.call(vmin, [vmax([b.call(rint, [b.fmul(v, scale)]), lo]), hi])
-            b.store(b.trunc(b.fptosi(r, v8i), v8b), at(xqp, b.add(xoff, xoff.type(8 * g)), v8b), align=1)
+            ints.append(b.fptosi(r, v8i))
+            b.store(b.trunc(ints[-1], v8b), at(xqp, b.add(xoff, xoff.type(8 * g)), v8b), align=1)
+        isum = b.add(b.add(ints[0], ints[1]), b.add(ints[2], ints[3]))  # integers: any order is exact
+        isum = b.add(pick(isum, [0, 1, 2, 3]), pick(isum, [4, 5, 6, 7]))
+        isum = b.add(pick(isum, [0, 1]), pick(isum, [2, 3]))
+        isum = b.add(b.extract_element(isum, i32(0)), b.extract_element(isum, i32(1)))
+        b.store(b.mul(isum, i32(128)), b.gep(xcp, [soff]))
         return context.get_dummy_value()
 
-    return types.void(x, xoff, xq, dx, xs, soff), codegen
+    return types.void(x, xoff, xq, dx, xs, xc, soff), codegen
 
 
 @njit(cache=True, nogil=True)
 def quantize_rows(x):  # pragma: no cover - compiled
-    """``(xq, dx, xs)`` of each row of ``x`` [rows, k] per block of 32 (see the module's rule)."""
+    """``(xq, dx, xs, xc)`` of each row of ``x`` [rows, k] per block of 32 (see the module's rule
+    and ``_quantize_block``)."""
     rows, k = x.shape
     nb = k // QK
     xq = np.empty((rows, k), np.int8)
     dx = np.empty((rows, nb), np.float32)
     xs = np.empty((rows, nb), np.float32)
-    flat, qflat, dflat, sflat = x.reshape(-1), xq.reshape(-1), dx.reshape(-1), xs.reshape(-1)
+    xc = np.empty((rows, nb), np.int32)
+    flat, qflat, dflat, sflat, cflat = x.reshape(-1), xq.reshape(-1), dx.reshape(-1), xs.reshape(-1), xc.reshape(-1)
     for i in range(rows):
         for b in range(nb):
-            _quantize_block(flat, i * k + b * QK, qflat, dflat, sflat, i * nb + b)
-    return xq, dx, xs
+            _quantize_block(flat, i * k + b * QK, qflat, dflat, sflat, cflat, i * nb + b)
+    return xq, dx, xs, xc
 
 
 # Blocks of ROW_SHARES_MIN rows and more on matrices of fewer than MANY_TILES tiles (a layer's qkv,
@@ -154,11 +165,11 @@ def int_linear_kernel(x, d, m, q, out, path):  # pragma: no cover - compiled
     vectors, bytes] (32 * 4 bytes per vector when packed, 32 * 8 when not), ``d``/``m`` [tiles,
     blocks, tile width]. Shared among the threads by tiles, or by rows (``ROW_SHARE``): every
     row's outputs have the same bits either way."""
-    xq, dx, xs = quantize_rows(x)
+    xq, dx, xs, xc = quantize_rows(x)
     if x.shape[0] >= ROW_SHARES_MIN and d.shape[0] < MANY_TILES:
-        _by_rows(xq, dx, xs, d, m, q, out, path)
+        _by_rows(xq, dx, xs, xc, d, m, q, out, path)
     else:
-        _by_blocks(xq, dx, xs, d, m, q, out, path)
+        _by_blocks(xq, dx, xs, xc, d, m, q, out, path)
 
 
 @njit(cache=True, nogil=True)
@@ -171,10 +182,11 @@ def _shapes(xq, d, m, q):  # pragma: no cover - compiled
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _by_rows(xq, dx, xs, d, m, q, out, path):  # pragma: no cover - compiled
+def _by_rows(xq, dx, xs, xc, d, m, q, out, path):  # pragma: no cover - compiled
     """``int_linear_kernel`` by shares of ``ROW_SHARE`` rows: each share every block of every tile."""
     rows, k, tiles, nb, tw, nvec, nibbles, offsets = _shapes(xq, d, m, q)
-    flat, xflat, dflat, sflat, width = q.reshape(-1), xq.reshape(-1), dx.reshape(-1), xs.reshape(-1), out.shape[1]
+    flat, xflat, dflat, sflat, cflat = q.reshape(-1), xq.reshape(-1), dx.reshape(-1), xs.reshape(-1), xc.reshape(-1)
+    width = out.shape[1]
     size = even_group(rows, ROW_SHARE)
     for share in prange((rows + size - 1) // size):
         i = share * size
@@ -184,18 +196,19 @@ def _by_rows(xq, dx, xs, d, m, q, out, path):  # pragma: no cover - compiled
             for b in range(nb):
                 _block(path, (flat, (c * nb + b) * nvec * q.shape[3], nvec, nibbles, xflat, i * k + b * QK, k, dflat,
                               sflat, i * nb + b, nb, d, m, (c * nb + b) * tw, out, i * width + c * tw, width, group, 1,
-                              offsets))
+                              offsets, cflat))
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _by_blocks(xq, dx, xs, d, m, q, out, path):  # pragma: no cover - compiled
+def _by_blocks(xq, dx, xs, xc, d, m, q, out, path):  # pragma: no cover - compiled
     """``int_linear_kernel`` block by block: each block of every tile for up to GROUP rows a call."""
     rows, k, tiles, nb, tw, nvec, nibbles, offsets = _shapes(xq, d, m, q)
     most = MANY_TILES_GROUP if tiles >= MANY_TILES and path == 0 and HAS_512 else GROUP  # measured there only
     # as even as they go: 5 rows in groups of 4 were 4 + 1, the second group paying nearly a whole
     # group's unpacking and scaling for one row (docs/engine.md); each row's sums are the same bits
     most = even_group(rows, most)
-    flat, xflat, dflat, sflat, width = q.reshape(-1), xq.reshape(-1), dx.reshape(-1), xs.reshape(-1), out.shape[1]
+    flat, xflat, dflat, sflat, cflat = q.reshape(-1), xq.reshape(-1), dx.reshape(-1), xs.reshape(-1), xc.reshape(-1)
+    width = out.shape[1]
     for c in prange(tiles):
         out[:, c * tw : (c + 1) * tw] = 0
         for b in range(nb):
@@ -204,7 +217,8 @@ def _by_blocks(xq, dx, xs, d, m, q, out, path):  # pragma: no cover - compiled
             while i < rows:
                 group = min(most, rows - i)
                 _block(path, (flat, qoff, nvec, nibbles, xflat, i * k + b * QK, k, dflat, sflat, i * nb + b, nb, d, m,
-                              (c * nb + b) * tw, out, i * width + c * tw, width, group, 1 if i == 0 else 0, offsets))
+                              (c * nb + b) * tw, out, i * width + c * tw, width, group, 1 if i == 0 else 0, offsets,
+                              cflat))
                 i += group
 
 

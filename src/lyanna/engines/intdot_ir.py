@@ -62,8 +62,10 @@ class _Emitter:
     def __init__(self, context, builder, signature, args, path: str):
         self.b, self.portable, self.vnni = builder, path == "portable", path == "vnni"
         self.cols = _COLS_32 if self.vnni and HAS_512 else _COLS
-        arrays = {i: context.make_array(signature.args[i])(context, builder, args[i]).data for i in (0, 4, 7, 8, 11, 12, 14)}
-        self.q, self.xq, self.dx, self.xs, self.d, self.m, self.out = (arrays[i] for i in (0, 4, 7, 8, 11, 12, 14))
+        arrays = {i: context.make_array(signature.args[i])(context, builder, args[i]).data
+                  for i in (0, 4, 7, 8, 11, 12, 14, 20)}
+        self.q, self.xq, self.dx, self.xs, self.d, self.m, self.out, self.xc = (arrays[i] for i in (0, 4, 7, 8, 11, 12, 14,
+                                                                                                  20))
         (self.qoff, self.nvec, self.nibbles, self.xoff, self.k, self.soff, self.nb, self.dmoff, self.ooff,
          self.ostride, self.rows, self.prefetch, self.offsets) = (args[i] for i in (1, 2, 3, 5, 6, 9, 10, 13, 15, 16,
                                                                                    17, 18, 19))
@@ -248,22 +250,25 @@ class _Emitter:
         return acc
 
     def _byte_sums_offset(self, qbase, xrow):
-        """The same sums on ``vnni`` without the sign trick: the inputs shifted to unsigned bytes,
-        ``xq + 128`` (1..255), multiply the signed weights, and ``128 * sum(q)`` (formed once per
-        vector, for every row) comes off: one operation per input row and group instead of one
-        per row and output vector."""
+        """The same sums on ``vnni`` without the sign trick: each weight byte's top bit flipped
+        makes it ``q + 128`` as an unsigned byte (0..255), which multiplies the signed inputs, and
+        ``128 * sum(xq)`` of the row's block (``xc``, formed once when the row is quantized) comes
+        off: one cheap operation per weight vector, where taking ``128 * sum(q)`` off instead
+        needed a product per output vector, as many as the row's own."""
         b, intp = self.b, self.intp
-        bias = ir.Constant(self.v32i8, [-128] * 32)  # 0x80: adding 128 flips the top bit
+        flip = ir.Constant(self.v32i8, [-128] * 32)  # 0x80
         acc = [[ir.Constant(self.v8i32, [0] * 8) for _ in qbase] for _ in xrow]
-        offset = [ir.Constant(self.v8i32, [0] * 8) for _ in qbase]
         for g in range(8):
-            w = [self._load(self.q, b.add(base, intp(32 * g)), self.v32i8) for base in qbase]
-            offset = [self.dot4(o, bias, v) for o, v in zip(offset, w)]
+            w = [b.xor(self._load(self.q, b.add(base, intp(32 * g)), self.v32i8), flip) for base in qbase]
             for r, row in enumerate(xrow):
-                xu = b.xor(self._broadcast(b.add(row, intp(4 * g))), bias)
+                xb = self._broadcast(b.add(row, intp(4 * g)))
                 for c in range(len(qbase)):
-                    acc[r][c] = self.dot4(acc[r][c], xu, w[c])
-        return [[b.sub(a, o) for a, o in zip(row, offset)] for row in acc]
+                    acc[r][c] = self.dot4(acc[r][c], w[c], xb)
+        sums = []
+        for r, row in enumerate(acc):
+            taken = ir_splat(b, b.load(b.gep(self.xc, [b.add(self.soff, b.mul(intp(r), self.nb))])), self.v8i32)
+            sums.append([b.sub(a, taken) for a in row])
+        return sums
 
 
 def _block_intrinsic(path: str):
@@ -272,13 +277,13 @@ def _block_intrinsic(path: str):
     emitted = path if path in PATHS else "portable"
 
     def block(typingctx, q, qoff, nvec, nibbles, xq, xoff, k, dx, xs, soff, nb, d, m, dmoff, out, ooff, ostride,
-              rows, prefetch, offsets):
+              rows, prefetch, offsets, xc):
         def codegen(context, builder, signature, args):
             _Emitter(context, builder, signature, args, emitted).emit()
             return context.get_dummy_value()
 
         sig = types.void(q, qoff, nvec, nibbles, xq, xoff, k, dx, xs, soff, nb, d, m, dmoff, out, ooff, ostride,
-                         rows, prefetch, offsets)
+                         rows, prefetch, offsets, xc)
         return sig, codegen
 
     block.__name__ = block.__qualname__ = f"int_block_{path}"

@@ -14,20 +14,32 @@ head are unpadded blocks on the integer kernel; anything else drafts step by ste
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 from numba import njit
 
 from ..engines import intdot
+from ..engines.config import ModelConfig
 from ..engines.fused import FusedLayers, _layers, _linear
 from ..engines.kernels import _launch, _rms_norm_kernel
 from ..engines.quant import QuantMatrix
-from ..engines.transformer import rotation
+from ..engines.transformer import Weight, rotation
 from .head import STEP_CATCH_UP, PairContext
 
-if TYPE_CHECKING:
-    from .lyanna import ChainHead
+
+class ChainWeights(Protocol):
+    """What ``CompiledChain`` reads of its head (``lyanna.ChainHead``): stated here so that this
+    module need not import ``lyanna``, which imports it."""
+
+    config: ModelConfig
+    inv_freq: np.ndarray
+    embed: Weight
+    fc_w: Weight
+    fc_b: Weight
+    norm: np.ndarray
+    draft_lm_head: Weight
+    _fused: FusedLayers | None
 
 
 @njit(nogil=True, cache=True)
@@ -89,7 +101,7 @@ class CompiledChain:
     """A host head's round drafted by ``_chain_logits`` (see the module); ``of`` gives None for a
     head it cannot serve."""
 
-    def __init__(self, head: "ChainHead", fused: FusedLayers):
+    def __init__(self, head: ChainWeights, fused: FusedLayers):
         c = head.config
         self.head = head
         self.fl = (fused.attn_norms, fused.mlp_norms, fused.d, fused.m, fused.q)
@@ -102,7 +114,7 @@ class CompiledChain:
         self.shape = (c.num_heads, c.num_kv_heads, c.head_dim)
 
     @classmethod
-    def of(cls, head: "ChainHead") -> "CompiledChain | None":
+    def of(cls, head: ChainWeights) -> "CompiledChain | None":
         fused = head._fused
         if fused is None or not _blocks(head.embed, unpadded=False) or not _blocks(head.fc_w) or not _blocks(head.draft_lm_head):
             return None

@@ -24,7 +24,7 @@ from ..engines.config import ModelConfig
 from ..engines.fused import FusedLayers, _layers, _linear
 from ..engines.kernels import _launch, _rms_norm_kernel
 from ..engines.quant import QuantMatrix
-from ..engines.transformer import Weight, rotation
+from ..engines.transformer import Weight, attention_bias, rotation
 from .head import STEP_CATCH_UP, PairContext
 
 
@@ -57,12 +57,13 @@ def _one_span(x, rot, fl, cache, start, bias, masked, eps, shape, path):  # prag
 
 
 @njit(nogil=True, cache=True)
-def _chain_logits(features, tokens, embed, fc, fc_b, fl, cache, start, rot, depth, norm, lm, eps, shape,
+def _chain_logits(features, tokens, embed, fc, fc_b, fl, cache, start, bias, rot, depth, norm, lm, eps, shape,
                   path):  # pragma: no cover - compiled
     """The raw draft logits ``l_1..l_depth``: the catch-up's ``n`` pairs (``features``, ``tokens``)
-    through the fusion FC and the layers as one causal block at cache slot ``start`` (``f_1`` is
-    its last row), then ``f_k = layers(f_{k-1})`` a row at a time, then the norm and the draft
-    LM head. ``rot``: the rotation of the block's positions, then the chain rows'."""
+    through the fusion FC and the layers as one block at cache slot ``start`` under its flattened
+    causal mask ``bias`` (empty for one pair; ``f_1`` is the block's last row), then ``f_k =
+    layers(f_{k-1})`` a row at a time, then the norm and the draft LM head. ``rot``: the rotation
+    of the block's positions, then the chain rows'."""
     n, hidden = features.shape
     pairs = np.empty((n, 2 * hidden), np.float32)
     pairs[:, :hidden] = features
@@ -72,11 +73,7 @@ def _chain_logits(features, tokens, embed, fc, fc_b, fl, cache, start, rot, dept
     x = np.empty((n, hidden), np.float32)
     _linear(pairs, fc[0], fc[1], fc[2], x, path)
     x = x + fc_b
-    bias = np.zeros(n * (start + n) if n > 1 else 0, np.float32)  # ``attention_bias``: the block causal
-    for i in range(n if n > 1 else 0):
-        for j in range(i + 1, n):
-            bias[i * (start + n) + start + j] = -np.inf
-    out = _one_span(x, rot[:n].copy(), fl, cache, start, bias, n > 1, eps, shape, path)
+    out = _one_span(x, rot[:n].copy(), fl, cache, start, bias, bias.size > 0, eps, shape, path)
     chain = np.empty((depth, hidden), np.float32)
     chain[0] = out[n - 1]
     none = np.zeros(0, np.float32)
@@ -103,7 +100,7 @@ class CompiledChain:
 
     def __init__(self, head: ChainWeights, fused: FusedLayers):
         c = head.config
-        self.head = head
+        self.inv_freq = head.inv_freq
         self.fl = (fused.attn_norms, fused.mlp_norms, fused.d, fused.m, fused.q)
         self.embed = (head.embed.d, head.embed.m, head.embed.q)
         self.fc = (head.fc_w.d, head.fc_w.m, head.fc_w.q)
@@ -127,10 +124,12 @@ class CompiledChain:
         if n > STEP_CATCH_UP or depth < 1:
             return None
         cache, start = pc.cache, pc.cache.length
-        rot = rotation(self.head.inv_freq, np.concatenate([pending, len(ctx) + np.arange(depth - 1)]))
+        rot = rotation(self.inv_freq, np.concatenate([pending, len(ctx) + np.arange(depth - 1)]))
+        # the catch-up's mask as the step-by-step path makes it (none for a lone root)
+        bias = np.zeros(0, np.float32) if n == 1 else attention_bias(start, np.tril(np.ones((n, n), bool))).reshape(-1)
         with _launch:
             raw = _chain_logits(pc.features[pending - 1], ctx[pending], self.embed, self.fc, self.fc_b, self.fl,
-                                (cache.k, cache.v), start, rot, depth, self.norm, self.lm, self.eps, self.shape,
+                                (cache.k, cache.v), start, bias, rot, depth, self.norm, self.lm, self.eps, self.shape,
                                 intdot.path_index())
         cache.length = pc.base = start + n
         pc.passes += depth

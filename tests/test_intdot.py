@@ -42,7 +42,7 @@ def test_each_path_equals_the_reference(path, kind, shape, half):
     d, m, q = matrix(kind, *shape, seed=1, half=half)
     packed = intdot.pack(d, m, q)
     assert (packed[0].dtype == np.uint16) == (half and intdot.HAS_F16C)  # fp16 scales only where exact
-    assert (packed[1].shape[2] == 0) == (kind != "Q4_1")  # an all-zero m is left out
+    assert (packed[1].shape[-1] == 0) == (kind != "Q4_1")  # an all-zero m is left out
     if shape[0] == 1040:  # enough tiles for the many-tile row group (``MANY_TILES``), groups crossed by ROWS
         assert packed[2].shape[0] >= intdot.MANY_TILES
     else:  # few tiles: blocks of ROW_SHARES_MIN rows and more are shared by rows (24: a chunk of one vector)

@@ -84,7 +84,7 @@ def _chain_logits(features, tokens, embed, fc, fc_b, fl, cache, start, bias, rot
                                  False, eps, shape, path)[0]
     h = np.empty((depth, hidden), np.float32)
     _rms_norm_kernel(chain, norm, eps, h)
-    raw = np.empty((depth, lm[0].shape[0] * lm[0].shape[2]), np.float32)
+    raw = np.empty((depth, lm[0].size // (hidden // 32)), np.float32)  # a scale per output row and block
     _linear(h, lm[0], lm[1], lm[2], raw, path)
     return raw
 

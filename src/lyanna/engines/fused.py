@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Sequence
 
 import numpy as np
-from numba import njit
+from numba import njit, types
 from numba.extending import overload
 from numba.typed import List
 
@@ -39,7 +39,7 @@ def _linear(x, d, m, q, out, path):  # pragma: no cover - replaced in compiled c
 
 @overload(_linear)
 def _linear_by_layout(x, d, m, q, out, path):
-    if q.ndim == 4:  # intdot's layout [tiles, blocks, vectors, bytes]
+    if q.dtype == types.uint8:  # intdot's layout (``intdot.pack``); the float kernel's weights are int8
         return lambda x, d, m, q, out, path: intdot.int_linear_kernel(x, d, m, q, out, path)
     return lambda x, d, m, q, out, path: _quant_linear_kernel(x, d, m, q, out)
 
@@ -65,7 +65,8 @@ def _layers(x, rot, attn_norms, mlp_norms, d, m, q, k_caches, v_caches, span_of,
     kh = np.empty((n, kv_heads, head_dim), np.float32)
     o = np.empty((n, q_dim), np.float32)
     a = np.empty((n, hidden), np.float32)
-    gate_up = np.empty((n, d[2].shape[0] * d[2].shape[2]), np.float32)  # every layer has the same shapes
+    # every layer has the same shapes; d holds a scale per output row and block of 32 inputs
+    gate_up = np.empty((n, d[2].size // (hidden // 32)), np.float32)
     act = np.empty((n, gate_up.shape[1] // 2), np.float32)
     for layer in range(len(attn_norms)):
         if tap_slot[layer] >= 0:

@@ -22,9 +22,13 @@ any size, or beside other sequences in a batch (greedy equality with ``ar`` reli
 Layouts: matrices whose values are all 0..15 (Q4_1) keep two weights per byte; others (Q8_0, and
 Q4_0's -8..7) one signed byte, multiplied by the sign trick (``|q|`` times ``x`` with ``q``'s sign;
 ``vnni`` instead reads each weight as the unsigned byte ``q + 128`` and takes ``128 * sum(xq)`` of
-the row's block off). Output rows go 8 to a vector (8 int32 lanes of a 256-bit register); each vector's 32 weights of a block are ``[quad p][output][4 inputs]`` so a broadcast of
-four input bytes meets four consecutive weights of every output. The packed layout holds quad
-``p`` in the low nibbles and quad ``p + 4`` in the high ones.
+the row's block off). Output rows go 8 to a vector (8 int32 lanes of a 256-bit register); each
+vector's 32 weights of a block are ``[quad p][output][4 inputs]`` so a broadcast of four input
+bytes meets four consecutive weights of every output. The packed layout holds quad ``p`` in the
+low nibbles and quad ``p + 4`` in the high ones. A tile's vectors go in groups of
+``VECTOR_GROUP``, each group's blocks one after another with the group's vectors side by side in
+each (weights and scales alike): the kernel takes a group's vectors through every block with
+their outputs in registers, so it reads the bytes in the order they lie.
 
 Paths (``PATH``: the first of ``PATHS`` the CPU has, or ``LYANNA_INTDOT_PATH``, chosen at import): ``vnni``
 (``vpdpbusd``, AVX-512 VNNI or AVX-VNNI: four byte products added into each 32-bit lane in one
@@ -157,14 +161,21 @@ def quantize_rows(x):  # pragma: no cover - compiled
 # Measured on the 2-core Zen 4: docs/engine.md (latency against block size).
 ROW_SHARE = 4
 ROW_SHARES_MIN = 5
+# Output vectors whose blocks lie side by side (``_grouped``): the widest chunk of the kernel.
+VECTOR_GROUP = 4
+# Output vectors of a tile that every row group of a block takes in turn where a block has more
+# than one group: the first group's loads bring the span's weights into L1 for the others, so the
+# tile streams from memory while all the groups compute, not while the first one alone does.
+SPAN = VECTOR_GROUP
 
 
 @njit(cache=True, nogil=True)
 def int_linear_kernel(x, d, m, q, out, path):  # pragma: no cover - compiled
-    """``out = x @ W.T`` by the module's rule on path ``ALL_PATHS[path]``; ``q`` [tiles, blocks,
-    vectors, bytes] (32 * 4 bytes per vector when packed, 32 * 8 when not), ``d``/``m`` [tiles,
-    blocks, tile width]. Shared among the threads by tiles, or by rows (``ROW_SHARE``): every
-    row's outputs have the same bits either way."""
+    """``out = x @ W.T`` by the module's rule on path ``ALL_PATHS[path]``; ``q`` [tiles, groups,
+    blocks, vectors of a group, bytes] (32 * 4 bytes per vector when packed, 32 * 8 when not),
+    ``d``/``m`` [tiles, groups, blocks, vectors of a group, 8] (``pack``). Shared among
+    the threads by tiles, or by rows (``ROW_SHARE``): every row's outputs have the same bits
+    either way."""
     xq, dx, xs, xc = quantize_rows(x)
     if x.shape[0] >= ROW_SHARES_MIN and d.shape[0] < MANY_TILES:
         _by_rows(xq, dx, xs, xc, d, m, q, out, path)
@@ -175,56 +186,57 @@ def int_linear_kernel(x, d, m, q, out, path):  # pragma: no cover - compiled
 @njit(cache=True, nogil=True)
 def _shapes(xq, d, m, q):  # pragma: no cover - compiled
     """What the kernels read of the operands' shapes: rows, inputs, tiles, blocks, tile width,
-    output vectors a tile, whether the weights are packed nibbles, whether ``m`` was kept."""
-    tiles, nb, tw = d.shape
-    # ``pack`` leaves out an all-zero m
-    return xq.shape[0], xq.shape[1], tiles, nb, tw, tw // OUT, 1 if q.shape[3] == NIBBLE_BYTES else 0, 1 if m.size else 0
+    output vectors a tile, vectors a group (``_grouped``), bytes of a vector's block, whether the
+    weights are packed nibbles, whether ``m`` was kept (``pack`` leaves out an all-zero m)."""
+    tiles, groups, nb, g, size = q.shape
+    return (xq.shape[0], xq.shape[1], tiles, nb, groups * g * OUT, groups * g, g, size, 1 if size == NIBBLE_BYTES else 0,
+            1 if m.size else 0)
 
 
 @njit(parallel=True, cache=True, nogil=True)
 def _by_rows(xq, dx, xs, xc, d, m, q, out, path):  # pragma: no cover - compiled
-    """``int_linear_kernel`` by shares of ``ROW_SHARE`` rows: each share every block of every tile."""
-    rows, k, tiles, nb, tw, nvec, nibbles, offsets = _shapes(xq, d, m, q)
+    """``int_linear_kernel`` by shares of ``ROW_SHARE`` rows: each share every tile."""
+    rows, k, tiles, nb, tw, nvec, g, size, nibbles, offsets = _shapes(xq, d, m, q)
     flat, xflat, dflat, sflat, cflat = q.reshape(-1), xq.reshape(-1), dx.reshape(-1), xs.reshape(-1), xc.reshape(-1)
     width = out.shape[1]
-    size = even_group(rows, ROW_SHARE)
-    for share in prange((rows + size - 1) // size):
-        i = share * size
-        group = min(size, rows - i)
+    share_rows = even_group(rows, ROW_SHARE)
+    for share in prange((rows + share_rows - 1) // share_rows):
+        i = share * share_rows
+        group = min(share_rows, rows - i)
         out[i : i + group] = 0
         for c in range(tiles):
-            for b in range(nb):
-                _block(path, (flat, (c * nb + b) * nvec * q.shape[3], nvec, nibbles, xflat, i * k + b * QK, k, dflat,
-                              sflat, i * nb + b, nb, d, m, (c * nb + b) * tw, out, i * width + c * tw, width, group, 1,
-                              offsets, cflat))
+            _tile(path, (flat, c * nb * nvec * size, nvec, nibbles, xflat, i * k, k, dflat, sflat, i * nb, nb, d, m,
+                         c * nb * tw, out, i * width + c * tw, width, group, 1, offsets, cflat, 0, g))
 
 
 @njit(parallel=True, cache=True, nogil=True)
 def _by_blocks(xq, dx, xs, xc, d, m, q, out, path):  # pragma: no cover - compiled
-    """``int_linear_kernel`` block by block: each block of every tile for up to GROUP rows a call."""
-    rows, k, tiles, nb, tw, nvec, nibbles, offsets = _shapes(xq, d, m, q)
+    """``int_linear_kernel`` tile by tile, up to GROUP rows a call (a call: every block of a span of
+    the tile's output vectors)."""
+    rows, k, tiles, nb, tw, nvec, g, size, nibbles, offsets = _shapes(xq, d, m, q)
     most = MANY_TILES_GROUP if tiles >= MANY_TILES and path == 0 and HAS_512 else GROUP  # measured there only
     # as even as they go: 5 rows in groups of 4 were 4 + 1, the second group paying nearly a whole
     # group's unpacking and scaling for one row (docs/engine.md); each row's sums are the same bits
     most = even_group(rows, most)
     flat, xflat, dflat, sflat, cflat = q.reshape(-1), xq.reshape(-1), dx.reshape(-1), xs.reshape(-1), xc.reshape(-1)
     width = out.shape[1]
+    span = nvec if rows <= most else SPAN
     for c in prange(tiles):
         out[:, c * tw : (c + 1) * tw] = 0
-        for b in range(nb):
-            qoff = (c * nb + b) * nvec * q.shape[3]
+        for j in range(0, nvec, span):
             i = 0
-            while i < rows:
+            while i < rows:  # the first group streams the span's weights, the others find them in L1
                 group = min(most, rows - i)
-                _block(path, (flat, qoff, nvec, nibbles, xflat, i * k + b * QK, k, dflat, sflat, i * nb + b, nb, d, m,
-                              (c * nb + b) * tw, out, i * width + c * tw, width, group, 1 if i == 0 else 0, offsets,
-                              cflat))
+                _tile(path, (flat, c * nb * nvec * size, min(j + span, nvec), nibbles, xflat, i * k, k, dflat,
+                             sflat, i * nb, nb, d, m, c * nb * tw, out, i * width + c * tw, width, group,
+                             1 if i == 0 else 0, offsets, cflat, j, g))
                 i += group
 
 
 @njit(cache=True, nogil=True)
-def _block(path, args):  # pragma: no cover - compiled
-    """One call of the block kernel (``intdot_ir``) on path ``ALL_PATHS[path]``."""
+def _tile(path, args):  # pragma: no cover - compiled
+    """One call of the tile kernel (``intdot_ir``: every block of a tile for up to GROUP rows) on
+    path ``ALL_PATHS[path]``."""
     if path == 0:
         _block_vnni(*args)
     elif path == 1:
@@ -257,16 +269,31 @@ def pack(d: np.ndarray, m: np.ndarray, q: np.ndarray) -> tuple[np.ndarray, np.nd
     if q.size == 0 or (q.min() >= 0 and q.max() <= 15):
         u = blocks.astype(np.uint8)
         packed = u[..., :4, :] | (u[..., 4:, :] << 4)  # quad p low, quad p + 4 high
-        data = packed.transpose(0, 3, 1, 4, 2, 5).reshape(tiles, nb, tw // OUT, NIBBLE_BYTES)
+        data = _grouped(packed.transpose(0, 1, 3, 4, 2, 5).reshape(tiles, tw // OUT, nb, NIBBLE_BYTES))
     else:
-        data = blocks.transpose(0, 3, 1, 4, 2, 5).reshape(tiles, nb, tw // OUT, BYTE_BYTES).view(np.uint8)
+        data = _grouped(blocks.transpose(0, 1, 3, 4, 2, 5).reshape(tiles, tw // OUT, nb, BYTE_BYTES).view(np.uint8))
     half = HAS_F16C and all(np.array_equal(a.astype(np.float16).astype(np.float32), a) for a in (d, m))
-    scales = [np.ascontiguousarray(a.reshape(tiles, tw, nb).transpose(0, 2, 1)) for a in (d, m)]
+    scales = [_grouped(a.reshape(tiles, tw // OUT, OUT, nb).transpose(0, 1, 3, 2)) for a in (d, m)]
     if half:
         scales = [a.astype(np.float16).view(np.uint16) for a in scales]
     if not m.any() and not np.signbit(m).any():
-        scales[1] = np.zeros((tiles, nb, 0), scales[0].dtype)  # one type for d and m, as the kernel reads them
+        scales[1] = np.zeros(scales[0].shape[:-1] + (0,), scales[0].dtype)  # one type for d and m, as the kernel reads them
     return scales[0], scales[1], np.ascontiguousarray(data)
+
+
+def _grouped(a: np.ndarray) -> np.ndarray:
+    """[tiles, vectors, blocks, x] as [tiles, groups, blocks, vectors of the group, x]: a group's
+    block is its vectors' blocks side by side, so a chunk of the kernel (``intdot_ir``), which
+    takes a group's vectors block after block, reads its bytes in the order they lie."""
+    tiles, nvec, nb, width = a.shape
+    g = next(g for g in (VECTOR_GROUP, 2, 1) if nvec % g == 0)
+    return np.ascontiguousarray(a.reshape(tiles, nvec // g, g, nb, width).transpose(0, 1, 3, 2, 4))
+
+
+def _ungrouped(a: np.ndarray) -> np.ndarray:
+    """``_grouped``'s inverse."""
+    tiles, groups, nb, g, width = a.shape
+    return a.transpose(0, 1, 3, 2, 4).reshape(tiles, groups * g, nb, width)
 
 
 def _float_scales(a: np.ndarray) -> np.ndarray:
@@ -275,16 +302,17 @@ def _float_scales(a: np.ndarray) -> np.ndarray:
 
 def unpack(d: np.ndarray, m: np.ndarray, q: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``pack``'s inverse: ``(d, m, q)`` in row layout (fp32 scales, m zeros where it was left out)."""
-    tiles, nb, nvec, size = q.shape
+    d, m, q = _ungrouped(d), _ungrouped(m), _ungrouped(q)
+    tiles, nvec, nb, size = q.shape
     if size == NIBBLE_BYTES:
-        packed = q.reshape(tiles, nb, nvec, 4, OUT, 4)
+        packed = q.reshape(tiles, nvec, nb, 4, OUT, 4)
         quads = np.concatenate([packed & 15, packed >> 4], axis=3)
     else:
-        quads = q.reshape(tiles, nb, nvec, 8, OUT, 4)
-    values = quads.view(np.int8).transpose(0, 2, 4, 1, 3, 5).reshape(tiles * nvec * OUT, nb * QK)
+        quads = q.reshape(tiles, nvec, nb, 8, OUT, 4)
+    values = quads.view(np.int8).transpose(0, 1, 4, 2, 3, 5).reshape(tiles * nvec * OUT, nb * QK)
     d = _float_scales(d)
     m = _float_scales(m) if m.size else np.zeros_like(d)
-    d2, m2 = (np.ascontiguousarray(a.transpose(0, 2, 1).reshape(-1, nb)) for a in (d, m))
+    d2, m2 = (np.ascontiguousarray(a.transpose(0, 1, 3, 2).reshape(-1, nb)) for a in (d, m))
     return d2, m2, np.ascontiguousarray(values)
 
 
@@ -297,37 +325,39 @@ def _widen_half(typingctx, bits):
     return types.float32(types.uint16), codegen
 
 
-def _scale_at(a, c, b, u):  # pragma: no cover - replaced in compiled code by the overload below
-    """Scale ``a[c, b, u]`` as fp32, whether ``pack`` kept it as fp32 or as fp16 bits."""
+def _scale_at(a, c, v, b, w, lane):  # pragma: no cover - replaced in compiled code by the overload below
+    """Scale ``a[c, v, b, w, lane]`` as fp32, whether ``pack`` kept it as fp32 or as fp16 bits."""
 
 
 @overload(_scale_at)
-def _scale_at_by_type(a, c, b, u):
+def _scale_at_by_type(a, c, v, b, w, lane):
     if a.dtype == types.uint16:
-        return lambda a, c, b, u: _widen_half(a[c, b, u])
-    return lambda a, c, b, u: a[c, b, u]
+        return lambda a, c, v, b, w, lane: _widen_half(a[c, v, b, w, lane])
+    return lambda a, c, v, b, w, lane: a[c, v, b, w, lane]
 
 
 @njit(parallel=True, cache=True, nogil=True)
 def dequantize_rows(d, m, q, rows, out):  # pragma: no cover - compiled
     """``out[r] = d * q + m`` of weight row ``rows[r]`` (two roundings, as GGUF's dequantizer)."""
-    tw = d.shape[2]
-    packed = q.shape[3] == NIBBLE_BYTES
+    g = q.shape[3]  # vectors a group (``_grouped``)
+    tw = d.shape[1] * g * OUT
+    packed = q.shape[4] == NIBBLE_BYTES
     offsets = m.size > 0
     for r in prange(rows.shape[0]):
         c, u = divmod(rows[r], tw)
-        v, lane = divmod(u, OUT)
+        vector, lane = divmod(u, OUT)
+        v, w = divmod(vector, g)
         for t in range(out.shape[1]):
             b, within = divmod(t, QK)
             quad, j = divmod(within, 4)
             if packed:
-                byte = q[c, b, v, (quad & 3) * 32 + lane * 4 + j]
+                byte = q[c, v, b, w, (quad & 3) * 32 + lane * 4 + j]
                 value = np.float32(byte & 15 if quad < 4 else byte >> 4)
             else:
-                value = np.float32(np.int8(q[c, b, v, quad * 32 + lane * 4 + j]))
+                value = np.float32(np.int8(q[c, v, b, w, quad * 32 + lane * 4 + j]))
             # + 0.0 where m was left out: the same bits as adding the +0 it held
-            offset = _scale_at(m, c, b, u) if offsets else np.float32(0.0)
-            out[r, t] = _scale_at(d, c, b, u) * value + offset
+            offset = _scale_at(m, c, v, b, w, lane) if offsets else np.float32(0.0)
+            out[r, t] = _scale_at(d, c, v, b, w, lane) * value + offset
 
 
 def reference(x: np.ndarray, d: np.ndarray, m: np.ndarray, q: np.ndarray) -> np.ndarray:

@@ -1,8 +1,9 @@
-"""The LLVM IR of the integer kernel's inner step (``intdot.int_linear_kernel``): one block of 32
-inputs of one tile, for up to ``GROUP`` input rows and every output vector of the tile, on one
-instruction-set path (``vnni``, ``avx2``, ``portable``), with the layout constants it reads. Why IR:
-numba's own loops keep the partial sums in memory; here they stay in registers. ``intdot`` states
-the rule every path computes and holds the kernels that call these.
+"""The LLVM IR of the integer kernel's inner loop (``intdot.int_linear_kernel``): output vectors
+``j0 .. jn - 1`` of one tile over all its blocks of 32 inputs, for up to ``GROUP`` input rows, on
+one instruction-set path (``vnni``, ``avx2``, ``portable``), with the layout constants it reads.
+Why IR: numba's own loops keep the partial sums in memory; here the integer sums stay in
+registers through a block and the outputs through all of a tile's blocks. ``intdot`` states the
+rule every path computes and holds the kernels that call these.
 """
 from __future__ import annotations
 
@@ -34,10 +35,6 @@ BYTE_BYTES = OUT * QK  # the same, one byte per weight: 8 vectors of 32
 # cached tokens, each against the L1 prefetch 4 KB ahead in alternating processes): docs/engine.md.
 PREFETCH_BYTES = 8192
 PREFETCH_LOCALITY = 2  # llvm.prefetch's locality: 2 is prefetcht1 (L2 and beyond) on x86
-# The scales (``d``, ``m``: a block's scales for a tile are one short run) are asked for this many
-# blocks ahead, like the weights, rather than left to the hardware's prefetcher, which missed
-# some of them while the weights streamed from memory (docs/engine.md, latency against block size).
-SCALES_AHEAD = 8
 HAS_AVX2 = "+avx2" in _FEATURES
 HAS_F16C = "+f16c" in _FEATURES  # fp16 -> fp32 in one instruction (``pack`` keeps fp16 scales only then)
 HAS_512 = HAS_AVX2 and "+avx512vl" in _FEATURES  # 32 vector registers, EVEX-encoded 256-bit ops
@@ -53,8 +50,8 @@ _COLS_32 = {1: 4, 2: 4, 3: 4, 4: 4, 5: 2, 6: 2, 7: 2, 8: 2}
 
 
 class _Emitter:
-    """The LLVM IR of one block (32 inputs) of one tile for up to ``GROUP`` input rows, every
-    output vector of the tile, on ``path`` (see the module). The integer sums are exact on every
+    """The LLVM IR of output vectors ``j0 .. jn - 1`` of one tile, every block, for up to ``GROUP``
+    input rows, on ``path`` (see the module). The integer sums are exact on every
     path: no pair sum reaches the 16-bit saturation of ``avx2``/``portable`` (4-bit weights: 8
     pairs of at most 2 * 15 * 127 = 3810; bytes: one pair of at most 2 * 128 * 127), and ``vnni``
     adds whole products into 32 bits."""
@@ -66,9 +63,9 @@ class _Emitter:
                   for i in (0, 4, 7, 8, 11, 12, 14, 20)}
         self.q, self.xq, self.dx, self.xs, self.d, self.m, self.out, self.xc = (arrays[i] for i in (0, 4, 7, 8, 11, 12, 14,
                                                                                                   20))
-        (self.qoff, self.nvec, self.nibbles, self.xoff, self.k, self.soff, self.nb, self.dmoff, self.ooff,
-         self.ostride, self.rows, self.prefetch, self.offsets) = (args[i] for i in (1, 2, 3, 5, 6, 9, 10, 13, 15, 16,
-                                                                                   17, 18, 19))
+        (self.qoff, self.jn, self.nibbles, self.xoff, self.k, self.soff, self.nb, self.dmoff, self.ooff,
+         self.ostride, self.rows, self.prefetch, self.offsets, self.j0, self.g) = (
+             args[i] for i in (1, 2, 3, 5, 6, 9, 10, 13, 15, 16, 17, 18, 19, 21, 22))
         self.half = signature.args[11].dtype == types.uint16  # scales stored as fp16 bits (``pack``)
         self.intp = self.qoff.type
         i8, i16, i32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
@@ -140,11 +137,11 @@ class _Emitter:
             switch.add_case(self.rows.type(rows), case)
             b.position_at_end(case)
             cols = self.cols.get(rows, 1)  # output vectors a chunk takes
-            full = b.sdiv(self.nvec, intp(cols))
+            full = b.sdiv(b.sub(self.jn, self.j0), intp(cols))  # vectors j0 .. jn - 1
             with cgutils.for_range(b, full) as loop:
-                self._chunk(nibbles, rows, cols, b.mul(loop.index, intp(cols)))
+                self._chunk(nibbles, rows, cols, b.add(self.j0, b.mul(loop.index, intp(cols))))
             if cols > 1:
-                with cgutils.for_range_slice(b, b.mul(full, intp(cols)), self.nvec, intp(1)) as (j, _):
+                with cgutils.for_range_slice(b, b.add(self.j0, b.mul(full, intp(cols))), self.jn, intp(1)) as (j, _):
                     self._chunk(nibbles, rows, 1, j)
             b.branch(merge)
         b.position_at_end(merge)
@@ -156,28 +153,61 @@ class _Emitter:
         """Four input bytes at ``offset`` in every 32-bit lane."""
         return self.b.bitcast(ir_splat(self.b, self._load(self.xq, offset, self.i32), self.v8i32), self.v32i8)
 
+    def _out_ptr(self, r: int, col):
+        b, intp = self.b, self.intp
+        return b.bitcast(b.gep(self.out, [b.add(b.add(self.ooff, b.mul(intp(r), self.ostride)), col)]),
+                         self.v8f32.as_pointer())
+
     def _chunk(self, nibbles: bool, rows: int, cols: int, j) -> None:
-        """Output vectors ``j .. j + cols - 1`` for ``rows`` input rows: integer sums, then the scales."""
+        """Output vectors ``j .. j + cols - 1`` for ``rows`` input rows over every block of the tile:
+        the outputs stay in registers from the first block to the last (one load and one store of
+        ``out`` a chunk, not a block), added to in the rule's order, so the bits are the same."""
         b, intp = self.b, self.intp
         size = NIBBLE_BYTES if nibbles else BYTE_BYTES
-        qbase = [b.add(self.qoff, b.mul(b.add(j, intp(c)), intp(size))) for c in range(cols)]
-        with b.if_then(b.icmp_signed("!=", self.prefetch, intp(0))):
+        cols_at = [b.mul(b.add(j, intp(c)), intp(OUT)) for c in range(cols)]  # in a row of ``out``
+        units = [self._unit(b.add(j, intp(c))) for c in range(cols)]  # each vector's block 0
+        group_run = b.mul(b.sdiv(j, self.g), b.mul(self.nb, self.g))  # the chunk's group's block 0
+        accs = [[cgutils.alloca_once(b, self.v8f32) for _ in range(cols)] for _ in range(rows)]
+        for r in range(rows):
             for c in range(cols):
-                for line in range(0, size, 64):  # 64-byte cache lines; a prefetch never faults
-                    ptr = b.gep(self.q, [b.add(qbase[c], intp(PREFETCH_BYTES + line))])
-                    b.call(self.prefetch_fn, [ptr, self.i32(0), self.i32(PREFETCH_LOCALITY), self.i32(1)])
-            # this chunk's scales SCALES_AHEAD blocks on
-            ahead = b.add(self.dmoff, b.add(b.mul(j, intp(OUT)), b.mul(self.nvec, intp(OUT * SCALES_AHEAD))))
+                b.store(b.load(self._out_ptr(r, cols_at[c]), align=1), accs[r][c])
+        with cgutils.for_range(b, self.nb) as loop:
+            blk = b.mul(loop.index, self.g)  # a group's block holds its g vectors' blocks
+            qbase = [b.add(self.qoff, b.mul(b.add(u, blk), intp(size))) for u in units]
+            scale_at = [b.add(self.dmoff, b.mul(b.add(u, blk), intp(OUT))) for u in units]
+            self._prefetch(b.add(self.qoff, b.mul(b.add(group_run, blk), intp(size))), size,
+                           b.add(self.dmoff, b.mul(b.add(group_run, blk), intp(OUT))))
+            xrow = [b.add(b.add(self.xoff, b.mul(loop.index, intp(QK))), b.mul(intp(r), self.k)) for r in range(rows)]
+            srow = [b.add(b.add(self.soff, loop.index), b.mul(intp(r), self.nb)) for r in range(rows)]
+            sums = self._packed_sums(qbase, xrow) if nibbles else self._byte_sums(qbase, xrow, srow)
+            with b.if_else(b.icmp_signed("!=", self.offsets, intp(0))) as (with_offsets, without):
+                with with_offsets:
+                    self._scale(sums, accs, srow, scale_at, True)
+                with without:
+                    self._scale(sums, accs, srow, scale_at, False)
+        for r in range(rows):
+            for c in range(cols):
+                b.store(b.load(accs[r][c]), self._out_ptr(r, cols_at[c]), align=1)
+
+    def _unit(self, v):
+        """Where vector ``v``'s block 0 lies, in vector-blocks from the tile's start: its group's
+        run of blocks, then its place in the group (the layout: ``intdot.pack``)."""
+        b = self.b
+        return b.add(b.mul(b.sdiv(v, self.g), b.mul(self.nb, self.g)), b.srem(v, self.g))
+
+    def _prefetch(self, at, size: int, scales) -> None:
+        """Where ``prefetch`` is set, into L2: the weights ``PREFETCH_BYTES`` beyond ``at`` (a
+        group's block, the chunk's place in the tile as the bytes lie) and the scales as many
+        blocks beyond ``scales``."""
+        b, intp = self.b, self.intp
+        with b.if_then(b.icmp_signed("!=", self.prefetch, intp(0))):
+            with cgutils.for_range_slice(b, intp(0), b.mul(self.g, intp(size)), intp(64)) as (line, _):  # cache lines
+                ptr = b.gep(self.q, [b.add(at, b.add(line, intp(PREFETCH_BYTES)))])  # a prefetch never faults
+                b.call(self.prefetch_fn, [ptr, self.i32(0), self.i32(PREFETCH_LOCALITY), self.i32(1)])
+            ahead = b.add(scales, b.mul(self.g, intp(PREFETCH_BYTES // size * OUT)))
             for array in (self.d, self.m):
                 ptr = b.bitcast(b.gep(array, [ahead]), ir.IntType(8).as_pointer())
                 b.call(self.prefetch_fn, [ptr, self.i32(0), self.i32(PREFETCH_LOCALITY), self.i32(1)])
-        xrow = [b.add(self.xoff, b.mul(intp(r), self.k)) for r in range(rows)]
-        sums = self._packed_sums(qbase, xrow) if nibbles else self._byte_sums(qbase, xrow)
-        with b.if_else(b.icmp_signed("!=", self.offsets, intp(0))) as (with_offsets, without):
-            with with_offsets:
-                self._scale(sums, rows, cols, j, True)
-            with without:
-                self._scale(sums, rows, cols, j, False)
 
     def _load_scales(self, array, offset):
         """Eight fp32 scales at ``offset``, widened exactly from fp16 bits where ``pack`` kept those."""
@@ -186,20 +216,17 @@ class _Emitter:
         halves = self.b.bitcast(self._load(array, offset, ir.VectorType(ir.IntType(16), 8)), ir.VectorType(ir.HalfType(), 8))
         return self.b.fpext(halves, self.v8f32)
 
-    def _scale(self, sums, rows: int, cols: int, j, offsets: bool) -> None:
-        """``out += (d * dx) * isum + m * xs`` for the chunk; without the ``m * xs`` term where
+    def _scale(self, sums, accs, srow, scale_at, offsets: bool) -> None:
+        """``acc += (d * dx) * isum + m * xs`` for the chunk's block; without the ``m * xs`` term where
         ``pack`` found every ``m`` zero: adding +-0 leaves ``out`` as it was (``out`` starts at +0
         and a sum of nonzero values rounds to +0, never -0), so the result is the same bits."""
-        b, intp = self.b, self.intp
-        for c in range(cols):
-            col = b.mul(b.add(j, intp(c)), intp(OUT))
-            dv = self._load_scales(self.d, b.add(self.dmoff, col))
-            mv = self._load_scales(self.m, b.add(self.dmoff, col)) if offsets else None
-            for r in range(rows):
-                ptr = b.bitcast(b.gep(self.out, [b.add(b.add(self.ooff, b.mul(intp(r), self.ostride)), col)]),
-                                self.v8f32.as_pointer())
-                term = self._term(dv, mv, b.add(self.soff, b.mul(intp(r), self.nb)), sums[r][c])
-                b.store(b.fadd(b.load(ptr, align=1), term), ptr, align=1)
+        b = self.b
+        for c, at in enumerate(scale_at):
+            dv = self._load_scales(self.d, at)
+            mv = self._load_scales(self.m, at) if offsets else None
+            for r, acc in enumerate(accs):
+                term = self._term(dv, mv, srow[r], sums[r][c])
+                b.store(b.fadd(b.load(acc[c]), term), acc[c])
 
     def _term(self, dv, mv, at, isum):
         """The rule's term of one block for 8 outputs of one row: ``(d * dx) * isum + m * xs`` (no
@@ -234,10 +261,10 @@ class _Emitter:
                         acc[r][c] = b.add(acc[r][c], self.maddubs(hi[c], xhi))
         return acc if self.vnni else [[self.widen(a) for a in row] for row in acc]
 
-    def _byte_sums(self, qbase, xrow):
+    def _byte_sums(self, qbase, xrow, srow):
         """Per row and vector, the block's 32-bit sums from signed byte weights (the sign trick)."""
         if self.vnni:
-            return self._byte_sums_offset(qbase, xrow)
+            return self._byte_sums_offset(qbase, xrow, srow)
         b, intp = self.b, self.intp
         acc = [[ir.Constant(self.v8i32, [0] * 8) for _ in qbase] for _ in xrow]
         for g in range(8):
@@ -249,7 +276,7 @@ class _Emitter:
                     acc[r][c] = b.add(acc[r][c], self.widen(self.maddubs(aw[c], self.sign(xb, w[c]))))
         return acc
 
-    def _byte_sums_offset(self, qbase, xrow):
+    def _byte_sums_offset(self, qbase, xrow, srow):
         """The same sums on ``vnni`` without the sign trick: each weight byte's top bit flipped
         makes it ``q + 128`` as an unsigned byte (0..255), which multiplies the signed inputs, and
         ``128 * sum(xq)`` of the row's block (``xc``, formed once when the row is quantized) comes
@@ -266,7 +293,7 @@ class _Emitter:
                     acc[r][c] = self.dot4(acc[r][c], w[c], xb)
         sums = []
         for r, row in enumerate(acc):
-            taken = ir_splat(b, b.load(b.gep(self.xc, [b.add(self.soff, b.mul(intp(r), self.nb))])), self.v8i32)
+            taken = ir_splat(b, b.load(b.gep(self.xc, [srow[r]])), self.v8i32)
             sums.append([b.sub(a, taken) for a in row])
         return sums
 
@@ -276,14 +303,14 @@ def _block_intrinsic(path: str):
     # and none may hold an instruction the CPU cannot run.
     emitted = path if path in PATHS else "portable"
 
-    def block(typingctx, q, qoff, nvec, nibbles, xq, xoff, k, dx, xs, soff, nb, d, m, dmoff, out, ooff, ostride,
-              rows, prefetch, offsets, xc):
+    def block(typingctx, q, qoff, jn, nibbles, xq, xoff, k, dx, xs, soff, nb, d, m, dmoff, out, ooff, ostride,
+              rows, prefetch, offsets, xc, j0, g):
         def codegen(context, builder, signature, args):
             _Emitter(context, builder, signature, args, emitted).emit()
             return context.get_dummy_value()
 
-        sig = types.void(q, qoff, nvec, nibbles, xq, xoff, k, dx, xs, soff, nb, d, m, dmoff, out, ooff, ostride,
-                         rows, prefetch, offsets, xc)
+        sig = types.void(q, qoff, jn, nibbles, xq, xoff, k, dx, xs, soff, nb, d, m, dmoff, out, ooff, ostride,
+                         rows, prefetch, offsets, xc, j0, g)
         return sig, codegen
 
     block.__name__ = block.__qualname__ = f"int_block_{path}"

@@ -250,7 +250,7 @@ class QuantMatrix:
     @property
     def padded_rows(self) -> int:
         """Output rows the kernels compute (``shape[0]`` rounded up to a whole vector)."""
-        return self.d.shape[0] * self.d.shape[2]
+        return self.d.size * QK // self.shape[1]  # d holds one scale per output row and block, in either layout
 
     @property
     def nbytes(self) -> int:

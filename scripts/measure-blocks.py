@@ -98,8 +98,10 @@ def _shown(path: Path) -> str:
 
 
 def commit_of(checkout: Path) -> str:
-    return subprocess.run(["git", "-C", str(checkout), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                          check=True).stdout.strip()
+    """The checkout's commit, marked ``-dirty`` where its files differ from it (a change measured
+    before it is committed)."""
+    return subprocess.run(["git", "-C", str(checkout), "describe", "--always", "--dirty", "--abbrev=7", "--exclude=*"],
+                          capture_output=True, text=True, check=True).stdout.strip()
 
 
 def fastest(kept: list[float] | None, new: list[float]) -> list[float]:

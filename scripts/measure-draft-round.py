@@ -77,8 +77,10 @@ def measure(checkout: Path, limit: int, budget: int, max_new: int) -> dict:
 
 
 def commit_of(checkout: Path) -> str:
-    return subprocess.run(["git", "-C", str(checkout), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                          check=True).stdout.strip()
+    """The checkout's commit, marked ``-dirty`` where its files differ from it (a change measured
+    before it is committed)."""
+    return subprocess.run(["git", "-C", str(checkout), "describe", "--always", "--dirty", "--abbrev=7", "--exclude=*"],
+                          capture_output=True, text=True, check=True).stdout.strip()
 
 
 def keep_fastest(kept: dict | None, new: dict) -> dict:

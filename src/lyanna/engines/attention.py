@@ -44,6 +44,10 @@ _PV_VECTORS = 4  # accumulators per query and pass over the keys: 64 dimensions 
 # 32 registers, 6 rows' accumulators (``_PV_VECTORS`` each) and the loaded values still fit: a
 # block of 5 or 6 rows is one task a head instead of two.
 QUERIES = 6 if LANES == 16 else 4
+# Queries scored together against each eight keys: they share every key vector's load (one load
+# fed one multiply-add per query before). Two queries' 16 lane sums fit AVX-512's 32 registers;
+# three spilled; on AVX2's 16 registers, one.
+_SCORE_QUERIES = 2 if LANES == 16 else 1
 _KEYS = 8  # keys scored together: 8 lanes of a 256-bit vector, one key's dot product per lane
 
 
@@ -72,8 +76,9 @@ class _Scores:
     def _pick(self, x, y, idx):
         return self.b.shuffle_vector(x, y, ir.Constant(ir.VectorType(self.i32, len(idx)), idx))
 
-    def lane_sums(self, query, keys):
-        """The 8 lane sums of each of ``keys`` with query ``query`` over dimensions [0, full)."""
+    def lane_sums(self, queries, keys):
+        """The 8 lane sums of each of ``keys`` with each of ``queries`` over dimensions [0, full):
+        every key vector loaded once for all the queries."""
         b, intp, v8 = self.b, self.intp, self.v8
         muladd = ir_muladd(b, v8)
         entry = b.block
@@ -83,22 +88,24 @@ class _Scores:
         b.position_at_end(body)
         d = b.phi(intp)
         d.add_incoming(intp(0), entry)
-        acc = [b.phi(v8) for _ in keys]
-        for a in acc:
+        acc = [[b.phi(v8) for _ in keys] for _ in queries]
+        for a in (a for row in acc for a in row):
             a.add_incoming(zero, entry)
-        qv = b.load(self._at(self.qp, b.add(query, d)), align=4)
-        new = [muladd(qv, b.load(self._at(self.kp, b.add(b.add(self.koff, b.mul(key, self.hd)), d)), align=4), a)
-               for key, a in zip(keys, acc)]
+        qv = [b.load(self._at(self.qp, b.add(query, d)), align=4) for query in queries]
+        kv = [b.load(self._at(self.kp, b.add(b.add(self.koff, b.mul(key, self.hd)), d)), align=4) for key in keys]
+        new = [[muladd(q, k, a) for k, a in zip(kv, row)] for q, row in zip(qv, acc)]
         d_next = b.add(d, intp(8))
         d.add_incoming(d_next, b.block)
-        for a, x in zip(acc, new):
-            a.add_incoming(x, b.block)
+        for row, xs in zip(acc, new):
+            for a, x in zip(row, xs):
+                a.add_incoming(x, b.block)
         b.cbranch(b.icmp_signed("<", d_next, self.full), body, done)
         b.position_at_end(done)
-        sums = [b.phi(v8) for _ in keys]
-        for total, x in zip(sums, new):
-            total.add_incoming(zero, entry)
-            total.add_incoming(x, body)
+        sums = [[b.phi(v8) for _ in keys] for _ in queries]
+        for row, xs in zip(sums, new):
+            for total, x in zip(row, xs):
+                total.add_incoming(zero, entry)
+                total.add_incoming(x, body)
         return sums
 
     def store(self, query, out, key, total) -> None:
@@ -112,12 +119,23 @@ class _Scores:
         b.store(b.load(slot), b.gep(self.sp, [b.add(out, key)]))
 
     def eight_keys(self, j) -> None:
-        """Keys j .. j + 7 for every query: eight lane sums reduced together."""
+        """Keys j .. j + 7 for every query: eight lane sums reduced together, ``_SCORE_QUERIES``
+        queries at a time (the rest one by one). Each query's sums are the same operations in
+        the same order whichever queries it goes with, so a score has the same bits."""
         b, intp = self.b, self.intp
         keys = [b.add(j, intp(i)) for i in range(_KEYS)]
-        with cgutils.for_range(b, self.nq) as loop:
-            query, out = b.add(self.qoff, b.mul(loop.index, self.qstride)), b.mul(loop.index, self.sstride)
-            a = self.lane_sums(query, keys)
+        most = b.mul(b.sdiv(self.nq, intp(_SCORE_QUERIES)), intp(_SCORE_QUERIES))
+        with cgutils.for_range_slice(b, intp(0), most, intp(_SCORE_QUERIES)) as (first, _):
+            self.queries_eight_keys([b.add(first, intp(i)) for i in range(_SCORE_QUERIES)], j, keys)
+        with cgutils.for_range_slice(b, most, self.nq, intp(1)) as (index, _):
+            self.queries_eight_keys([index], j, keys)
+
+    def queries_eight_keys(self, indices, j, keys) -> None:
+        """Keys j .. j + 7 for the queries numbered ``indices``."""
+        b = self.b
+        queries = [b.add(self.qoff, b.mul(i, self.qstride)) for i in indices]
+        for index, query, a in zip(indices, queries, self.lane_sums(queries, keys)):
+            out = b.mul(index, self.sstride)
             h = [_reduce_pairs(b, a[2 * i], a[2 * i + 1]) for i in range(4)]
             h = [_reduce_pairs(b, h[0], h[1]), _reduce_pairs(b, h[2], h[3])]
             scores = b.fadd(self._pick(h[0], h[1], [0, 1, 2, 3, 8, 9, 10, 11]), self._pick(h[0], h[1], [4, 5, 6, 7, 12, 13, 14, 15]))
@@ -133,7 +151,7 @@ class _Scores:
         b = self.b
         with cgutils.for_range(b, self.nq) as loop:
             query, out = b.add(self.qoff, b.mul(loop.index, self.qstride)), b.mul(loop.index, self.sstride)
-            (v,) = self.lane_sums(query, [key])
+            ((v,),) = self.lane_sums([query], [key])
             quad = b.fadd(self._pick(v, v, [0, 2, 4, 6]), self._pick(v, v, [1, 3, 5, 7]))
             pair = b.fadd(self._pick(quad, quad, [0, 2]), self._pick(quad, quad, [1, 3]))
             self.store(query, out, key, b.fadd(b.extract_element(pair, self.i32(0)), b.extract_element(pair, self.i32(1))))
@@ -378,19 +396,20 @@ def _attention_kernel(q: np.ndarray, ks, vs, layer: int, span_of: np.ndarray, lo
         _dot_keys(q, (r0 * heads + h) * hd, heads * hd, r1 - r0, k, g * k.shape[1] * hd, hd, width, p, width)
         for r in range(r1 - r0):
             i, end = r0 + r, last[r]
-            for j in range(end, width):
-                p[r, j] = 0.0
+            prow = p[r, :end]
+            p[r, end:] = 0.0
             if masked:
                 row_bias = bias_at[s] + (i - lo[s]) * ends[s]
+                brow = bias[row_bias : row_bias + end]  # from 0: indexed as bias[row_bias + j], the loop ran scalar
                 for j in range(end):
-                    p[r, j] += bias[row_bias + j]
+                    prow[j] += brow[j]
             _softmax_weights(p, r * width, end)  # masked keys (-inf) get exactly 0
             # The vectorized sum visits keys in an order that depends on how many there are; in
             # float64 that order no longer shows once rounded to float32, so a query gets the same
             # denominator alone, in a tree block whose later keys it cannot see, or in a batch.
             total64 = 0.0
             for j in range(end):
-                total64 += np.float64(p[r, j])
+                total64 += np.float64(prow[j])
             inv[r] = np.float32(1.0) / np.float32(total64)
         _weighted_rows(p, width, r1 - r0, v, g * v.shape[1] * hd, width, hd, out, r0 * out.shape[1] + h * hd,
                        out.shape[1], inv)

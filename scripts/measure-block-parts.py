@@ -14,14 +14,21 @@ the integer peak and its attention at the fp32 peak, next to the measured one-to
 Why: a draft tree pays only if verifying it costs little more than one token, and the block's
 cost in one-token steps (``scripts/measure-blocks.py``) says how far it is from that, not why.
 Each part is the fastest of ``ROUNDS`` interleaved medians.
+
+``--against DIR``: the parts of another checkout of this repository (``git worktree add /tmp/before
+<commit>``) beside ours, each measured in child processes that take turns, each child one round
+(``ms_beside``, keyed ``ours@<commit>`` and the checkout's commit; ``ms`` is then ours from the
+children): what a change did to each part, on the same host at the same time.
 Writes docs/bench/block-parts.json (``--out`` elsewhere).
-Usage: .venv/bin/python scripts/measure-block-parts.py [--out PATH]
+Usage: .venv/bin/python scripts/measure-block-parts.py [--against DIR] [--out PATH]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import subprocess
+import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -36,7 +43,7 @@ from lyanna.engines import intdot
 from lyanna.engines.attention import _attention_kernel, span_layout
 from lyanna.engines.kernels import linear
 from lyanna.engines.loading import DEFAULT_MODEL, load_target
-from lyanna.engines.transformer import Transformer, attention_bias
+from lyanna.engines.transformer import KVCache, Transformer, attention_bias
 from lyanna.measure.bench import machine_info
 
 SIZES = (1, 2, 8, 16, 64)
@@ -151,53 +158,116 @@ def _shown(path: Path) -> str:
     return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="where the JSON goes (default: docs/bench/block-parts.json)")
-    args = parser.parse_args()
+def _engine() -> tuple[Transformer, np.random.Generator, KVCache]:
+    """The default engine, a random generator and a cache holding ``CONTEXT`` tokens."""
     target = load_target(DEFAULT_MODEL)
     engine = Transformer(target.config, target.weights)
     c = engine.config
     rng = np.random.default_rng(0)
     cache = engine.new_cache(CONTEXT + max(SIZES))
     engine.forward(rng.integers(c.vocab_size, size=CONTEXT), np.arange(CONTEXT), cache, logit_rows=[-1])
-    widths = {"wqkv": c.hidden_size, "wo": c.num_heads * c.head_dim, "w_gate_up": c.hidden_size,
-              "w_down": c.intermediate_size}
+    return engine, rng, cache
 
-    def parts_for(n: int) -> dict:
-        x = {k: rng.standard_normal((n, w)).astype(np.float32) for k, w in widths.items()}
-        q = rng.standard_normal((n, c.num_heads, c.head_dim)).astype(np.float32)
-        out = np.empty((n, c.num_heads * c.head_dim), np.float32)
-        bias = attention_bias(CONTEXT, np.tril(np.ones((n, n), bool))) if n > 1 else None
-        span_of, lo, flat_bias, bias_at = span_layout(n, [(0, n, bias)])
-        ends = np.array([CONTEXT + n], np.int64)
-        tokens, positions = rng.integers(c.vocab_size, size=n), np.arange(CONTEXT, CONTEXT + n)
-        mask = np.tril(np.ones((n, n), bool))
 
-        def matmuls() -> None:
-            for layer in engine.layers:
-                for name in widths:
-                    linear(x[name], getattr(layer, name))
+WIDTHS = {"wqkv": "hidden_size", "wo": None, "w_gate_up": "hidden_size", "w_down": "intermediate_size"}
 
-        def attention() -> None:
-            for li in range(c.num_layers):
-                _attention_kernel(q, (cache.k,), (cache.v,), li, span_of, lo, ends, flat_bias, bias_at, out)
 
-        def whole() -> None:
-            cache.length = CONTEXT
-            engine.forward(tokens, positions, cache, block_mask=mask)
+def _widths(engine: Transformer) -> dict[str, int]:
+    c = engine.config
+    return {name: c.num_heads * c.head_dim if field is None else getattr(c, field) for name, field in WIDTHS.items()}
 
-        return {"pass": whole, "layer matmuls": matmuls, "lm head": lambda: linear(x["wqkv"], engine.lm_head),
-                "attention": attention}
 
-    runs = {n: parts_for(n) for n in SIZES}
+def _parts_for(engine: Transformer, rng: np.random.Generator, cache: KVCache, n: int) -> dict:
+    """The pass and its parts for a block of ``n`` tokens, each a function to time."""
+    c, widths = engine.config, _widths(engine)
+    x = {k: rng.standard_normal((n, w)).astype(np.float32) for k, w in widths.items()}
+    q = rng.standard_normal((n, c.num_heads, c.head_dim)).astype(np.float32)
+    out = np.empty((n, c.num_heads * c.head_dim), np.float32)
+    bias = attention_bias(CONTEXT, np.tril(np.ones((n, n), bool))) if n > 1 else None
+    span_of, lo, flat_bias, bias_at = span_layout(n, [(0, n, bias)])
+    ends = np.array([CONTEXT + n], np.int64)
+    tokens, positions = rng.integers(c.vocab_size, size=n), np.arange(CONTEXT, CONTEXT + n)
+    mask = np.tril(np.ones((n, n), bool))
+
+    def matmuls() -> None:
+        for layer in engine.layers:
+            for name in widths:
+                linear(x[name], getattr(layer, name))
+
+    def attention() -> None:
+        for li in range(c.num_layers):
+            _attention_kernel(q, (cache.k,), (cache.v,), li, span_of, lo, ends, flat_bias, bias_at, out)
+
+    def whole() -> None:
+        cache.length = CONTEXT
+        engine.forward(tokens, positions, cache, block_mask=mask)
+
+    return {"pass": whole, "layer matmuls": matmuls, "lm head": lambda: linear(x["wqkv"], engine.lm_head),
+            "attention": attention}
+
+
+def parts_ms(engine: Transformer, rng: np.random.Generator, cache: KVCache, rounds: int) -> dict[str, list[float]]:
+    """Each part's ms per block size: the fastest of ``rounds`` interleaved medians."""
+    runs = {n: _parts_for(engine, rng, cache, n) for n in SIZES}
     ms: dict[str, list[float]] = {}
-    for _ in range(ROUNDS):
+    for _ in range(rounds):
         for n, parts in runs.items():
             for name, run in parts.items():
                 row = ms.setdefault(name, [float("inf")] * len(SIZES))
                 row[SIZES.index(n)] = min(row[SIZES.index(n)], median_ms(run))
+    return ms
 
+
+def _child_ms(checkout: Path) -> dict[str, list[float]]:
+    """One round of ``parts_ms`` in a child that imports ``checkout``'s package (this script's
+    code, that checkout's engine)."""
+    env = dict(os.environ, PYTHONPATH=str(checkout / "src"))
+    done = subprocess.run([sys.executable, __file__, "--one-round"], env=env, capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def against_ms(checkout: Path, rounds: int) -> dict[str, dict[str, list[float]]]:
+    """Ours and ``checkout``'s parts, each round in a child, alternating: a change's effect on each
+    part measured beside what it changed (keys ``ours@<commit>`` and ``<commit>``)."""
+    names = {REPO: f"ours@{commit_of(REPO)}", checkout: commit_of(checkout)}
+    rows: dict[str, dict[str, list[float]]] = {}
+    for r in range(rounds):
+        for where in (REPO, checkout) if r % 2 == 0 else (checkout, REPO):
+            kept = rows.setdefault(names[where], {})
+            for name, row in _child_ms(where).items():
+                kept[name] = [min(a, b) for a, b in zip(kept.get(name, row), row)]
+    return rows
+
+
+def commit_of(checkout: Path) -> str:
+    """The checkout's commit, ``-dirty`` where its files differ from it."""
+    return subprocess.run(["git", "-C", str(checkout), "describe", "--always", "--dirty", "--abbrev=7", "--exclude=*"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="where the JSON goes (default: docs/bench/block-parts.json)")
+    parser.add_argument("--against", type=Path, help="another checkout of this repository: its parts measured beside ours")
+    parser.add_argument("--one-round", action="store_true", help=argparse.SUPPRESS)  # a child of --against
+    args = parser.parse_args()
+    engine, rng, cache = _engine()
+    if args.one_round:
+        print(json.dumps(parts_ms(engine, rng, cache, 1)))
+        return
+    if args.against is None:
+        ms, beside = parts_ms(engine, rng, cache, ROUNDS), None
+    else:  # ours measured in children too, alike
+        beside = against_ms(args.against.resolve(), ROUNDS)
+        ms = next(rows for who, rows in beside.items() if who.startswith("ours@"))
+    report(args, engine, rng, ms, beside)
+
+
+def report(args: argparse.Namespace, engine: Transformer, rng: np.random.Generator, ms: dict[str, list[float]],
+           beside: dict[str, dict[str, list[float]]] | None) -> None:
+    """The kernel's bound and the CPU's peaks measured, and the JSON written."""
+    widths = _widths(engine)
+    c = engine.config
     # The kernel's arithmetic bound: one matrix (layer 0's gate and up projections, 1.1 MB of
     # blocks) over and over at 16 rows, so its weights come from cache, not memory.
     w = engine.layers[0].w_gate_up
@@ -218,7 +288,8 @@ def main() -> None:
         one = ms["pass"][0] / 1e3
         at_peaks = {str(n): round((one + (n - 1) * per_row) * 1e3, 2) for n in SIZES}
     report = {
-        "command": "python scripts/measure-block-parts.py" + (f" --out {_shown(args.out)}" if args.out != DEFAULT_OUT else ""),
+        "command": "python scripts/measure-block-parts.py" + (" --against CHECKOUT" if args.against else "")
+                   + (f" --out {_shown(args.out)}" if args.out != DEFAULT_OUT else ""),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": machine,
         "model": DEFAULT_MODEL,
@@ -227,6 +298,9 @@ def main() -> None:
         "context": CONTEXT,
         "sizes": list(SIZES),
         "ms": {k: [round(v, 2) for v in row] for k, row in ms.items()},
+        # --against: ours and the checkout's parts, each in children taking turns (each the fastest of its rounds)
+        "ms_beside": None if beside is None else {who: {k: [round(v, 2) for v in row] for k, row in rows.items()}
+                                                  for who, rows in beside.items()},
         "hot_kernel_gmac_per_s": round(peak / 1e9, 1),
         "macs_per_row": macs_per_row,
         # Each row beyond the first costs at least its multiply-adds at the kernel's bound.

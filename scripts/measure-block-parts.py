@@ -20,7 +20,7 @@ Each part is the fastest of ``ROUNDS`` interleaved medians.
 (``ms_beside``, keyed ``ours@<commit>`` and the checkout's commit; ``ms`` is then ours from the
 children): what a change did to each part, on the same host at the same time.
 Writes docs/bench/block-parts.json (``--out`` elsewhere).
-Usage: .venv/bin/python scripts/measure-block-parts.py [--against DIR] [--out PATH]
+Usage: .venv/bin/python scripts/measure-block-parts.py [--against DIR] [--rounds N] [--out PATH]
 """
 from __future__ import annotations
 
@@ -249,6 +249,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="where the JSON goes (default: docs/bench/block-parts.json)")
     parser.add_argument("--against", type=Path, help="another checkout of this repository: its parts measured beside ours")
+    parser.add_argument("--rounds", type=int, default=ROUNDS, help=f"interleaved rounds (default {ROUNDS}; with --against, children per checkout)")
     parser.add_argument("--one-round", action="store_true", help=argparse.SUPPRESS)  # a child of --against
     args = parser.parse_args()
     engine, rng, cache = _engine()
@@ -256,9 +257,9 @@ def main() -> None:
         print(json.dumps(parts_ms(engine, rng, cache, 1)))
         return
     if args.against is None:
-        ms, beside = parts_ms(engine, rng, cache, ROUNDS), None
+        ms, beside = parts_ms(engine, rng, cache, args.rounds), None
     else:  # ours measured in children too, alike
-        beside = against_ms(args.against.resolve(), ROUNDS)
+        beside = against_ms(args.against.resolve(), args.rounds)
         ms = next(rows for who, rows in beside.items() if who.startswith("ours@"))
     report(args, engine, rng, ms, beside)
 
@@ -289,6 +290,7 @@ def report(args: argparse.Namespace, engine: Transformer, rng: np.random.Generat
         at_peaks = {str(n): round((one + (n - 1) * per_row) * 1e3, 2) for n in SIZES}
     report = {
         "command": "python scripts/measure-block-parts.py" + (" --against CHECKOUT" if args.against else "")
+                   + (f" --rounds {args.rounds}" if args.rounds != ROUNDS else "")
                    + (f" --out {_shown(args.out)}" if args.out != DEFAULT_OUT else ""),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": machine,

@@ -45,8 +45,8 @@ _PV_VECTORS = 4  # accumulators per query and pass over the keys: 64 dimensions 
 # block of 5 or 6 rows is one task a head instead of two.
 QUERIES = 6 if LANES == 16 else 4
 # Queries scored together against each eight keys: they share every key vector's load (one load
-# fed one multiply-add per query before). Two queries' 16 lane sums fit AVX-512's 32 registers;
-# three spilled; on AVX2's 16 registers, one.
+# fed one multiply-add per query before). Two queries' 16 lane sums fit AVX-512's 32 registers
+# (three at a time ran slower); on AVX2's 16 registers, one.
 _SCORE_QUERIES = 2 if LANES == 16 else 1
 _KEYS = 8  # keys scored together: 8 lanes of a 256-bit vector, one key's dot product per lane
 

@@ -169,12 +169,11 @@ def _engine() -> tuple[Transformer, np.random.Generator, KVCache]:
     return engine, rng, cache
 
 
-WIDTHS = {"wqkv": "hidden_size", "wo": None, "w_gate_up": "hidden_size", "w_down": "intermediate_size"}
-
-
 def _widths(engine: Transformer) -> dict[str, int]:
+    """Each layer matrix's input width."""
     c = engine.config
-    return {name: c.num_heads * c.head_dim if field is None else getattr(c, field) for name, field in WIDTHS.items()}
+    return {"wqkv": c.hidden_size, "wo": c.num_heads * c.head_dim, "w_gate_up": c.hidden_size,
+            "w_down": c.intermediate_size}
 
 
 def _parts_for(engine: Transformer, rng: np.random.Generator, cache: KVCache, n: int) -> dict:
@@ -229,7 +228,10 @@ def _child_ms(checkout: Path) -> dict[str, list[float]]:
 def against_ms(checkout: Path, rounds: int) -> dict[str, dict[str, list[float]]]:
     """Ours and ``checkout``'s parts, each round in a child, alternating: a change's effect on each
     part measured beside what it changed (keys ``ours@<commit>`` and ``<commit>``)."""
-    names = {REPO: f"ours@{commit_of(REPO)}", checkout: commit_of(checkout)}
+    # imported here: a child runs this script against the other checkout's package, which may lack it
+    from lyanna.measure.bench import checkout_commit
+
+    names = {REPO: f"ours@{checkout_commit(REPO)}", checkout: checkout_commit(checkout)}
     rows: dict[str, dict[str, list[float]]] = {}
     for r in range(rounds):
         for where in (REPO, checkout) if r % 2 == 0 else (checkout, REPO):
@@ -237,12 +239,6 @@ def against_ms(checkout: Path, rounds: int) -> dict[str, dict[str, list[float]]]
             for name, row in _child_ms(where).items():
                 kept[name] = [min(a, b) for a, b in zip(kept.get(name, row), row)]
     return rows
-
-
-def commit_of(checkout: Path) -> str:
-    """The checkout's commit, ``-dirty`` where its files differ from it."""
-    return subprocess.run(["git", "-C", str(checkout), "describe", "--always", "--dirty", "--abbrev=7", "--exclude=*"],
-                          capture_output=True, text=True, check=True).stdout.strip()
 
 
 def main() -> None:

@@ -38,7 +38,7 @@ from lyanna.decoding.budget import calibrate
 from lyanna.engines import intdot
 from lyanna.engines.loading import DEFAULT_MODEL, load_target, source_gguf
 from lyanna.engines.transformer import Transformer
-from lyanna.measure.bench import machine_info
+from lyanna.measure.bench import checkout_commit, machine_info
 from lyanna.measure.peers import LLAMACPP_HINT, PeerFailed, call_in_child
 
 SIZES = (1, 2, 8, 16, 64)
@@ -97,13 +97,6 @@ def _shown(path: Path) -> str:
     return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
 
 
-def commit_of(checkout: Path) -> str:
-    """The checkout's commit, marked ``-dirty`` where its files differ from it (a change measured
-    before it is committed)."""
-    return subprocess.run(["git", "-C", str(checkout), "describe", "--always", "--dirty", "--abbrev=7", "--exclude=*"],
-                          capture_output=True, text=True, check=True).stdout.strip()
-
-
 def fastest(kept: list[float] | None, new: list[float]) -> list[float]:
     """Size by size, the faster of two rows of ms (``kept`` None: the new row)."""
     return new if kept is None else [min(a, b) for a, b in zip(kept, new)]
@@ -149,7 +142,7 @@ def main() -> None:
             curve = calibrate(engine, DEFAULT_MODEL, sizes=sizes, context=CONTEXT, repeats=REPEATS)
             ms[name] = fastest(ms.get(name), [round(s * 1e3, 2) for s in curve.seconds])
         for checkout in () if args.against is None else (REPO, args.against.resolve()):  # alike: each in a child
-            name = f"ours-gguf@{commit_of(checkout)}"
+            name = f"ours-gguf@{checkout_commit(checkout)}"
             ms[name] = fastest(ms.get(name), against_ms(checkout, sizes))
             kernels[name] = kernels["ours-gguf"]
         if llamacpp_failed is None:  # in a child (loading the model each round, as before): a crash kills only it
@@ -165,7 +158,7 @@ def main() -> None:
                    + (f" --sizes {','.join(map(str, sizes))}" if sizes != SIZES else "")
                    + (f" --out {_shown(args.out)}" if args.out != DEFAULT_OUT else ""),
         "rounds": args.rounds,
-        "commit": commit_of(REPO),
+        "commit": checkout_commit(REPO),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": machine_info(),
         "model": DEFAULT_MODEL,

@@ -23,7 +23,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from lyanna.engines.loading import DEFAULT_MODEL
-from lyanna.measure.bench import machine_info
+from lyanna.measure.bench import checkout_commit, machine_info
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO / "docs" / "bench" / "draft-round.json"
@@ -76,13 +76,6 @@ def measure(checkout: Path, limit: int, budget: int, max_new: int) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def commit_of(checkout: Path) -> str:
-    """The checkout's commit, marked ``-dirty`` where its files differ from it (a change measured
-    before it is committed)."""
-    return subprocess.run(["git", "-C", str(checkout), "describe", "--always", "--dirty", "--abbrev=7", "--exclude=*"],
-                          capture_output=True, text=True, check=True).stdout.strip()
-
-
 def keep_fastest(kept: dict | None, new: dict) -> dict:
     """The faster medians of two runs of one checkout (the rounds are the same: the same drafts)."""
     if kept is None:
@@ -107,7 +100,7 @@ def main() -> None:
     rows: dict[str, dict] = {}
     for _ in range(args.rounds):
         for checkout in checkouts:
-            name = f"ours@{commit_of(checkout)}" if checkout == REPO else f"against@{commit_of(checkout)}"
+            name = f"ours@{checkout_commit(checkout)}" if checkout == REPO else f"against@{checkout_commit(checkout)}"
             rows[name] = keep_fastest(rows.get(name), measure(checkout, args.limit, args.budget, args.max_new_tokens))
     for row in rows.values():
         row["draft_over_step"] = {d: round(ms / row["step_ms"], 3) for d, ms in row["draft_ms"].items()}

@@ -97,6 +97,15 @@ def script_record(script: str, options: dict[str, Any]) -> dict[str, Any]:
                 f"--{k.replace('_', '-')} {v}" for k, v in options.items() if v is not None)}
 
 
+def checkout_commit(checkout: str | Path) -> str:
+    """A checkout's commit as a measuring script names an engine it timed, ``<commit>-dirty``
+    where its tracked files differ from that commit (a change measured before it is committed)."""
+    import subprocess
+
+    return subprocess.run(["git", "-C", str(checkout), "describe", "--always", "--dirty", "--abbrev=7", "--exclude=*"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+
+
 Runner = Callable[[list[int], int], GenerationResult]
 
 

@@ -27,8 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -220,9 +218,9 @@ def parts_ms(engine: Transformer, rng: np.random.Generator, cache: KVCache, roun
 def _child_ms(checkout: Path) -> dict[str, list[float]]:
     """One round of ``parts_ms`` in a child that imports ``checkout``'s package (this script's
     code, that checkout's engine)."""
-    env = dict(os.environ, PYTHONPATH=str(checkout / "src"))
-    done = subprocess.run([sys.executable, __file__, "--one-round"], env=env, capture_output=True, text=True, check=True)
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    from lyanna.measure.bench import json_beside  # see ``against_ms``
+
+    return json_beside(checkout, [__file__, "--one-round"])
 
 
 def against_ms(checkout: Path, rounds: int) -> dict[str, dict[str, list[float]]]:

@@ -26,8 +26,6 @@ import argparse
 import importlib.util
 import json
 import os
-import subprocess
-import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -38,7 +36,7 @@ from lyanna.decoding.budget import calibrate
 from lyanna.engines import intdot
 from lyanna.engines.loading import DEFAULT_MODEL, load_target, source_gguf
 from lyanna.engines.transformer import Transformer
-from lyanna.measure.bench import checkout_commit, machine_info
+from lyanna.measure.bench import checkout_commit, json_beside, machine_info
 from lyanna.measure.peers import LLAMACPP_HINT, PeerFailed, call_in_child
 
 SIZES = (1, 2, 8, 16, 64)
@@ -82,9 +80,7 @@ print(json.dumps([round(s * 1e3, 2) for s in curve.seconds]))
 def against_ms(checkout: Path, sizes: tuple[int, ...] = SIZES) -> list[float]:
     """The default engine's row of ms in a child that imports ``checkout``'s package."""
     code = _AGAINST.format(model=DEFAULT_MODEL, sizes=sizes, context=CONTEXT, repeats=REPEATS)
-    env = dict(os.environ, PYTHONPATH=str(checkout / "src"))
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return json_beside(checkout, ["-c", code])
 
 
 REPO = Path(__file__).resolve().parent.parent

@@ -16,14 +16,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
 from lyanna.engines.loading import DEFAULT_MODEL
-from lyanna.measure.bench import checkout_commit, machine_info
+from lyanna.measure.bench import checkout_commit, json_beside, machine_info
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO / "docs" / "bench" / "draft-round.json"
@@ -71,9 +68,7 @@ print(json.dumps({{"step_ms": float(np.median(steps)) * 1e3,
 def measure(checkout: Path, limit: int, budget: int, max_new: int) -> dict:
     """One child's medians: the one-row pass, and drafting by depth with each depth's rounds."""
     code = _CHILD.format(limit=limit, budget=budget, max_new=max_new)
-    env = dict(os.environ, PYTHONPATH=str(checkout / "src"))
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return json_beside(checkout, ["-c", code])
 
 
 def keep_fastest(kept: dict | None, new: dict) -> dict:

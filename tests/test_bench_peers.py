@@ -13,7 +13,7 @@ import pytest
 from lyanna.decoding.decoder import GenerationResult
 from lyanna.decoding.sampling import SamplingParams
 from lyanna.errors import LyannaError
-from lyanna.measure.bench import Question, format_table, make_runners, run_bench
+from lyanna.measure.bench import Question, format_table, json_beside, make_runners, run_bench
 from lyanna.measure.peers import Peer, PeerFailed, call_in_child
 from lyanna.measure.report import findings
 
@@ -107,3 +107,15 @@ def test_call_in_child_returns_the_value_or_names_the_signal():
     with pytest.raises(PeerFailed, match=r"^llamacpp: child process killed by SIGILL .*; GGML_NATIVE=OFF$") as e:
         call_in_child(_die, signal.SIGILL, kind="llamacpp", hint="GGML_NATIVE=OFF")
     assert e.value.signal == "SIGILL"
+
+
+def test_json_beside_imports_the_checkout_and_shows_a_failed_childs_error(tmp_path):
+    """As the measuring scripts time another checkout's engine: the child imports that checkout's
+    package (its ``src`` first on the path), its last line is the answer, and a failure comes back
+    with the child's own error, not only an exit status."""
+    (tmp_path / "src" / "lyanna").mkdir(parents=True)
+    (tmp_path / "src" / "lyanna" / "__init__.py").write_text("WHO = 'the other checkout'\n")
+    code = "import json, lyanna; print('noise'); print(json.dumps({'who': lyanna.WHO}))"
+    assert json_beside(tmp_path, ["-c", code]) == {"who": "the other checkout"}
+    with pytest.raises(LyannaError, match=r"failed \(exit 1\):\n(.|\n)*ZeroDivisionError"):
+        json_beside(tmp_path, ["-c", "1 / 0"])

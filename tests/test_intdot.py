@@ -37,14 +37,17 @@ def inputs(rows: int, k: int, seed: int) -> np.ndarray:
 @pytest.mark.parametrize("path", intdot.PATHS)
 @pytest.mark.parametrize("kind", ["Q4_1", "Q4_0", "Q8_0"])
 @pytest.mark.parametrize("shape,half", [((8, 32), False), ((64, 96), False), ((1040, 608), False), ((64, 96), True),
-                                        ((1040, 608), True), ((24, 64), True)])
+                                        ((1040, 608), True), ((24, 64), True), ((1536, 64), False)])
 def test_each_path_equals_the_reference(path, kind, shape, half):
     d, m, q = matrix(kind, *shape, seed=1, half=half)
     packed = intdot.pack(d, m, q)
     assert (packed[0].dtype == np.uint16) == (half and intdot.HAS_F16C)  # fp16 scales only where exact
     assert (packed[1].shape[-1] == 0) == (kind != "Q4_1")  # an all-zero m is left out
+    tiles = packed[2].shape[0]
     if shape[0] == 1040:  # enough tiles for the many-tile row group (``MANY_TILES``), groups crossed by ROWS
-        assert packed[2].shape[0] >= intdot.MANY_TILES
+        assert tiles >= intdot.WIDE_TILES  # and split by tiles at every block size
+    elif shape[0] == 1536:  # many tiles but not wide: by tiles up to ROW_SHARES_WIDE rows, by rows from there
+        assert intdot.MANY_TILES <= tiles < intdot.WIDE_TILES and intdot.ROW_SHARES_WIDE <= max(ROWS)
     else:  # few tiles: blocks of ROW_SHARES_MIN rows and more are shared by rows (24: a chunk of one vector)
         assert packed[2].shape[0] < intdot.MANY_TILES and intdot.ROW_SHARES_MIN <= max(ROWS)
     x = inputs(max(ROWS), shape[1], seed=2)

@@ -137,17 +137,31 @@ def _quantize_block(typingctx, x, xoff, xq, dx, xs, xc, soff):
 def quantize_rows(x):  # pragma: no cover - compiled
     """``(xq, dx, xs, xc)`` of each row of ``x`` [rows, k] per block of 32 (see the module's rule
     and ``_quantize_block``)."""
+    quantized = _quantized(x)
+    _quantize_span(x, 0, x.shape[0], quantized)
+    return quantized
+
+
+@njit(cache=True, nogil=True)
+def _quantized(x):  # pragma: no cover - compiled
+    """Room for ``quantize_rows``' four arrays."""
     rows, k = x.shape
     nb = k // QK
-    xq = np.empty((rows, k), np.int8)
-    dx = np.empty((rows, nb), np.float32)
-    xs = np.empty((rows, nb), np.float32)
-    xc = np.empty((rows, nb), np.int32)
-    flat, qflat, dflat, sflat, cflat = x.reshape(-1), xq.reshape(-1), dx.reshape(-1), xs.reshape(-1), xc.reshape(-1)
-    for i in range(rows):
+    return (np.empty((rows, k), np.int8), np.empty((rows, nb), np.float32), np.empty((rows, nb), np.float32),
+            np.empty((rows, nb), np.int32))
+
+
+@njit(cache=True, nogil=True)
+def _quantize_span(x, lo, hi, quantized):  # pragma: no cover - compiled
+    """Rows ``lo`` to ``hi`` of ``x`` into ``quantized`` (``_quantized``)."""
+    k = x.shape[1]
+    nb = k // QK
+    flat = x.reshape(-1)
+    xq, dx, xs, xc = quantized
+    qflat, dflat, sflat, cflat = xq.reshape(-1), dx.reshape(-1), xs.reshape(-1), xc.reshape(-1)
+    for i in range(lo, hi):
         for b in range(nb):
             _quantize_block(flat, i * k + b * QK, qflat, dflat, sflat, cflat, i * nb + b)
-    return xq, dx, xs, xc
 
 
 # Blocks of ROW_SHARES_MIN rows and more on matrices of fewer than MANY_TILES tiles (a layer's qkv,
@@ -156,11 +170,14 @@ def quantize_rows(x):  # pragma: no cover - compiled
 # tile, instead of by tiles: split by tiles, each of two threads held one tile of such a matrix
 # and the pair ran well below twice one thread's speed, while by rows each streams the whole
 # matrix (a few hundred KB, the second time from its cache) for its rows with the kernel's best
-# row group (4 rows, no spilled registers). Matrices of many tiles (the gate/up projections, the
-# LM head) stay split by tiles: by rows both threads would stream all of the LM head's 30 MB.
+# row group (4 rows, no spilled registers). Blocks of ROW_SHARES_WIDE rows and more go by rows on
+# matrices of fewer than WIDE_TILES tiles too (a layer's gate and up projections, about 1 MB): split by
+# tiles, a 16-row block's gate_up scaled 1.56x on two threads, by rows 1.96x. The LM head (tens of
+# tiles) stays split by tiles: by rows both threads would stream all of its 30 MB.
 # Measured on the 2-core Zen 4: docs/engine.md (latency against block size).
 ROW_SHARE = 4
 ROW_SHARES_MIN = 5
+ROW_SHARES_WIDE, WIDE_TILES = 8, 8
 # Output vectors whose blocks lie side by side (``_grouped``): the widest chunk of the kernel.
 VECTOR_GROUP = 4
 # Output vectors of a tile that every row group of a block takes in turn where a block has more
@@ -176,10 +193,11 @@ def int_linear_kernel(x, d, m, q, out, path):  # pragma: no cover - compiled
     ``d``/``m`` [tiles, groups, blocks, vectors of a group, 8] (``pack``). Shared among
     the threads by tiles, or by rows (``ROW_SHARE``): every row's outputs have the same bits
     either way."""
-    xq, dx, xs, xc = quantize_rows(x)
-    if x.shape[0] >= ROW_SHARES_MIN and d.shape[0] < MANY_TILES:
-        _by_rows(xq, dx, xs, xc, d, m, q, out, path)
+    rows, tiles = x.shape[0], d.shape[0]
+    if (rows >= ROW_SHARES_MIN and tiles < MANY_TILES) or (rows >= ROW_SHARES_WIDE and tiles < WIDE_TILES):
+        _by_rows(x, _quantized(x), d, m, q, out, path)  # each share quantizes its own rows
     else:
+        xq, dx, xs, xc = quantize_rows(x)
         _by_blocks(xq, dx, xs, xc, d, m, q, out, path)
 
 
@@ -194,8 +212,10 @@ def _shapes(xq, d, m, q):  # pragma: no cover - compiled
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _by_rows(xq, dx, xs, xc, d, m, q, out, path):  # pragma: no cover - compiled
-    """``int_linear_kernel`` by shares of ``ROW_SHARE`` rows: each share every tile."""
+def _by_rows(x, quantized, d, m, q, out, path):  # pragma: no cover - compiled
+    """``int_linear_kernel`` by shares of ``ROW_SHARE`` rows: each share quantizes its rows of
+    ``x`` (into ``quantized``) and takes every tile for them."""
+    xq, dx, xs, xc = quantized
     rows, k, tiles, nb, tw, nvec, g, size, nibbles, offsets = _shapes(xq, d, m, q)
     flat, xflat, dflat, sflat, cflat = q.reshape(-1), xq.reshape(-1), dx.reshape(-1), xs.reshape(-1), xc.reshape(-1)
     width = out.shape[1]
@@ -203,6 +223,7 @@ def _by_rows(xq, dx, xs, xc, d, m, q, out, path):  # pragma: no cover - compiled
     for share in prange((rows + share_rows - 1) // share_rows):
         i = share * share_rows
         group = min(share_rows, rows - i)
+        _quantize_span(x, i, i + group, quantized)
         out[i : i + group] = 0
         for c in range(tiles):
             _tile(path, (flat, c * nb * nvec * size, nvec, nibbles, xflat, i * k, k, dflat, sflat, i * nb, nb, d, m,

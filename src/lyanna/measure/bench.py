@@ -106,6 +106,21 @@ def checkout_commit(checkout: str | Path) -> str:
                           capture_output=True, text=True, check=True).stdout.strip()
 
 
+def json_beside(checkout: str | Path, argv: Sequence[str]) -> Any:
+    """The JSON on the last line a child Python (``argv`` after the interpreter) prints while it
+    imports ``checkout``'s package instead of ours: how a measuring script times an earlier
+    commit's engine beside this one. A failed child's error is raised with its last lines."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=str(Path(checkout) / "src"))
+    done = subprocess.run([sys.executable, *argv], env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        tail = "\n".join(done.stderr.strip().splitlines()[-15:])
+        raise LyannaError(f"a child importing {checkout}'s package failed (exit {done.returncode}):\n{tail}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 Runner = Callable[[list[int], int], GenerationResult]
 
 

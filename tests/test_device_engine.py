@@ -5,6 +5,7 @@ so CI covers the path a GPU takes; ``LYANNA_TEST_DEVICE=cuda`` runs the same tes
 (``scripts/gpu-bench.sh``)."""
 from __future__ import annotations
 
+import collections
 import os
 
 import numpy as np
@@ -1068,7 +1069,8 @@ def test_fixed_shape_calls_issue_no_op_a_cuda_graph_cannot_capture(tiny, monkeyp
     lyanna.start(list(range(3, 30)), {2: np.zeros((27, tiny.config.hidden_size), np.float32)})
     raw = lyanna.chain(list(range(3, 30)), 3)
     lyanna.head.tree(raw, 5, lyanna.ti, 2, 2, 8)
-    assert set(seen) == {"_StaticPass", "_TreeBlockPass", "_DraftPass", "_DraftTreesPass", "_TreePass", "_EagleTreePass"}
+    assert set(seen) == {"_StaticPass", "_TreeBlockPass", "_DraftPass", "_DraftTreesPass", "_TreePass", "_EagleTreePass",
+                         "JoinedCall"}  # a round launched ahead: its draft call and pass as one
     assert seen == {name: set() for name in seen}
 
 
@@ -1079,9 +1081,7 @@ def test_every_fixed_shape_call_is_harmless_to_run_twice(tiny, budget, monkeypat
     rounds launched ahead included (a pass that follows another reads the handoff that one
     wrote and writes the other), gives ``ar``'s tokens. Checked on CPU, where calls run once."""
     def twice(self):
-        if self._specs:
-            dev, host, _ = self._staging()
-            dev.copy_(host)
+        self._send()  # the inputs' copy (a joined call's: both calls')
         self._forward()
         self._forward()
 
@@ -1140,3 +1140,29 @@ def test_compiled_layers_give_the_eager_tokens(tiny, method):
         from lyanna.drafters import device_calls
 
         assert device_calls._COMPILED_ROUND_TREE
+
+
+@pytest.mark.parametrize("method", ["lyanna-device", "eagle-device"])
+def test_a_round_launched_ahead_is_one_call(tiny, method, monkeypatch):
+    """A round launched ahead runs its draft call and the pass that verifies its tree as one
+    (``JoinedCall``: one CUDA graph a round on a GPU, not two): once every shape has run, such a
+    round runs no draft call of its own, only rounds the host starts do, and the tokens are
+    ``ar``'s."""
+    runs: collections.Counter[str] = collections.Counter()
+    run_fixed = FixedShapeCall.run_fixed
+
+    def counted(self, timed=False):
+        runs[type(self).__name__] += 1
+        run_fixed(self, timed)
+
+    d = _with_heads(Decoder(tiny, engine=DeviceEngine(tiny.config, tiny.weights, DEVICE, pipelines=True),
+                            default_drafts=False), tiny)
+    prompt, req = list(range(3, 40)), GenerationRequest(max_new_tokens=24, eos_token_ids=())
+    want = d.generate(prompt, req, method="ar", budget=None).tokens
+    d.generate(prompt, req, method=method, budget=None)  # every shape's first run (a draft call's goes alone)
+    monkeypatch.setattr(FixedShapeCall, "run_fixed", counted)
+    out = d.generate(prompt, req, method=method, budget=None)
+    assert out.tokens == want
+    rounds = out.extra["rounds"]  # a few the host starts (the first, one after a round it reads first)
+    assert runs["JoinedCall"] >= 0.75 * rounds, (dict(runs), rounds)
+    assert sum(runs.values()) < 1.25 * rounds, (dict(runs), rounds)  # a draft call and a pass apart: 2 a round

@@ -46,6 +46,13 @@ def _chosen(p: Any, depth: int, ahead: bool) -> DraftTree | DeviceTree:
     return DraftTree.from_packed(p.tree.cpu().numpy())
 
 
+def _deferred(p: Any, depth: int, keep: tuple[tuple[str, torch.Tensor], ...] = ()) -> DeviceTree:
+    """Call ``p``'s tree (as ``_chosen`` leaves it on the device) with ``p`` not run again yet:
+    the verification pass runs it joined with its own (``DeviceTree.deferred``), then copies
+    what the drafter ``keep``s of its outputs. ``p`` has run before: its tree's shape is known."""
+    return DeviceTree(p.tree, (p.tree.shape[0] - 1) // 5, depth, None, p, keep)
+
+
 class DevicePairContext(PairContext):
     """``PairContext`` whose committed features stay on the device, in its head cache's slab
     (``Slab.features``, row ``i`` the feature after token ``i``, the row pair ``i + 1`` reads):
@@ -243,8 +250,8 @@ class DeviceDraftHead:
     def eagle_tree_after(self, pc: "DevicePairContext", pending: PendingPass, length: int, depth: int, topk: int,
                          width: int, max_nodes: int, nodes: int | None = None) -> DeviceTree | None:
         """``eagle_tree`` (left on the device) for the round after ``pending``, a target pass the
-        host has not read, from what it left there (see ``DeviceChainHead.draft_trees_after``);
-        None where the host must read the pass first."""
+        host has not read, from what it left there, the call deferred to the round's own pass
+        (see ``DeviceChainHead.draft_trees_after``); None where the host must read the pass first."""
         slab = self._follow_room(pc, pending, length, width * depth + 1)
         if slab is None:
             return None
@@ -256,9 +263,11 @@ class DeviceDraftHead:
             p = self._eagles[key] = _EagleTreePass(self, slab, key[1], depth, k, width, cut, keys, self._graph_pool,
                                                    handoff=pending.handoff)
         p.host("length")[0] = length
-        p.run_fixed(timed=True)
         pc.passes += depth
-        return _chosen(p, depth, ahead=True)
+        if p.tree is None:  # a first run goes alone: its tree's shape is known once it has run
+            p.run_fixed(timed=True)
+            return _chosen(p, depth, ahead=True)
+        return _deferred(p, depth)
 
     def follow_plain(self, pc: "DevicePairContext", pending: PendingPass, length: int) -> None:
         """Before a plain step after ``pending`` (a pass the host has not read; the context
@@ -410,9 +419,10 @@ class DeviceChainHead(DeviceDraftHead):
         host has not read, from what it left on the device: its kept rows' features handed over
         (``DevicePairContext.hand_over``), its accepted tokens and bonus token the pending pairs
         and root, the last draft's ``chain`` rows past them the leftover (``resample``). One call
-        at a shape fixed by what the pass may have kept (a path through every level).
-        ``length``: the context's length before that pass. None where no such call fits
-        (``_follow_room``): the host reads the pass first."""
+        at a shape fixed by what the pass may have kept (a path through every level), deferred:
+        the round's own pass runs it joined with itself (``_deferred``), one launch a round, and
+        fills the returned chain. ``length``: the context's length before that pass. None where
+        no such call fits (``_follow_room``): the host reads the pass first."""
         slab = None if topk < 1 or width < 1 else self._follow_room(pc, pending, length, depth)
         if slab is None:
             return None
@@ -430,9 +440,12 @@ class DeviceChainHead(DeviceDraftHead):
         if resample:  # the chain's rows past the pass's kept tokens (clamped: those past the chain are not read)
             past = torch.arange(1, depth + 1, device=self.device) + hand[HANDOFF_COUNT]
             p.leftover.copy_(chain.index_select(0, past.clamp(max=chain.shape[0] - 1)))
-        p.run_fixed(timed=True)
         pc.passes += depth
-        return p.raw.clone(), _chosen(p, depth, ahead=True)
+        if p.tree is None:  # a first run goes alone: its tree's shape is known once it has run
+            p.run_fixed(timed=True)
+            return p.raw.clone(), _chosen(p, depth, ahead=True)
+        chain = torch.empty_like(p.raw)  # the call's raw rows, copied once it has run
+        return chain, _deferred(p, depth, keep=(("raw", chain),))
 
     @torch.inference_mode()
     def tree(self, raw: torch.Tensor, root: int, ti, topk: int, width: int, max_nodes: int, origin: int = 0) -> DraftTree:

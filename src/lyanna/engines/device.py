@@ -30,8 +30,8 @@ from .config import ModelConfig, rope_inv_freq
 from .device_passes import PendingPass, _fetch, _Logits, _StaticPass, _TreeBlockPass
 from .device_rows import RowSlabs
 from .device_slabs import (HANDOFF_BONUS, HANDOFF_COUNT, HANDOFF_START, HANDOFF_TOKENS, KEY_BUCKET_MIN,
-                           POOL_CAPACITY_MIN, ROW_BUCKETS, DeviceTree, FixedShapeCall, Slab, SlabPool, StaticCache,
-                           pow2_at_least)
+                           POOL_CAPACITY_MIN, ROW_BUCKETS, DeviceTree, FixedShapeCall, JoinedCall, Slab, SlabPool,
+                           StaticCache, pow2_at_least)
 from .loading import Target, load_target
 from .quant import QuantMatrix
 from .torch_layers import DecoderLayer, LayerHalves, PackedLayer, attention_bias, cached_layer, rms_norm, rotation
@@ -123,6 +123,7 @@ class DeviceEngine(TargetEngine):
         self.row_slabs = RowSlabs(self, batch_rows, row_capacity) if batch_rows else None
         self._passes: dict[tuple[int, int, int, tuple[int, ...]], _StaticPass] = {}
         self._tree_passes: dict[tuple[int, int, int, tuple[int, ...], int], _TreeBlockPass] = {}
+        self._joined: dict[tuple[int, int], JoinedCall] = {}  # (draft call, pass): ``_launch``
         # The tree of a plain step verified in its pass (``_tree_of``): no nodes.
         self._no_tree = DeviceTree(torch.zeros(1, dtype=torch.float64, device=self.device), 0, 0)
 
@@ -248,8 +249,7 @@ class DeviceEngine(TargetEngine):
             p.host("temperature")[0], p.host("top_p")[0], p.host("top_k")[0] = rule.temperature, rule.top_p, rule.top_k
             uniforms = p.host("uniforms")  # past the tree's nodes: padding nodes', never read (they are not valid)
             uniforms[: tree.nodes], uniforms[-1] = rule.uniforms[:-1], rule.uniforms[-1]
-        p.load(tree)
-        p.run_fixed(timed=b.ahead)
+        self._launch(p, tree, timed=b.ahead)
         if mode is None:
             *hidden, argmax, packed = _fetch([p.hidden[tap][:rows] for tap in b.taps] + [p.argmax[:rows], p.tree])
             cache.length += rows
@@ -258,6 +258,25 @@ class DeviceEngine(TargetEngine):
                                  hidden={tap: h[:cut] for tap, h in zip(b.taps, hidden)}, tree=packed)
         pending = PendingPass(p, cache, tuple(b.taps))
         return pending if b.ahead else pending.collect()
+
+    def _launch(self, p: _TreeBlockPass, tree: DeviceTree, timed: bool) -> None:
+        """Run ``p`` on ``tree``: alone, or joined with the draft call that ``tree``'s drafter
+        deferred (``DeviceTree.deferred``: one launch for the round's drafting, verification,
+        compaction and handoff), then what the drafter keeps of the draft's outputs."""
+        first = tree.deferred
+        if first is None:
+            p.load(tree)
+            p.run_fixed(timed)
+            return
+        key = (id(first), id(p))  # a call's shape fixes its tree's: one joined call per pair
+        joined = self._joined.get(key)
+        if joined is None:  # the draft's tree as it is when ``p`` loads it (eagerly, a new tensor a run)
+            nodes, depth = tree.nodes, tree.depth
+            joined = self._joined[key] = JoinedCall(first, lambda: p.load(DeviceTree(first.tree, nodes, depth)), p)
+        joined.run_fixed(timed)
+        p.timing = joined.timing  # the round's device time, drafting included
+        for name, destination in tree.keep:
+            destination.copy_(getattr(first, name))
 
     def _run(self, b: Block, tokens: np.ndarray, positions: np.ndarray, within: np.ndarray | None) -> ForwardOutput:
         n, cache = tokens.shape[0], b.cache

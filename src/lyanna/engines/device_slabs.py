@@ -195,12 +195,20 @@ class FixedShapeCall:
         if not self._ran:
             FixedShapeCall.first_runs += 1
             self._ran = True
+        self._send()
+        self._launch()
+
+    def _send(self) -> None:
+        """The inputs' one copy to the device."""
         if self._specs:
             dev, host, _ = self._staging()
             dev.copy_(host, non_blocking=True)
             if self.device.type == "cuda":
                 self._sent = torch.cuda.Event()
                 self._sent.record()
+
+    def _launch(self) -> None:
+        """``_forward`` replayed from its graph (captured on the first launch), or run eagerly."""
         if self._pool is None:
             self._forward()
             return
@@ -224,18 +232,44 @@ class FixedShapeCall:
         self.graph.replay()
 
 
+class JoinedCall(FixedShapeCall):
+    """Two calls that follow one another on the device as one (one graph on CUDA): ``first``, then
+    ``between`` (device operations from ``first``'s outputs to ``then``'s inputs), then ``then``;
+    each keeps its own inputs, and both travel before the launch. A round's draft call and the
+    target's pass that verifies its tree run this way: one launch a round, not two."""
+
+    def __init__(self, first: FixedShapeCall, between: Callable[[], None], then: FixedShapeCall):
+        super().__init__(then.device, then._pool if first._pool is not None else None)
+        self.first, self.between, self.then = first, between, then
+
+    def _send(self) -> None:
+        self.first._send()
+        self.then._send()
+
+    def _forward(self) -> None:
+        self.first._forward()
+        self.between()
+        self.then._forward()
+
+
 class DeviceTree(NamedTuple):
     """A draft tree its drafter left on this engine's device for the verification pass to read:
     ``packed``, a float64 vector of five rows of ``nodes`` entries (tokens, parents, scores,
     origin, depths; nodes past the count are padding) and the node count (the drafter's
     ``device_tree.packed``); no node deeper than ``depth``. The tensor is the drafter's output
     buffer: the pass copies it in, before the drafter's next call can overwrite it. ``timing``:
-    the draft call's CUDA events (None where calls run synchronously)."""
+    the draft call's CUDA events (None where calls run synchronously, or where the call is
+    ``deferred``). ``deferred``: the draft call itself, not run yet (its tree its ``tree``
+    attribute once it has run, ``packed`` the last run's): the pass runs it joined with its own
+    (``JoinedCall``), then copies each output the drafter ``keep``s (the call's attribute of
+    that name) to the tensor beside it."""
 
     packed: torch.Tensor
     nodes: int
     depth: int
     timing: tuple[Any, Any] | None = None
+    deferred: FixedShapeCall | None = None
+    keep: tuple[tuple[str, torch.Tensor], ...] = ()
 
     def device_seconds(self) -> float:
         """The draft call's time on the device, once the pass that read the tree was waited for:

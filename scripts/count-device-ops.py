@@ -11,8 +11,8 @@ read one by one and again launched ahead of the host's reading (``*_launched_ahe
 The timing pass
 (without the profiler) gives, per round, the milliseconds inside each kind of fixed-shape call
 (the target's pass by its row bucket: ``_StaticPass[16]``, or ``_TreeBlockPass[16]`` for a tree
-the drafter left on the device; on CUDA synchronized before and after, so a call's time is its
-device time) and outside them (the host's own work: the gap a GPU waits through, unless the round
+the drafter left on the device, ``JoinedCall[16]`` for such a pass run with its round's draft
+call as one; on CUDA synchronized before and after, so a call's time is its device time) and outside them (the host's own work: the gap a GPU waits through, unless the round
 is launched ahead of it). Two plain runs give a round's time end to end, with rounds launched
 ahead of the host's reading and read one by one (``DeviceEngine.pipelines``). For ``lyanna``
 methods, one more run splits the draft call (``_DraftTreesPass``, run eagerly: a graph's replay
@@ -69,7 +69,9 @@ def main() -> None:
             torch.cuda.synchronize()
 
     def marked(self, timed: bool = False) -> None:
-        name = type(self).__name__ + (f"[{self.rows}]" if isinstance(self, (device._StaticPass, device._TreeBlockPass)) else "")
+        target_pass = self.then if isinstance(self, device.JoinedCall) else self  # a joined call: its pass's rows
+        rows = f"[{target_pass.rows}]" if isinstance(target_pass, (device._StaticPass, device._TreeBlockPass)) else ""
+        name = type(self).__name__ + rows
         replay = self.graph is not None
         runs[name][0] += 1
         runs[name][1] += replay

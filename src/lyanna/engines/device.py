@@ -37,8 +37,8 @@ from .quant import QuantMatrix
 from .torch_layers import DecoderLayer, LayerHalves, PackedLayer, attention_bias, cached_layer, rms_norm, rotation
 
 __all__ = ["DTYPES", "DeviceEngine", "DeviceTree", "FixedShapeCall", "HANDOFF_BONUS", "HANDOFF_COUNT", "HANDOFF_START",
-           "HANDOFF_TOKENS", "KEY_BUCKET_MIN", "PendingPass", "ROW_BUCKETS", "Slab", "StaticCache", "device_engine_of",
-           "load_device_target", "pow2_at_least"]
+           "HANDOFF_TOKENS", "JoinedCall", "KEY_BUCKET_MIN", "PendingPass", "ROW_BUCKETS", "Slab", "StaticCache",
+           "device_engine_of", "load_device_target", "pow2_at_least"]
 
 DTYPES = ("float32", "bfloat16", "float16")
 

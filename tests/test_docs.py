@@ -7,6 +7,7 @@
   files are read, and only the phrasings of a reference are matched.
 - README.md stays short and keeps the two commands that matter.
 - Every relative link in README.md, BENCHMARKS.md and docs/**/*.md points at a file that exists.
+- Every JSON directly under docs/bench/ is named in docs/benchmarks.md, which says what it answers.
 """
 from __future__ import annotations
 
@@ -115,3 +116,11 @@ def test_the_link_finder_sees_links_and_skips_code(tmp_path: Path) -> None:
     sample.write_text("[a](engine.md#x) ![b](figures/x.png) [c](https://example.com) [d](#anchor)\n"
                       "`[e](not-a-link.md)`\n```\n[f](nor-this.md)\n```\n[g]: ../README.md\n")
     assert _relative_links(sample) == ["engine.md#x", "figures/x.png", "../README.md"]
+
+
+def test_every_committed_measurement_is_listed() -> None:
+    """docs/benchmarks.md's table says what each JSON under docs/bench/ answers and which command
+    wrote it; a JSON committed without a row there is a number a reader cannot place."""
+    listed = (ROOT / "docs" / "benchmarks.md").read_text()
+    unlisted = [p.name for p in sorted((ROOT / "docs" / "bench").glob("*.json")) if f"`{p.name}`" not in listed]
+    assert not unlisted, f"docs/bench JSONs missing from docs/benchmarks.md: {unlisted}"

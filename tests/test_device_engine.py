@@ -1166,3 +1166,46 @@ def test_a_round_launched_ahead_is_one_call(tiny, method, monkeypatch):
     rounds = out.extra["rounds"]  # a few the host starts (the first, one after a round it reads first)
     assert runs["JoinedCall"] >= 0.75 * rounds, (dict(runs), rounds)
     assert sum(runs.values()) < 1.25 * rounds, (dict(runs), rounds)  # a draft call and a pass apart: 2 a round
+
+
+@pytest.mark.parametrize("method", ["lyanna-device", "eagle-device"])
+def test_a_joined_round_verifies_the_tree_its_draft_call_made(tiny, method, monkeypatch):
+    """Verification is lossless for any tree, so equal tokens would not show a joined call that
+    verified a stale tree (the last run's) or kept a stale chain: the same generation with each
+    round's draft call and pass run apart, the tree loaded from the call just run, verifies the
+    same trees, round by round, and keeps the same tokens."""
+    from lyanna.engines.device import DeviceTree
+    from lyanna.engines.device_passes import _TreeBlockPass
+
+    def apart(self, p, tree, timed):
+        first = tree.deferred
+        if first is not None:
+            first.run_fixed()
+            tree = DeviceTree(first.tree, tree.nodes, tree.depth, keep=tree.keep)
+        p.load(tree)
+        p.run_fixed(timed)
+        for name, destination in tree.keep:
+            destination.copy_(getattr(first, name))
+
+    loaded: list[np.ndarray] = []
+    load = _TreeBlockPass.load
+
+    def recorded(self, tree):
+        loaded.append(tree.packed.detach().cpu().numpy().copy())
+        load(self, tree)
+
+    monkeypatch.setattr(_TreeBlockPass, "load", recorded)
+    prompt, req = list(range(3, 40)), GenerationRequest(max_new_tokens=24, eos_token_ids=())
+    runs = []
+    for launch in (None, apart):
+        if launch is not None:
+            monkeypatch.setattr(DeviceEngine, "_launch", launch)
+        d = _with_heads(Decoder(tiny, engine=DeviceEngine(tiny.config, tiny.weights, DEVICE, pipelines=True),
+                                default_drafts=False), tiny)
+        d.generate(prompt, req, method=method, budget=None)  # first runs of shapes go alone
+        loaded.clear()
+        out = d.generate(prompt, req, method=method, budget=None)
+        runs.append((out.tokens, out.draft_tokens, out.accepted_draft_tokens, [t.tolist() for t in loaded]))
+    assert runs[0] == runs[1]
+    trees = runs[0][3]
+    assert len(trees) >= out.extra["rounds"] - 4 and len({str(t) for t in trees}) > 1  # the trees change

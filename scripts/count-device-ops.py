@@ -12,8 +12,9 @@ The timing pass
 (without the profiler) gives, per round, the milliseconds inside each kind of fixed-shape call
 (the target's pass by its row bucket: ``_StaticPass[16]``, or ``_TreeBlockPass[16]`` for a tree
 the drafter left on the device, ``JoinedCall[16]`` for such a pass run with its round's draft
-call as one; on CUDA synchronized before and after, so a call's time is its device time) and outside them (the host's own work: the gap a GPU waits through, unless the round
-is launched ahead of it). Two plain runs give a round's time end to end, with rounds launched
+call as one; on CUDA synchronized before and after, so a call's time is its device time) and
+outside them (the host's own work: the gap a GPU waits through, unless the round is launched
+ahead of it). Two plain runs give a round's time end to end, with rounds launched
 ahead of the host's reading and read one by one (``DeviceEngine.pipelines``). For ``lyanna``
 methods, one more run splits the draft call (``_DraftTreesPass``, run eagerly: a graph's replay
 hides its kernels) into its phases, per call: the head's layers and raw logits, the trees'

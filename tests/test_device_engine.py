@@ -1199,7 +1199,7 @@ def test_a_joined_round_verifies_the_tree_its_draft_call_made(tiny, method, monk
     runs = []
     for launch in (None, apart):
         if launch is not None:
-            monkeypatch.setattr(DeviceEngine, "_launch", launch)
+            monkeypatch.setattr(DeviceEngine, "_run_pass", launch)
         d = _with_heads(Decoder(tiny, engine=DeviceEngine(tiny.config, tiny.weights, DEVICE, pipelines=True),
                                 default_drafts=False), tiny)
         d.generate(prompt, req, method=method, budget=None)  # first runs of shapes go alone

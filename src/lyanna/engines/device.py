@@ -123,7 +123,7 @@ class DeviceEngine(TargetEngine):
         self.row_slabs = RowSlabs(self, batch_rows, row_capacity) if batch_rows else None
         self._passes: dict[tuple[int, int, int, tuple[int, ...]], _StaticPass] = {}
         self._tree_passes: dict[tuple[int, int, int, tuple[int, ...], int], _TreeBlockPass] = {}
-        self._joined: dict[tuple[int, int], JoinedCall] = {}  # (draft call, pass): ``_launch``
+        self._joined: dict[tuple[int, int], JoinedCall] = {}  # (draft call, pass): ``_run_pass``
         # The tree of a plain step verified in its pass (``_tree_of``): no nodes.
         self._no_tree = DeviceTree(torch.zeros(1, dtype=torch.float64, device=self.device), 0, 0)
 
@@ -249,7 +249,7 @@ class DeviceEngine(TargetEngine):
             p.host("temperature")[0], p.host("top_p")[0], p.host("top_k")[0] = rule.temperature, rule.top_p, rule.top_k
             uniforms = p.host("uniforms")  # past the tree's nodes: padding nodes', never read (they are not valid)
             uniforms[: tree.nodes], uniforms[-1] = rule.uniforms[:-1], rule.uniforms[-1]
-        self._launch(p, tree, timed=b.ahead)
+        self._run_pass(p, tree, timed=b.ahead)
         if mode is None:
             *hidden, argmax, packed = _fetch([p.hidden[tap][:rows] for tap in b.taps] + [p.argmax[:rows], p.tree])
             cache.length += rows
@@ -259,7 +259,7 @@ class DeviceEngine(TargetEngine):
         pending = PendingPass(p, cache, tuple(b.taps))
         return pending if b.ahead else pending.collect()
 
-    def _launch(self, p: _TreeBlockPass, tree: DeviceTree, timed: bool) -> None:
+    def _run_pass(self, p: _TreeBlockPass, tree: DeviceTree, timed: bool) -> None:
         """Run ``p`` on ``tree``: alone, or joined with the draft call that ``tree``'s drafter
         deferred (``DeviceTree.deferred``: one launch for the round's drafting, verification,
         compaction and handoff), then what the drafter keeps of the draft's outputs."""

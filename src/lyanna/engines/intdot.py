@@ -171,9 +171,9 @@ def _quantize_span(x, lo, hi, quantized):  # pragma: no cover - compiled
 # and the pair ran well below twice one thread's speed, while by rows each streams the whole
 # matrix (a few hundred KB, the second time from its cache) for its rows with the kernel's best
 # row group (4 rows, no spilled registers). Blocks of ROW_SHARES_WIDE rows and more go by rows on
-# matrices of fewer than WIDE_TILES tiles too (a layer's gate and up projections, about 1 MB): split by
-# tiles, a 16-row block's gate_up scaled 1.56x on two threads, by rows 1.96x. The LM head (tens of
-# tiles) stays split by tiles: by rows both threads would stream all of its 30 MB.
+# matrices of fewer than WIDE_TILES tiles too (a layer's gate and up projections, about 1 MB): two
+# threads scaled better by rows than by tiles there. The LM head (tens of tiles) stays split by
+# tiles: by rows both threads would stream all of its 30 MB.
 # Measured on the 2-core Zen 4: docs/engine.md (latency against block size).
 ROW_SHARE = 4
 ROW_SHARES_MIN = 5

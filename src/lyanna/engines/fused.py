@@ -54,6 +54,9 @@ def _layers(x, rot, attn_norms, mlp_norms, d, m, q, k_caches, v_caches, span_of,
     ``bias`` from ``bias_at[s]``, or none where that is -1). The input of layer ``l`` is copied
     to ``taps[tap_slot[l]]`` where ``tap_slot[l] >= 0``. ``path``: see ``_linear``."""
     n, hidden = x.shape
+    # The residual stream, added to in place (``x = x + a`` allocated and filled a new array twice
+    # a layer); the caller's array is left as it was.
+    x = x.copy()
     q_dim, kv_dim = heads * head_dim, kv_heads * head_dim
     scale = np.float32(1.0 / np.sqrt(head_dim))
     ends = starts.copy()
@@ -84,12 +87,12 @@ def _layers(x, rot, attn_norms, mlp_norms, d, m, q, k_caches, v_caches, span_of,
                     v_cache[layer, g, slot, e] = qkv[i, q_dim + kv_dim + g * head_dim + e]
         _attention_kernel(qh, k_caches, v_caches, layer, span_of, lo, ends, bias, bias_at, o)
         _linear(o, d[w + 1], m[w + 1], q[w + 1], a, path)
-        x = x + a
+        x += a
         _rms_norm_kernel(x, mlp_norms[layer], eps, h)
         _linear(h, d[w + 2], m[w + 2], q[w + 2], gate_up, path)
         _silu_mul_kernel(gate_up, act)
         _linear(act, d[w + 3], m[w + 3], q[w + 3], a, path)
-        x = x + a
+        x += a
     return x
 
 

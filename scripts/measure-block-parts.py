@@ -3,7 +3,11 @@ tokens after 256 cached tokens for the whole pass, and for its parts measured al
 weights and cache (the layers' 120 matrix products in layer order, the LM head, the 30 layers'
 attention over the cache with the block's causal mask). What the pass does besides (norms, RoPE,
 SiLU, the calls between) is about the pass less the parts, within this host's noise (the parts,
-measured apart, need not add up to the pass). Also the integer kernel's
+measured apart, need not add up to the pass). And the same passes timed inside, phase by phase
+(``ms_inside_pass``: the layers' phases by the CPU's cycle counter, ``fused.PHASES``, and what the
+pass spends outside the layers, the LM head mostly): there each part meets the caches as the pass
+leaves them, where a part timed alone, over and over, finds much of its weights in cache (the LM
+head's 30 MB of blocks nearly fit a 32 MB L3). Also the integer kernel's
 multiply-adds per second on one matrix that stays in cache (its arithmetic bound, no memory
 stream): what each extra row of a block costs at the least; and this CPU's own peaks, both cores
 busy with independent operations on registers: 8-bit multiply-adds (``vpdpbusd`` on the
@@ -215,6 +219,55 @@ def parts_ms(engine: Transformer, rng: np.random.Generator, cache: KVCache, roun
     return ms
 
 
+def _cycles_per_second(cycles) -> float:
+    """The cycle counter's rate (``fused.cycles``), against the wall clock over a fifth of a second."""
+    c0, t0 = cycles(), time.perf_counter()
+    time.sleep(0.2)
+    return (cycles() - c0) / (time.perf_counter() - t0)
+
+
+def phases_ms(engine: Transformer, rng: np.random.Generator, cache: KVCache, rounds: int) -> dict[str, list[float]] | None:
+    """Inside whole passes, per block size: ms a pass in each phase of the layers (``fused.PHASES``,
+    summed over the layers), the layers' call, what the pass spends outside it (embedding, final
+    norm, LM head, the Python around) and the pass; the round with the fastest pass, each the mean
+    of ``REPEATS`` passes. None where the engine's layers take no clock (an earlier checkout)."""
+    try:
+        from lyanna.engines.fused import PHASES, cycles
+    except ImportError:
+        return None
+    fused, c = engine._fused, engine.config
+    if fused is None:
+        return None
+    per_second, best = _cycles_per_second(cycles), {}
+    for _ in range(rounds):
+        for n in SIZES:
+            clock, inside = np.zeros(len(PHASES), np.int64), []
+
+            def timed(x, rot, blocks, taps):
+                start = time.perf_counter()
+                out = fused(x, rot, blocks, taps, clock=clock)
+                inside.append(time.perf_counter() - start)
+                return out
+
+            tokens, positions = rng.integers(c.vocab_size, size=n), np.arange(CONTEXT, CONTEXT + n)
+            mask, passes = np.tril(np.ones((n, n), bool)), []
+            engine._fused = timed
+            try:
+                for _ in range(REPEATS):
+                    cache.length = CONTEXT
+                    start = time.perf_counter()
+                    engine.forward(tokens, positions, cache, block_mask=mask)
+                    passes.append(time.perf_counter() - start)
+            finally:
+                engine._fused = fused
+            row = {name: clock[i] / per_second / REPEATS * 1e3 for i, name in enumerate(PHASES)}
+            row.update({"layers": np.mean(inside) * 1e3, "pass": np.mean(passes) * 1e3})
+            row["outside the layers"] = row["pass"] - row["layers"]
+            if n not in best or row["pass"] < best[n]["pass"]:
+                best[n] = row
+    return {name: [round(best[n][name], 3) for n in SIZES] for name in best[SIZES[0]]}
+
+
 def _child_ms(checkout: Path) -> dict[str, list[float]]:
     """One round of ``parts_ms`` in a child that imports ``checkout``'s package (this script's
     code, that checkout's engine)."""
@@ -255,11 +308,11 @@ def main() -> None:
     else:  # ours measured in children too, alike
         beside = against_ms(args.against.resolve(), args.rounds)
         ms = next(rows for who, rows in beside.items() if who.startswith("ours@"))
-    report(args, engine, rng, ms, beside)
+    report(args, engine, rng, ms, beside, phases_ms(engine, rng, cache, args.rounds))
 
 
 def report(args: argparse.Namespace, engine: Transformer, rng: np.random.Generator, ms: dict[str, list[float]],
-           beside: dict[str, dict[str, list[float]]] | None) -> None:
+           beside: dict[str, dict[str, list[float]]] | None, phases: dict[str, list[float]] | None) -> None:
     """The kernel's bound and the CPU's peaks measured, and the JSON written."""
     widths = _widths(engine)
     c = engine.config
@@ -295,6 +348,8 @@ def report(args: argparse.Namespace, engine: Transformer, rng: np.random.Generat
         "sizes": list(SIZES),
         "ms": {k: [round(v, 2) for v in row] for k, row in ms.items()},
         # --against: ours and the checkout's parts, each in children taking turns (each the fastest of its rounds)
+        # ours inside whole passes (``phases_ms``): each phase where the pass leaves the caches
+        "ms_inside_pass": phases,
         "ms_beside": None if beside is None else {who: {k: [round(v, 2) for v in row] for k, row in rows.items()}
                                                   for who, rows in beside.items()},
         "hot_kernel_gmac_per_s": round(peak / 1e9, 1),
@@ -310,7 +365,7 @@ def report(args: argparse.Namespace, engine: Transformer, rng: np.random.Generat
         "block_ms_at_cpu_peaks": at_peaks,
     }
     args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps({k: report[k] for k in ("ms", "hot_kernel_gmac_per_s", "least_ms_per_extra_row",
+    print(json.dumps({k: report[k] for k in ("ms", "ms_inside_pass", "hot_kernel_gmac_per_s", "least_ms_per_extra_row",
                                              "cpu_int8_peak_gmac_per_s", "cpu_fp32_fma_peak_g_per_s",
                                              "block_ms_at_cpu_peaks")}, indent=1))
 

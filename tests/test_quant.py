@@ -228,6 +228,31 @@ def test_fused_layers_give_the_layer_by_layer_bits(tiny_model_dir, kernel):
     assert all(np.array_equal(b.logits, a.logits) for b, a in zip(batch, alone))
 
 
+def test_a_pass_timed_by_phase_keeps_its_bits_and_counts_every_phase(tiny_model_dir):
+    """The fused layers given a clock (``fused.PHASES``, what ``measure-block-parts.py`` reads)
+    add cycles to every phase and compute what an untimed pass computes, bit for bit."""
+    from lyanna.engines.fused import PHASES
+    from lyanna.engines.loading import load_target
+    from lyanna.engines.transformer import Transformer
+
+    target = load_target(tiny_model_dir)
+    weights = {name: quantize_q8_0(w, "int8") if w.ndim == 2 and ".layers." in name else w
+               for name, w in target.weights.items()}
+    engine = Transformer(target.config, weights)
+    untimed, clock = engine._fused, np.zeros(len(PHASES), np.int64)
+    tokens, mask = np.random.default_rng(12).integers(3, 259, 12), np.tril(np.ones((4, 4), bool))
+    outs = []
+    for fused in (untimed, lambda x, rot, blocks, taps: untimed(x, rot, blocks, taps, clock=clock)):
+        engine._fused, cache = fused, engine.new_cache(32)
+        engine.forward(tokens[:8], np.arange(8), cache)
+        outs.append((engine.forward(tokens[8:], np.arange(8, 12), cache, block_mask=mask, taps=(1,)), cache))
+    engine._fused = untimed
+    (plain, plain_cache), (timed, timed_cache) = outs
+    assert np.array_equal(plain.logits, timed.logits) and np.array_equal(plain.hidden[1], timed.hidden[1])
+    assert np.array_equal(plain_cache.k, timed_cache.k) and np.array_equal(plain_cache.v, timed_cache.v)
+    assert (clock > 0).all()
+
+
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_a_two_layer_head_on_blocks_runs_fused_with_the_layer_by_layer_bits(tiny_model_dir, kernel):
     """On a target computed on blocks a two-layer draft head's matrices become blocks too, and its

@@ -53,7 +53,7 @@ def _one_span(x, rot, fl, cache, start, bias, masked, eps, shape, path):  # prag
     return _layers(x, rot, attn_norms, mlp_norms, d, m, q, (k,), (v,), np.zeros(x.shape[0], np.int64), zero,
                    np.full(1, start, np.int64), bias, np.full(1, 0 if masked else -1, np.int64),
                    np.full(len(attn_norms), -1, np.int64), np.empty((0, x.shape[0], x.shape[1]), np.float32), eps,
-                   heads, kv_heads, head_dim, path)
+                   heads, kv_heads, head_dim, path, np.zeros(0, np.int64))
 
 
 @njit(nogil=True, cache=True)

@@ -20,8 +20,10 @@ from __future__ import annotations
 from typing import Sequence
 
 import numpy as np
+from llvmlite import ir
 from numba import njit, types
-from numba.extending import overload
+from numba.core import cgutils
+from numba.extending import intrinsic, overload
 from numba.typed import List
 
 from .attention import _attention_kernel, span_layout
@@ -46,13 +48,14 @@ def _linear_by_layout(x, d, m, q, out, path):
 
 @njit(nogil=True, cache=True)
 def _layers(x, rot, attn_norms, mlp_norms, d, m, q, k_caches, v_caches, span_of, lo, starts, bias, bias_at, tap_slot,
-            taps, eps, heads, kv_heads, head_dim, path):  # pragma: no cover - compiled
+            taps, eps, heads, kv_heads, head_dim, path, clock):  # pragma: no cover - compiled
     """``x`` through every layer; layer ``l``'s matrices are ``(d, m, q)[4 * l + j]`` for qkv, o,
     gate_up and down. Row ``i`` belongs to sequence ``s = span_of[i]`` (rows ``lo[s]`` on): its key
     and value go to slot ``starts[s] + i - lo[s]`` of ``k_caches[s]``/``v_caches[s]``, and it
     attends to that sequence's slots up to its own block's end (with the sequence's mask in
     ``bias`` from ``bias_at[s]``, or none where that is -1). The input of layer ``l`` is copied
-    to ``taps[tap_slot[l]]`` where ``tap_slot[l] >= 0``. ``path``: see ``_linear``."""
+    to ``taps[tap_slot[l]]`` where ``tap_slot[l] >= 0``. ``path``: see ``_linear``. ``clock``: cycles
+    per phase (``PHASES``) added to it, or ``NO_CLOCK``."""
     n, hidden = x.shape
     # The residual stream, added to in place (``x = x + a`` allocated and filled a new array twice
     # a layer); the caller's array is left as it was.
@@ -75,25 +78,82 @@ def _layers(x, rot, attn_norms, mlp_norms, d, m, q, k_caches, v_caches, span_of,
         if tap_slot[layer] >= 0:
             taps[tap_slot[layer]] = x
         w = 4 * layer
+        t = _lap(clock, -1, 0)
         _rms_norm_kernel(x, attn_norms[layer], eps, h)
+        t = _lap(clock, 0, t)
         _linear(h, d[w], m[w], q[w], qkv, path)
+        t = _lap(clock, 1, t)
         _rope_kernel(qkv, rot, heads, kv_heads, head_dim, scale, qh, kh)
-        for i in range(n):
-            s = span_of[i]
-            k_cache, v_cache, slot = k_caches[s], v_caches[s], starts[s] + i - lo[s]
-            for g in range(kv_heads):
-                for e in range(head_dim):
-                    k_cache[layer, g, slot, e] = kh[i, g, e]
-                    v_cache[layer, g, slot, e] = qkv[i, q_dim + kv_dim + g * head_dim + e]
+        _write_kv(qkv, kh, k_caches, v_caches, layer, span_of, lo, starts, q_dim + kv_dim)
+        t = _lap(clock, 2, t)
         _attention_kernel(qh, k_caches, v_caches, layer, span_of, lo, ends, bias, bias_at, o)
+        t = _lap(clock, 3, t)
         _linear(o, d[w + 1], m[w + 1], q[w + 1], a, path)
+        t = _lap(clock, 4, t)
         x += a
         _rms_norm_kernel(x, mlp_norms[layer], eps, h)
+        t = _lap(clock, 5, t)
         _linear(h, d[w + 2], m[w + 2], q[w + 2], gate_up, path)
+        t = _lap(clock, 6, t)
         _silu_mul_kernel(gate_up, act)
+        t = _lap(clock, 7, t)
         _linear(act, d[w + 3], m[w + 3], q[w + 3], a, path)
+        t = _lap(clock, 8, t)
         x += a
+        _lap(clock, 9, t)
     return x
+
+
+@njit(nogil=True, cache=True)
+def _write_kv(qkv, kh, k_caches, v_caches, layer, span_of, lo, starts, v_at):  # pragma: no cover - compiled
+    """Each row's rotated keys ``kh`` and its values (``qkv`` from column ``v_at``) into its
+    sequence's caches at layer ``layer`` (slots as ``_layers`` says)."""
+    kv_heads, head_dim = kh.shape[1], kh.shape[2]
+    for i in range(kh.shape[0]):
+        s = span_of[i]
+        k_cache, v_cache, slot = k_caches[s], v_caches[s], starts[s] + i - lo[s]
+        for g in range(kv_heads):
+            for e in range(head_dim):
+                k_cache[layer, g, slot, e] = kh[i, g, e]
+                v_cache[layer, g, slot, e] = qkv[i, v_at + g * head_dim + e]
+
+
+# What ``_layers`` times per layer when it is given a clock (``PHASES`` cycle counts, summed over
+# the layers): where a pass's time goes, measured inside the pass (``scripts/measure-block-parts.py``),
+# so that each part meets the caches as the pass leaves them (a part timed alone, over and over,
+# finds its weights in cache far more often).
+PHASES = ("attention norm", "qkv", "rope and cache", "attention", "o", "residual and mlp norm", "gate and up",
+          "silu and mul", "down", "residual")
+NO_CLOCK = np.zeros(0, np.int64)  # a pass not timed
+
+
+@intrinsic
+def _cycles(typingctx):
+    """The CPU's cycle counter (``rdtsc`` on x86)."""
+    def codegen(context, builder, signature, args):
+        counter = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.IntType(64), []),
+                                                 "llvm.readcyclecounter")
+        return builder.call(counter, [])
+
+    return types.int64(), codegen
+
+
+@njit(nogil=True, cache=True)
+def cycles():  # pragma: no cover - compiled
+    """``_cycles`` from Python: what a caller converts ``_layers``' clock to seconds with."""
+    return _cycles()
+
+
+@njit(nogil=True, cache=True)
+def _lap(clock, phase, since):  # pragma: no cover - compiled
+    """The cycle counter now, having added the cycles since ``since`` to ``clock[phase]``
+    (``phase`` -1: only read it); 0 and nothing done for an empty clock (a pass not timed)."""
+    if clock.size == 0:
+        return 0
+    now = _cycles()
+    if phase >= 0:
+        clock[phase] += now - since
+    return now
 
 
 def _matrices(layers: Sequence) -> list:
@@ -124,10 +184,10 @@ class FusedLayers:
 
     def __call__(self, x: np.ndarray, rot: np.ndarray, blocks: Sequence[tuple[int, int, np.ndarray, np.ndarray, int,
                                                                           np.ndarray | None]],
-                 taps: list[int]) -> tuple[np.ndarray, dict[int, np.ndarray]]:
+                 taps: list[int], clock: np.ndarray = NO_CLOCK) -> tuple[np.ndarray, dict[int, np.ndarray]]:
         """``x`` [n, hidden] after every layer, and the inputs of the layers in ``taps``. ``blocks``:
         per sequence, its rows [lo, hi) of ``x``, its key and value caches, the slot its block
-        starts at and its additive mask (None: a single row)."""
+        starts at and its additive mask (None: a single row). ``clock``: see ``_layers``."""
         c = self.config
         n = x.shape[0]
         tap_slot = np.full(c.num_layers, -1, np.int64)
@@ -144,5 +204,5 @@ class FusedLayers:
         x = _layers(np.ascontiguousarray(x, np.float32), rot, self.attn_norms, self.mlp_norms, self.d, self.m, self.q,
                     k_caches, v_caches, span_of, lo, np.array([b[4] for b in blocks], np.int64), bias, bias_at,
                     tap_slot, out, np.float32(c.rms_norm_eps), c.num_heads, c.num_kv_heads, c.head_dim,
-                    intdot.path_index())
+                    intdot.path_index(), clock)
         return x, {layer: out[slot] for slot, layer in enumerate(taps)}

@@ -347,9 +347,9 @@ def report(args: argparse.Namespace, engine: Transformer, rng: np.random.Generat
         "context": CONTEXT,
         "sizes": list(SIZES),
         "ms": {k: [round(v, 2) for v in row] for k, row in ms.items()},
-        # --against: ours and the checkout's parts, each in children taking turns (each the fastest of its rounds)
         # ours inside whole passes (``phases_ms``): each phase where the pass leaves the caches
         "ms_inside_pass": phases,
+        # --against: ours and the checkout's parts, each in children taking turns (each the fastest of its rounds)
         "ms_beside": None if beside is None else {who: {k: [round(v, 2) for v in row] for k, row in rows.items()}
                                                   for who, rows in beside.items()},
         "hot_kernel_gmac_per_s": round(peak / 1e9, 1),

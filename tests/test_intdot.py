@@ -7,7 +7,7 @@ import pytest
 
 from lyanna.engines import intdot
 
-ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 14, 15, 16, 33)  # 5 and more on few tiles: even shares of up to 4 rows
+ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 14, 15, 16, 33)  # 6 and more on few tiles: even shares of up to 4 rows
 
 
 def matrix(kind: str, n: int, k: int, seed: int, half: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -44,7 +44,7 @@ def test_each_path_equals_the_reference(path, kind, shape, half):
     assert (packed[0].dtype == np.uint16) == (half and intdot.HAS_F16C)  # fp16 scales only where exact
     assert (packed[1].shape[-1] == 0) == (kind != "Q4_1")  # an all-zero m is left out
     tiles = packed[2].shape[0]
-    if shape[0] == 1040:  # enough tiles for the many-tile row group (``MANY_TILES``), groups crossed by ROWS
+    if shape[0] == 1040:  # many tiles (``MANY_TILES``): row groups of up to GROUP, crossed by ROWS
         assert tiles >= intdot.WIDE_TILES  # and split by tiles at every block size
     elif shape[0] == 1536:  # many tiles but not wide: by tiles up to ROW_SHARES_WIDE rows, by rows from there
         assert intdot.MANY_TILES <= tiles < intdot.WIDE_TILES and intdot.ROW_SHARES_WIDE <= max(ROWS)

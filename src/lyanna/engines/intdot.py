@@ -48,7 +48,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from .intdot_ir import (ALL_PATHS, BYTE_BYTES, GROUP, HAS_512, HAS_AVX2, HAS_F16C, HAS_VNNI, MANY_TILES,  # noqa: F401
-                        MANY_TILES_GROUP, MAX_TILE, NIBBLE_BYTES, OUT, PATHS, PREFETCH_BYTES, QK, _block_avx2,
+                        MAX_TILE, NIBBLE_BYTES, OUT, PATHS, PREFETCH_BYTES, QK, _block_avx2,
                         _block_portable, _block_vnni)
 from .kernels import even_group, ir_splat
 
@@ -169,14 +169,15 @@ def _quantize_span(x, lo, hi, quantized):  # pragma: no cover - compiled
 # even as they go: ``kernels.even_group``) over every
 # tile, instead of by tiles: split by tiles, each of two threads held one tile of such a matrix
 # and the pair ran well below twice one thread's speed, while by rows each streams the whole
-# matrix (a few hundred KB, the second time from its cache) for its rows with the kernel's best
-# row group (4 rows, no spilled registers). Blocks of ROW_SHARES_WIDE rows and more go by rows on
+# matrix (a few hundred KB, the second time from its cache) for its rows. Five rows stay split by
+# tiles, one group of 5 a tile: with the kernel's chunks of 512-bit values that took 0.95x the
+# time of two shares of 3 + 2 rows. Blocks of ROW_SHARES_WIDE rows and more go by rows on
 # matrices of fewer than WIDE_TILES tiles too (a layer's gate and up projections, about 1 MB): two
 # threads scaled better by rows than by tiles there. The LM head (tens of tiles) stays split by
 # tiles: by rows both threads would stream all of its 30 MB.
 # Measured on the 2-core Zen 4: docs/engine.md (latency against block size).
 ROW_SHARE = 4
-ROW_SHARES_MIN = 5
+ROW_SHARES_MIN = 6
 ROW_SHARES_WIDE, WIDE_TILES = 8, 8
 # Output vectors whose blocks lie side by side (``_grouped``): the widest chunk of the kernel.
 VECTOR_GROUP = 4
@@ -235,10 +236,9 @@ def _by_blocks(xq, dx, xs, xc, d, m, q, out, path):  # pragma: no cover - compil
     """``int_linear_kernel`` tile by tile, up to GROUP rows a call (a call: every block of a span of
     the tile's output vectors)."""
     rows, k, tiles, nb, tw, nvec, g, size, nibbles, offsets = _shapes(xq, d, m, q)
-    most = MANY_TILES_GROUP if tiles >= MANY_TILES and path == 0 and HAS_512 else GROUP  # measured there only
-    # as even as they go: 5 rows in groups of 4 were 4 + 1, the second group paying nearly a whole
+    # as even as they go: 9 rows in groups of 8 were 8 + 1, the second group paying nearly a whole
     # group's unpacking and scaling for one row (docs/engine.md); each row's sums are the same bits
-    most = even_group(rows, most)
+    most = even_group(rows, GROUP)
     flat, xflat, dflat, sflat, cflat = q.reshape(-1), xq.reshape(-1), dx.reshape(-1), xs.reshape(-1), xc.reshape(-1)
     width = out.shape[1]
     span = nvec if rows <= most else SPAN

@@ -17,14 +17,7 @@ from .kernels import _FEATURES, ir_splat
 QK = 32  # inputs per block
 OUT = 8  # outputs per vector: 8 int32 lanes of a 256-bit register
 GROUP = 8  # input rows sharing one load (and unpacking) of a weight vector
-# The row group on ``vnni`` with AVX-512's registers for matrices cut into at least ``MANY_TILES``
-# tiles (a layer's gate and up projections, the LM head): 4 rows, each chunk 4 output vectors
-# wide (``_COLS_32``). On the 2-core Zen 4 (2026-11-26, each kind of matrix over all 30 layers,
-# weights streamed as in a pass) groups of 4 ran gate_up 0.93x / 0.79x / 0.75x the time of groups
-# of 8 for 8 / 16 / 64 rows and the LM head 0.73x at 64 rows, while the two-tile matrices ran
-# 1.00-1.09x; whole passes after 256 cached tokens took 67.5-68.7 ms instead of 71.9 for 64 rows,
-# the same within noise for 1 to 16. Only the speed changes: every row's sums are the same.
-MANY_TILES, MANY_TILES_GROUP = 4, 4
+MANY_TILES = 4  # tiles from which a matrix stays split by tiles among the threads at 6+ rows (``intdot``)
 MAX_TILE = 512  # output rows per parallel task (see ``quant.MAX_TILE``)
 NIBBLE_BYTES = OUT * QK // 2  # bytes of one output vector's block, packed: 4 vectors of 32
 BYTE_BYTES = OUT * QK  # the same, one byte per weight: 8 vectors of 32
@@ -39,14 +32,20 @@ HAS_AVX2 = "+avx2" in _FEATURES
 HAS_F16C = "+f16c" in _FEATURES  # fp16 -> fp32 in one instruction (``pack`` keeps fp16 scales only then)
 HAS_512 = HAS_AVX2 and "+avx512vl" in _FEATURES  # 32 vector registers, EVEX-encoded 256-bit ops
 HAS_VNNI = HAS_AVX2 and ((HAS_512 and "+avx512vnni" in _FEATURES) or "+avxvnni" in _FEATURES)
+HAS_VNNI_512 = HAS_512 and "+avx512vnni" in _FEATURES  # ``vpdpbusd`` on 512-bit registers too
 ALL_PATHS = ("vnni", "avx2", "portable")  # fastest first; a path's index is what the kernel takes
 PATHS = tuple(p for p, ok in zip(ALL_PATHS, (HAS_VNNI, HAS_AVX2, True)) if ok)  # the ones this CPU runs
 
-# Output vectors per chunk, by input rows: accumulators (rows x cols), the weight vectors (two per
-# packed vector once unpacked), the broadcast inputs and two constants must fit the registers
-# without spilling: 16 on AVX2, 32 with AVX-512's EVEX encoding.
+# Values per chunk, by input rows: accumulators (rows x cols), the weight vectors (two per packed
+# vector once unpacked), the broadcast inputs and two constants must fit the registers without
+# spilling: 16 on AVX2 (a value: one output vector).
 _COLS = {1: 4, 2: 2, 3: 2}
-_COLS_32 = {1: 4, 2: 4, 3: 4, 4: 4, 5: 2, 6: 2, 7: 2, 8: 2}
+# On ``vnni`` with AVX-512 VNNI a value holds two output vectors (16 lanes of a 512-bit register), so a
+# chunk of two values takes four vectors at every row count in half the registers 256-bit values
+# needed: 4 rows x 4 vectors of float and integer sums had been all 32 registers, and from 5 rows
+# a chunk had to drop to 2 vectors, unpacking each weight twice as often. The same integers and
+# the same fp32 operations lane by lane, so the same bits; whole passes: docs/engine.md.
+PAIRS_512 = 2
 
 
 class _Emitter:
@@ -58,7 +57,8 @@ class _Emitter:
 
     def __init__(self, context, builder, signature, args, path: str):
         self.b, self.portable, self.vnni = builder, path == "portable", path == "vnni"
-        self.cols = _COLS_32 if self.vnni and HAS_512 else _COLS
+        self.per = 2 if self.vnni and HAS_VNNI_512 else 1  # output vectors a value holds
+        self.cols = {rows: PAIRS_512 for rows in range(1, GROUP + 1)} if self.per == 2 else _COLS
         arrays = {i: context.make_array(signature.args[i])(context, builder, args[i]).data
                   for i in (0, 4, 7, 8, 11, 12, 14, 20)}
         self.q, self.xq, self.dx, self.xs, self.d, self.m, self.out, self.xc = (arrays[i] for i in (0, 4, 7, 8, 11, 12, 14,
@@ -72,10 +72,14 @@ class _Emitter:
         self.i32 = i32
         self.v32i8, self.v16i16, self.v8i32 = ir.VectorType(i8, 32), ir.VectorType(i16, 16), ir.VectorType(i32, 8)
         self.v8f32 = ir.VectorType(ir.FloatType(), 8)
+        self.i8 = i8
         module = builder.module
         fn = lambda name, ret, *args: cgutils.get_or_insert_function(module, ir.FunctionType(ret, list(args)), name)  # noqa: E731
         if self.vnni:  # i32 operands: the form every LLVM since 9 accepts (newer ones upgrade it)
-            self.dpbusd_fn = fn("llvm.x86.avx512.vpdpbusd.256", self.v8i32, self.v8i32, self.v8i32, self.v8i32)
+            self.dpbusd_fn = {8: fn("llvm.x86.avx512.vpdpbusd.256", *[self.v8i32] * 4)}
+            if self.per == 2:
+                v16i32 = ir.VectorType(i32, 16)
+                self.dpbusd_fn[16] = fn("llvm.x86.avx512.vpdpbusd.512", *[v16i32] * 4)
         if not self.portable:
             self.maddubs_fn = fn("llvm.x86.avx2.pmadd.ub.sw", self.v16i16, self.v32i8, self.v32i8)
             self.madd_fn = fn("llvm.x86.avx2.pmadd.wd", self.v8i32, self.v16i16, self.v16i16)
@@ -99,9 +103,14 @@ class _Emitter:
 
     def dot4(self, acc, u, s):
         """``acc`` plus, in each 32-bit lane, the four products of unsigned bytes ``u`` and signed
-        bytes ``s`` (``vpdpbusd``; exact: a lane's sum stays far inside 32 bits)."""
-        v8i32 = self.v8i32
-        return self.b.call(self.dpbusd_fn, [acc, self.b.bitcast(u, v8i32), self.b.bitcast(s, v8i32)])
+        bytes ``s`` (``vpdpbusd``, 8 or 16 lanes; exact: a lane's sum stays far inside 32 bits)."""
+        kind = acc.type
+        return self.b.call(self.dpbusd_fn[kind.count], [acc, self.b.bitcast(u, kind), self.b.bitcast(s, kind)])
+
+    def kinds(self, per: int):
+        """The byte, int32 and fp32 vector types of a value of ``per`` output vectors."""
+        return (ir.VectorType(self.i8, 32 * per), ir.VectorType(self.i32, OUT * per),
+                ir.VectorType(ir.FloatType(), OUT * per))
 
     def widen(self, v):
         """16-bit lanes to 32 bits, neighbours added."""
@@ -136,50 +145,63 @@ class _Emitter:
             case = b.append_basic_block(f"rows{rows}")
             switch.add_case(self.rows.type(rows), case)
             b.position_at_end(case)
-            cols = self.cols.get(rows, 1)  # output vectors a chunk takes
-            full = b.sdiv(b.sub(self.jn, self.j0), intp(cols))  # vectors j0 .. jn - 1
+            cols = self.cols.get(rows, 1)  # values a chunk takes
+            width = cols * self.per  # output vectors a chunk takes
+            full = b.sdiv(b.sub(self.jn, self.j0), intp(width))  # vectors j0 .. jn - 1
             with cgutils.for_range(b, full) as loop:
-                self._chunk(nibbles, rows, cols, b.add(self.j0, b.mul(loop.index, intp(cols))))
-            if cols > 1:
-                with cgutils.for_range_slice(b, b.add(self.j0, b.mul(full, intp(cols))), self.jn, intp(1)) as (j, _):
-                    self._chunk(nibbles, rows, 1, j)
+                self._chunk(nibbles, rows, cols, b.add(self.j0, b.mul(loop.index, intp(width))), self.per)
+            if width > 1:  # the rest one vector at a time
+                with cgutils.for_range_slice(b, b.add(self.j0, b.mul(full, intp(width))), self.jn, intp(1)) as (j, _):
+                    self._chunk(nibbles, rows, 1, j, 1)
             b.branch(merge)
         b.position_at_end(merge)
 
     def _load(self, base, offset, kind):
         return self.b.load(self.b.bitcast(self.b.gep(base, [offset]), kind.as_pointer()), align=1)
 
-    def _broadcast(self, offset):
-        """Four input bytes at ``offset`` in every 32-bit lane."""
-        return self.b.bitcast(ir_splat(self.b, self._load(self.xq, offset, self.i32), self.v8i32), self.v32i8)
+    def _gather(self, base, offsets, kind):
+        """A value of ``kind`` loaded at each of ``offsets``, side by side (one output vector's
+        bytes or scales each: a value of two vectors is two loads, as the layout places them)."""
+        parts = [self._load(base, at, kind) for at in offsets]
+        while len(parts) > 1:
+            n = parts[0].type.count
+            pick = ir.Constant(ir.VectorType(self.i32, 2 * n), list(range(2 * n)))
+            parts = [self.b.shuffle_vector(parts[i], parts[i + 1], pick) for i in range(0, len(parts), 2)]
+        return parts[0]
 
-    def _out_ptr(self, r: int, col):
+    def _broadcast(self, offset, per: int = 1):
+        """Four input bytes at ``offset`` in every 32-bit lane of a value of ``per`` vectors."""
+        v8, v32, _ = self.kinds(per)
+        return self.b.bitcast(ir_splat(self.b, self._load(self.xq, offset, self.i32), v32), v8)
+
+    def _out_ptr(self, r: int, col, kind):
         b, intp = self.b, self.intp
-        return b.bitcast(b.gep(self.out, [b.add(b.add(self.ooff, b.mul(intp(r), self.ostride)), col)]),
-                         self.v8f32.as_pointer())
+        return b.bitcast(b.gep(self.out, [b.add(b.add(self.ooff, b.mul(intp(r), self.ostride)), col)]), kind.as_pointer())
 
-    def _chunk(self, nibbles: bool, rows: int, cols: int, j) -> None:
-        """Output vectors ``j .. j + cols - 1`` for ``rows`` input rows over every block of the tile:
-        the outputs stay in registers from the first block to the last (one load and one store of
-        ``out`` a chunk, not a block), added to in the rule's order, so the bits are the same."""
+    def _chunk(self, nibbles: bool, rows: int, cols: int, j, per: int) -> None:
+        """Output vectors ``j .. j + cols * per - 1`` (``cols`` values of ``per`` vectors) for ``rows``
+        input rows over every block of the tile: the outputs stay in registers from the first block
+        to the last (one load and one store of ``out`` a chunk, not a block), added to in the rule's
+        order, so the bits are the same."""
         b, intp = self.b, self.intp
         size = NIBBLE_BYTES if nibbles else BYTE_BYTES
-        cols_at = [b.mul(b.add(j, intp(c)), intp(OUT)) for c in range(cols)]  # in a row of ``out``
-        units = [self._unit(b.add(j, intp(c))) for c in range(cols)]  # each vector's block 0
+        vf32 = self.kinds(per)[2]
+        cols_at = [b.mul(b.add(j, intp(c * per)), intp(OUT)) for c in range(cols)]  # in a row of ``out``
+        units = [[self._unit(b.add(j, intp(c * per + v))) for v in range(per)] for c in range(cols)]  # block 0s
         group_run = b.mul(b.sdiv(j, self.g), b.mul(self.nb, self.g))  # the chunk's group's block 0
-        accs = [[cgutils.alloca_once(b, self.v8f32) for _ in range(cols)] for _ in range(rows)]
+        accs = [[cgutils.alloca_once(b, vf32) for _ in range(cols)] for _ in range(rows)]
         for r in range(rows):
             for c in range(cols):
-                b.store(b.load(self._out_ptr(r, cols_at[c]), align=1), accs[r][c])
+                b.store(b.load(self._out_ptr(r, cols_at[c], vf32), align=1), accs[r][c])
         with cgutils.for_range(b, self.nb) as loop:
             blk = b.mul(loop.index, self.g)  # a group's block holds its g vectors' blocks
-            qbase = [b.add(self.qoff, b.mul(b.add(u, blk), intp(size))) for u in units]
-            scale_at = [b.add(self.dmoff, b.mul(b.add(u, blk), intp(OUT))) for u in units]
+            qbase = [[b.add(self.qoff, b.mul(b.add(u, blk), intp(size))) for u in value] for value in units]
+            scale_at = [[b.add(self.dmoff, b.mul(b.add(u, blk), intp(OUT))) for u in value] for value in units]
             self._prefetch(b.add(self.qoff, b.mul(b.add(group_run, blk), intp(size))), size,
                            b.add(self.dmoff, b.mul(b.add(group_run, blk), intp(OUT))))
             xrow = [b.add(b.add(self.xoff, b.mul(loop.index, intp(QK))), b.mul(intp(r), self.k)) for r in range(rows)]
             srow = [b.add(b.add(self.soff, loop.index), b.mul(intp(r), self.nb)) for r in range(rows)]
-            sums = self._packed_sums(qbase, xrow) if nibbles else self._byte_sums(qbase, xrow, srow)
+            sums = self._packed_sums(qbase, xrow, per) if nibbles else self._byte_sums(qbase, xrow, srow, per)
             with b.if_else(b.icmp_signed("!=", self.offsets, intp(0))) as (with_offsets, without):
                 with with_offsets:
                     self._scale(sums, accs, srow, scale_at, True)
@@ -187,7 +209,7 @@ class _Emitter:
                     self._scale(sums, accs, srow, scale_at, False)
         for r in range(rows):
             for c in range(cols):
-                b.store(b.load(accs[r][c]), self._out_ptr(r, cols_at[c]), align=1)
+                b.store(b.load(accs[r][c]), self._out_ptr(r, cols_at[c], vf32), align=1)
 
     def _unit(self, v):
         """Where vector ``v``'s block 0 lies, in vector-blocks from the tile's start: its group's
@@ -209,12 +231,14 @@ class _Emitter:
                 ptr = b.bitcast(b.gep(array, [ahead]), ir.IntType(8).as_pointer())
                 b.call(self.prefetch_fn, [ptr, self.i32(0), self.i32(PREFETCH_LOCALITY), self.i32(1)])
 
-    def _load_scales(self, array, offset):
-        """Eight fp32 scales at ``offset``, widened exactly from fp16 bits where ``pack`` kept those."""
+    def _load_scales(self, array, offsets):
+        """The fp32 scales of the output vectors at ``offsets`` (eight each), widened exactly from
+        fp16 bits where ``pack`` kept those."""
         if not self.half:
-            return self._load(array, offset, self.v8f32)
-        halves = self.b.bitcast(self._load(array, offset, ir.VectorType(ir.IntType(16), 8)), ir.VectorType(ir.HalfType(), 8))
-        return self.b.fpext(halves, self.v8f32)
+            return self._gather(array, offsets, self.v8f32)
+        halves = self._gather(array, offsets, ir.VectorType(ir.IntType(16), OUT))
+        return self.b.fpext(self.b.bitcast(halves, ir.VectorType(ir.HalfType(), halves.type.count)),
+                            ir.VectorType(ir.FloatType(), halves.type.count))
 
     def _scale(self, sums, accs, srow, scale_at, offsets: bool) -> None:
         """``acc += (d * dx) * isum + m * xs`` for the chunk's block; without the ``m * xs`` term where
@@ -229,30 +253,32 @@ class _Emitter:
                 b.store(b.fadd(b.load(acc[c]), term), acc[c])
 
     def _term(self, dv, mv, at, isum):
-        """The rule's term of one block for 8 outputs of one row: ``(d * dx) * isum + m * xs`` (no
-        ``m * xs`` where ``mv`` is None), ``dx``/``xs`` at ``at``."""
-        b = self.b
-        dx = ir_splat(b, b.load(b.gep(self.dx, [at])), self.v8f32)
-        term = b.fmul(b.fmul(dv, dx), b.sitofp(isum, self.v8f32))
+        """The rule's term of one block for a value's outputs of one row: ``(d * dx) * isum + m * xs``
+        (no ``m * xs`` where ``mv`` is None), ``dx``/``xs`` at ``at``; lane by lane, whatever the
+        value's width."""
+        b, kind = self.b, dv.type
+        dx = ir_splat(b, b.load(b.gep(self.dx, [at])), kind)
+        term = b.fmul(b.fmul(dv, dx), b.sitofp(isum, kind))
         if mv is not None:
-            xs = ir_splat(b, b.load(b.gep(self.xs, [at])), self.v8f32)
+            xs = ir_splat(b, b.load(b.gep(self.xs, [at])), kind)
             term = b.fadd(term, b.fmul(mv, xs))
         return term
 
-    def _packed_sums(self, qbase, xrow):
-        """Per row and vector, the block's 32-bit sums from 4-bit weights (16-bit partial sums)."""
+    def _packed_sums(self, qbase, xrow, per: int):
+        """Per row and value, the block's 32-bit sums from 4-bit weights (16-bit partial sums but on
+        ``vnni``)."""
         b, intp = self.b, self.intp
-        low = ir.Constant(self.v32i8, [15] * 32)
-        four = ir.Constant(self.v32i8, [4] * 32)
-        zero = self.v8i32 if self.vnni else self.v16i16
+        v8, v16, v32 = self.kinds(per)[0], self.v16i16, self.kinds(per)[1]
+        low, four = ir.Constant(v8, [15] * v8.count), ir.Constant(v8, [4] * v8.count)
+        zero = v32 if self.vnni else v16
         acc = [[ir.Constant(zero, [0] * zero.count) for _ in qbase] for _ in xrow]
         for p in range(4):
-            packed = [self._load(self.q, b.add(base, intp(32 * p)), self.v32i8) for base in qbase]
+            packed = [self._gather(self.q, [b.add(at, intp(32 * p)) for at in value], self.v32i8) for value in qbase]
             lo = [b.and_(v, low) for v in packed]
             hi = [b.lshr(v, four) for v in packed]
             for r, row in enumerate(xrow):
-                xlo = self._broadcast(b.add(row, intp(4 * p)))
-                xhi = self._broadcast(b.add(row, intp(4 * p + 16)))
+                xlo = self._broadcast(b.add(row, intp(4 * p)), per)
+                xhi = self._broadcast(b.add(row, intp(4 * p + 16)), per)
                 for c in range(len(qbase)):
                     if self.vnni:
                         acc[r][c] = self.dot4(self.dot4(acc[r][c], lo[c], xlo), hi[c], xhi)
@@ -261,14 +287,14 @@ class _Emitter:
                         acc[r][c] = b.add(acc[r][c], self.maddubs(hi[c], xhi))
         return acc if self.vnni else [[self.widen(a) for a in row] for row in acc]
 
-    def _byte_sums(self, qbase, xrow, srow):
-        """Per row and vector, the block's 32-bit sums from signed byte weights (the sign trick)."""
+    def _byte_sums(self, qbase, xrow, srow, per: int):
+        """Per row and value, the block's 32-bit sums from signed byte weights (the sign trick)."""
         if self.vnni:
-            return self._byte_sums_offset(qbase, xrow, srow)
+            return self._byte_sums_offset(qbase, xrow, srow, per)
         b, intp = self.b, self.intp
         acc = [[ir.Constant(self.v8i32, [0] * 8) for _ in qbase] for _ in xrow]
         for g in range(8):
-            w = [self._load(self.q, b.add(base, intp(32 * g)), self.v32i8) for base in qbase]
+            w = [self._gather(self.q, [b.add(at, intp(32 * g)) for at in value], self.v32i8) for value in qbase]
             aw = [b.call(self.abs_fn, [v, ir.IntType(1)(0)]) for v in w]
             for r, row in enumerate(xrow):
                 xb = self._broadcast(b.add(row, intp(4 * g)))
@@ -276,24 +302,26 @@ class _Emitter:
                     acc[r][c] = b.add(acc[r][c], self.widen(self.maddubs(aw[c], self.sign(xb, w[c]))))
         return acc
 
-    def _byte_sums_offset(self, qbase, xrow, srow):
+    def _byte_sums_offset(self, qbase, xrow, srow, per: int):
         """The same sums on ``vnni`` without the sign trick: each weight byte's top bit flipped
         makes it ``q + 128`` as an unsigned byte (0..255), which multiplies the signed inputs, and
         ``128 * sum(xq)`` of the row's block (``xc``, formed once when the row is quantized) comes
         off: one cheap operation per weight vector, where taking ``128 * sum(q)`` off instead
         needed a product per output vector, as many as the row's own."""
         b, intp = self.b, self.intp
-        flip = ir.Constant(self.v32i8, [-128] * 32)  # 0x80
-        acc = [[ir.Constant(self.v8i32, [0] * 8) for _ in qbase] for _ in xrow]
+        v8, v32, _ = self.kinds(per)
+        flip = ir.Constant(v8, [-128] * v8.count)  # 0x80
+        acc = [[ir.Constant(v32, [0] * v32.count) for _ in qbase] for _ in xrow]
         for g in range(8):
-            w = [b.xor(self._load(self.q, b.add(base, intp(32 * g)), self.v32i8), flip) for base in qbase]
+            w = [b.xor(self._gather(self.q, [b.add(at, intp(32 * g)) for at in value], self.v32i8), flip)
+                 for value in qbase]
             for r, row in enumerate(xrow):
-                xb = self._broadcast(b.add(row, intp(4 * g)))
+                xb = self._broadcast(b.add(row, intp(4 * g)), per)
                 for c in range(len(qbase)):
                     acc[r][c] = self.dot4(acc[r][c], w[c], xb)
         sums = []
         for r, row in enumerate(acc):
-            taken = ir_splat(b, b.load(b.gep(self.xc, [srow[r]])), self.v8i32)
+            taken = ir_splat(b, b.load(b.gep(self.xc, [srow[r]])), v32)
             sums.append([b.sub(a, taken) for a in row])
         return sums
 

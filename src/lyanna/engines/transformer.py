@@ -29,7 +29,7 @@ from .quant import QuantMatrix
 Weight = np.ndarray | QuantMatrix  # a matrix in fp32, or computed on a GGUF's blocks (``quant``)
 
 # Bumped whenever the forward pass's cost changes, so cached latency calibrations are redone.
-ENGINE_REVISION = 15
+ENGINE_REVISION = 16
 
 
 class KVCache:

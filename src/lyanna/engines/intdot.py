@@ -32,8 +32,8 @@ their outputs in registers, so it reads the bytes in the order they lie.
 
 Paths (``PATH``: the first of ``PATHS`` the CPU has, or ``LYANNA_INTDOT_PATH``, chosen at import): ``vnni``
 (``vpdpbusd``, AVX-512 VNNI or AVX-VNNI: four byte products added into each 32-bit lane in one
-instruction, so no 16-bit partial sums and no widening step, and with AVX-512's 32 registers more
-output vectors share each broadcast input), ``avx2`` (``vpmaddubsw`` + ``vpmaddwd``; AVX-512 CPUs
+instruction, so no 16-bit partial sums and no widening step; with AVX-512 VNNI two output vectors
+share a 512-bit register and four share each broadcast input at every row count), ``avx2`` (``vpmaddubsw`` + ``vpmaddwd``; AVX-512 CPUs
 run it too) and ``portable`` (the same integers in plain LLVM vector IR, for any CPU). Every path
 computes the same integers, so they agree bit for bit; each is tested against ``reference``.
 """

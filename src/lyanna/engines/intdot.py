@@ -33,8 +33,8 @@ their outputs in registers, so it reads the bytes in the order they lie.
 Paths (``PATH``: the first of ``PATHS`` the CPU has, or ``LYANNA_INTDOT_PATH``, chosen at import): ``vnni``
 (``vpdpbusd``, AVX-512 VNNI or AVX-VNNI: four byte products added into each 32-bit lane in one
 instruction, so no 16-bit partial sums and no widening step; with AVX-512 VNNI two output vectors
-share a 512-bit register and four share each broadcast input at every row count), ``avx2`` (``vpmaddubsw`` + ``vpmaddwd``; AVX-512 CPUs
-run it too) and ``portable`` (the same integers in plain LLVM vector IR, for any CPU). Every path
+share a 512-bit register and four share each broadcast input at every row count), ``avx2``
+(``vpmaddubsw`` + ``vpmaddwd``; AVX-512 CPUs run it too) and ``portable`` (the same integers in plain LLVM vector IR, for any CPU). Every path
 computes the same integers, so they agree bit for bit; each is tested against ``reference``.
 """
 from __future__ import annotations
@@ -47,7 +47,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from .intdot_ir import (ALL_PATHS, BYTE_BYTES, GROUP, HAS_512, HAS_AVX2, HAS_F16C, HAS_VNNI, MANY_TILES,  # noqa: F401
+from .intdot_ir import (ALL_PATHS, BYTE_BYTES, GROUP, HAS_AVX2, HAS_F16C, HAS_VNNI, MANY_TILES,  # noqa: F401
                         MAX_TILE, NIBBLE_BYTES, OUT, PATHS, PREFETCH_BYTES, QK, _block_avx2,
                         _block_portable, _block_vnni)
 from .kernels import even_group, ir_splat

@@ -58,7 +58,6 @@ class _Emitter:
     def __init__(self, context, builder, signature, args, path: str):
         self.b, self.portable, self.vnni = builder, path == "portable", path == "vnni"
         self.per = 2 if self.vnni and HAS_VNNI_512 else 1  # output vectors a value holds
-        self.cols = {rows: PAIRS_512 for rows in range(1, GROUP + 1)} if self.per == 2 else _COLS
         arrays = {i: context.make_array(signature.args[i])(context, builder, args[i]).data
                   for i in (0, 4, 7, 8, 11, 12, 14, 20)}
         self.q, self.xq, self.dx, self.xs, self.d, self.m, self.out, self.xc = (arrays[i] for i in (0, 4, 7, 8, 11, 12, 14,
@@ -145,7 +144,7 @@ class _Emitter:
             case = b.append_basic_block(f"rows{rows}")
             switch.add_case(self.rows.type(rows), case)
             b.position_at_end(case)
-            cols = self.cols.get(rows, 1)  # values a chunk takes
+            cols = PAIRS_512 if self.per == 2 else _COLS.get(rows, 1)  # values a chunk takes
             width = cols * self.per  # output vectors a chunk takes
             full = b.sdiv(b.sub(self.jn, self.j0), intp(width))  # vectors j0 .. jn - 1
             with cgutils.for_range(b, full) as loop:

@@ -104,6 +104,7 @@ def test_a_compiled_round_drafts_the_step_by_step_bits(tiny_model_dir, fitted):
     w["d2t"] = D2T[:256].copy()  # a whole number of the kernel's output vectors: no padded rows
     compiled, steps = ChainHead(engine, w), ChainHead(engine, w)
     steps._compiled = None
+    ti = TokenInfo(w["ti.a"], w["ti.b"], D2T[:256:5])
     assert compiled._compiled is not None
     tap = engine.config.num_layers
     tokens, features = np.asarray(examples[0].tokens), examples[0].features
@@ -120,6 +121,15 @@ def test_a_compiled_round_drafts_the_step_by_step_bits(tiny_model_dir, fitted):
         assert raws[0].shape[0] == depth and contexts[0].cache.length == contexts[1].cache.length == end
         for kv in ("k", "v"):
             np.testing.assert_array_equal(getattr(contexts[0].cache, kv)[:, :, :end], getattr(contexts[1].cache, kv)[:, :, :end])
+        # the whole round in one call: the same raw rows and the same tree, fused with leftover rows
+        # leftover rows as sharp as the fresh ones, on other tokens: nodes of both make the cut
+        leftover = None if depth < 2 else np.roll(raws[0][1:], 7, axis=1)
+        rounds = [h.draft_trees(pc, tokens[: end + 1], depth, leftover, ti, 3, 2, 9) for h, pc in zip((compiled, steps), contexts)]
+        np.testing.assert_array_equal(rounds[0][0], rounds[1][0])
+        for field in ("tokens", "parents", "scores", "origin"):
+            np.testing.assert_array_equal(getattr(rounds[0][1], field), getattr(rounds[1][1], field))
+        assert len(rounds[0][1]) == 9 or depth == 1
+        assert set(rounds[0][1].origin.tolist()) == ({0} if leftover is None else {0, 1})
 
 
 def test_a_two_layer_chain_matches_its_torch_twin_and_decodes_losslessly(tiny_decoder, tiny_examples, tmp_path):

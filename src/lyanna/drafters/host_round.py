@@ -1,12 +1,16 @@
-"""A Lyanna round's draft forward passes on the host head in one compiled call, on a GGUF's blocks.
+"""A Lyanna round's drafting on the host head in one compiled call, on a GGUF's blocks: the draft
+forward passes and the round's tree.
 
 Why: a round's drafting is a handful of one- or two-row steps through a one-layer head (the
 catch-up's fusion FC and layer, one layer a chain level, the draft logits), each a few tens of
-microseconds of arithmetic; called one by one from Python, the calls between them (argument
-checks, rotation tables, span layouts, small numpy operations) cost about as much again as the
-arithmetic, on every drafting round. ``_chain_logits`` runs the same compiled kernels in the same
-order (the embedding's dequantizer, the integer linear kernel, ``fused._layers``, the RMSNorm
-kernel), so every row gets exactly the bits the step-by-step path gives it (``test_lyanna.py``).
+microseconds of arithmetic, then a tree or two over the draft vocabulary; called one by one from
+Python, the calls between them (argument checks, rotation tables, masks, span layouts, small
+numpy operations, the trees' selection and fusion) cost about as much again as the arithmetic,
+on every drafting round, and the more so as the target's pass leaves the interpreter's own data
+cold. ``_chain_logits`` runs the same compiled kernels in the same order (the embedding's
+dequantizer, the integer linear kernel, ``fused._layers``, the RMSNorm kernel), so every row gets
+exactly the bits the step-by-step path gives it, and ``_round`` adds the same tree builder
+(``token_info.round_tree``), so the round's tree is the step-by-step path's (``test_lyanna.py``).
 
 It serves a round whose catch-up is one step of the head (``head.STEP_CATCH_UP`` pairs or fewer)
 on a head whose layers run fused (``FusedLayers``) and whose fusion FC, embedding and draft LM
@@ -22,10 +26,12 @@ from numba import njit
 from ..engines import intdot
 from ..engines.config import ModelConfig
 from ..engines.fused import FusedLayers, _layers, _linear
-from ..engines.kernels import _launch, _rms_norm_kernel
+from ..engines.kernels import SameTypes, _launch, _rms_norm_kernel
 from ..engines.quant import QuantMatrix
-from ..engines.transformer import Weight, attention_bias, rotation
+from ..engines.transformer import Weight, rotation
 from .head import STEP_CATCH_UP, PairContext
+from .token_info import TokenInfo, round_tree
+from .tree import DraftTree
 
 
 class ChainWeights(Protocol):
@@ -57,14 +63,26 @@ def _one_span(x, rot, fl, cache, start, bias, masked, eps, shape, path):  # prag
 
 
 @njit(nogil=True, cache=True)
-def _chain_logits(features, tokens, embed, fc, fc_b, fl, cache, start, bias, rot, depth, norm, lm, eps, shape,
+def _catch_up_mask(start, n):  # pragma: no cover - compiled
+    """The catch-up block's flattened additive mask (``transformer.attention_bias`` of a causal
+    block at ``start``): empty for one pair, which needs none."""
+    if n == 1:
+        return np.zeros(0, np.float32)
+    bias = np.zeros((n, start + n), np.float32)
+    for i in range(n):
+        bias[i, start + i + 1 :] = -np.inf
+    return bias.reshape(-1)
+
+
+@njit(nogil=True, cache=True)
+def _chain_logits(features, tokens, embed, fc, fc_b, fl, cache, start, rot, depth, norm, lm, eps, shape,
                   path):  # pragma: no cover - compiled
     """The raw draft logits ``l_1..l_depth``: the catch-up's ``n`` pairs (``features``, ``tokens``)
-    through the fusion FC and the layers as one block at cache slot ``start`` under its flattened
-    causal mask ``bias`` (empty for one pair; ``f_1`` is the block's last row), then ``f_k =
-    layers(f_{k-1})`` a row at a time, then the norm and the draft LM head. ``rot``: the rotation
-    of the block's positions, then the chain rows'."""
+    through the fusion FC and the layers as one causal block at cache slot ``start`` (``f_1`` is
+    the block's last row), then ``f_k = layers(f_{k-1})`` a row at a time, then the norm and the
+    draft LM head. ``rot``: the rotation of the block's positions, then the chain rows'."""
     n, hidden = features.shape
+    bias = _catch_up_mask(start, n)
     pairs = np.empty((n, 2 * hidden), np.float32)
     pairs[:, :hidden] = features
     emb = np.empty((n, hidden), np.float32)
@@ -89,14 +107,24 @@ def _chain_logits(features, tokens, embed, fc, fc_b, fl, cache, start, bias, rot
     return raw
 
 
+@njit(cache=True)  # not nogil: the tree writes new cold rows into the token-info table every fork shares
+def _round(features, tokens, embed, fc, fc_b, fl, cache, start, rot, depth, norm, lm, eps, shape, path, leftover, table,
+           row_of, filled, a, b, lowrank, d2t, topk, width, max_nodes):  # pragma: no cover - compiled
+    """A round's drafting: ``_chain_logits``' raw rows and ``token_info.round_tree`` of them (with
+    the ``leftover`` rows of the last chain), rooted at the catch-up's last token."""
+    raw = _chain_logits(features, tokens, embed, fc, fc_b, fl, cache, start, rot, depth, norm, lm, eps, shape, path)
+    tree = round_tree(raw, leftover, tokens[-1], table, row_of, filled, a, b, lowrank, d2t, topk, width, max_nodes)
+    return raw, tree[0], tree[1], tree[2], tree[3]
+
+
 def _blocks(w: object, unpadded: bool = True) -> bool:
     """Whether ``w`` is on the integer kernel (and, for a matrix whose outputs are read, unpadded)."""
     return isinstance(w, QuantMatrix) and w.kernel == "int8" and (not unpadded or w.padded_rows == w.shape[0])
 
 
 class CompiledChain:
-    """A host head's round drafted by ``_chain_logits`` (see the module); ``of`` gives None for a
-    head it cannot serve."""
+    """A host head's round drafted by ``_round``, or its raw rows alone by ``_chain_logits`` (see
+    the module); ``of`` gives None for a head it cannot serve."""
 
     def __init__(self, head: ChainWeights, fused: FusedLayers):
         c = head.config
@@ -109,6 +137,9 @@ class CompiledChain:
         self.norm = np.ascontiguousarray(head.norm, np.float32)
         self.eps = np.float32(c.rms_norm_eps)
         self.shape = (c.num_heads, c.num_kv_heads, c.head_dim)
+        self._no_rows = np.zeros((0, head.draft_lm_head.shape[0]), np.float32)  # a round without leftover rows
+        # the arguments' types never change for a head (``_pending`` makes them so)
+        self._chain, self._round = SameTypes(_chain_logits), SameTypes(_round)
 
     @classmethod
     def of(cls, head: ChainWeights) -> "CompiledChain | None":
@@ -117,20 +148,44 @@ class CompiledChain:
             return None
         return cls(head, fused)
 
+    def _pending(self, pc: PairContext, ctx: np.ndarray, depth: int) -> tuple | None:
+        """The chain's arguments after the context's catch-up pairs (reserved in its cache), or
+        None where the catch-up is longer than one step."""
+        pending = pc.reserve(ctx, depth)
+        if len(pending) > STEP_CATCH_UP or depth < 1:
+            return None
+        cache = pc.cache
+        rot = rotation(self.inv_freq, np.concatenate([pending, len(ctx) + np.arange(depth - 1)]))
+        return (pc.features[pending - 1], np.ascontiguousarray(ctx[pending], np.int64), self.embed, self.fc, self.fc_b,
+                self.fl, (cache.k, cache.v), int(cache.length), rot, int(depth), self.norm, self.lm, self.eps, self.shape,
+                intdot.path_index())
+
+    def _drafted(self, pc: PairContext, args: tuple) -> None:
+        """The context after a draft: its catch-up pairs committed to the cache, the chain's not."""
+        pc.cache.length = pc.base = args[7] + args[0].shape[0]
+        pc.passes += args[9]
+
     def draft(self, pc: PairContext, ctx: np.ndarray, depth: int) -> np.ndarray | None:
         """``ChainHead.draft`` in one call, or None where the catch-up is longer than one step."""
-        pending = pc.reserve(ctx, depth)
-        n = len(pending)
-        if n > STEP_CATCH_UP or depth < 1:
+        args = self._pending(pc, ctx, depth)
+        if args is None:
             return None
-        cache, start = pc.cache, pc.cache.length
-        rot = rotation(self.inv_freq, np.concatenate([pending, len(ctx) + np.arange(depth - 1)]))
-        # the catch-up's mask as the step-by-step path makes it (none for a lone root)
-        bias = np.zeros(0, np.float32) if n == 1 else attention_bias(start, np.tril(np.ones((n, n), bool))).reshape(-1)
         with _launch:
-            raw = _chain_logits(pc.features[pending - 1], ctx[pending], self.embed, self.fc, self.fc_b, self.fl,
-                                (cache.k, cache.v), start, bias, rot, depth, self.norm, self.lm, self.eps, self.shape,
-                                intdot.path_index())
-        cache.length = pc.base = start + n
-        pc.passes += depth
+            raw = self._chain(*args)
+        self._drafted(pc, args)
         return raw
+
+    def draft_trees(self, pc: PairContext, ctx: np.ndarray, depth: int, leftover: np.ndarray | None, ti: TokenInfo,
+                    d2t: np.ndarray, topk: int, width: int,
+                    max_nodes: int) -> tuple[np.ndarray, DraftTree] | None:
+        """``ChainHead.draft_trees`` in one call (the chain's raw rows and the round's tree), or None
+        where the catch-up is longer than one step."""
+        args = self._pending(pc, ctx, depth)
+        if args is None:
+            return None
+        rows = self._no_rows if leftover is None else np.ascontiguousarray(leftover, np.float32)
+        with _launch:
+            raw, tokens, parents, scores, origin = self._round(*args, rows, *ti.kernel_args(), d2t, int(topk), int(width),
+                                                               int(max_nodes))
+        self._drafted(pc, args)
+        return raw, ti.tree(tokens, parents, scores, origin)

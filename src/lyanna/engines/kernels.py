@@ -22,6 +22,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.core import config as numba_config
 from numba.core.codegen import get_host_cpu_features
+from numba.core.dispatcher import Dispatcher
 from numba.extending import intrinsic
 
 
@@ -80,6 +81,26 @@ class KernelLaunches:
 
 
 _launch = KernelLaunches()
+
+
+class SameTypes:
+    """A compiled function that a caller calls with arguments of the same numba types every time:
+    the first call goes through numba's dispatcher, later ones straight to the machine code it
+    compiled for those types. Why: the dispatcher types every argument on every call, and a tuple
+    holding typed lists has no fast fingerprint, so typing it costs about as much Python as a
+    small kernel's whole call. The caller keeps the types fixed: the same dtype, dimensions and
+    contiguity for every array, the same kind for every scalar (the machine code trusts them)."""
+
+    def __init__(self, kernel: Dispatcher):
+        self.kernel = kernel
+        self._entry: Callable[..., object] | None = None
+
+    def __call__(self, *args: object) -> object:
+        if self._entry is not None:
+            return self._entry(*args)
+        out = self.kernel(*args)
+        self._entry = self.kernel.get_overload(tuple(self.kernel.typeof_pyval(a) for a in args))
+        return out
 
 
 class PackedMatrix(Protocol):

@@ -8,7 +8,7 @@ import torch
 from lyanna.drafters.tree import DraftTree
 from lyanna.engines.base import Block
 from lyanna.engines.loading import load_target
-from lyanna.engines.transformer import Transformer
+from lyanna.engines.transformer import KVCache, Transformer
 
 from .conftest import make_tiny_model
 
@@ -149,6 +149,23 @@ def test_compaction_equals_fresh_recompute(tiny_decoder):
     np.testing.assert_allclose(nxt, fresh, atol=2e-5)
     np.testing.assert_allclose(cache.k[:, :, : cache.length], fresh_cache.k[:, :, : cache.length], atol=1e-5)
     np.testing.assert_allclose(cache.v[:, :, : cache.length], fresh_cache.v[:, :, : cache.length], atol=1e-5)
+
+
+def test_compaction_moves_the_kept_slots_whatever_their_order():
+    """A verified path (increasing slots, compiled) and any other order (numpy's fancy indexing)
+    both leave slot ``start + i`` holding what ``start + keep[i]`` held, the prefix untouched."""
+    rng = np.random.default_rng(7)
+    for keep in ([0, 2, 5, 6], [0], [], [1, 3], [4, 1, 2], [0, 1, 2, 3, 4, 5, 6]):
+        cache = KVCache(3, 2, 4, 16)
+        cache.k[:], cache.v[:] = rng.standard_normal(cache.k.shape), rng.standard_normal(cache.v.shape)
+        cache.length = 12
+        k, v = cache.k.copy(), cache.v.copy()
+        cache.compact(5, keep)
+        assert cache.length == 5 + len(keep)
+        src = 5 + np.asarray(keep, np.int64)
+        np.testing.assert_array_equal(cache.k[:, :, 5 : 5 + len(keep)], k[:, :, src])
+        np.testing.assert_array_equal(cache.v[:, :, 5 : 5 + len(keep)], v[:, :, src])
+        np.testing.assert_array_equal(cache.k[:, :, :5], k[:, :, :5])
 
 
 def test_compaction_rejects_bad_indices(tiny_decoder):

@@ -28,7 +28,7 @@ from numba.typed import List
 
 from .attention import _attention_kernel, span_layout
 from .config import ModelConfig
-from .kernels import _rms_norm_kernel, _rope_kernel, _silu_mul_kernel
+from .kernels import SameTypes, _rms_norm_kernel, _rope_kernel, _silu_mul_kernel
 from . import intdot
 from .quant import QuantMatrix, _quant_linear_kernel
 
@@ -171,6 +171,9 @@ class FusedLayers:
         self.attn_norms = List([np.ascontiguousarray(layer.attn_norm, np.float32) for layer in layers])
         self.mlp_norms = List([np.ascontiguousarray(layer.mlp_norm, np.float32) for layer in layers])
         self.config = config
+        # one sequence's caches as a tuple, a batch's as typed lists: two signatures, each called
+        # straight at its machine code (the typed lists of weights cost the dispatcher every call)
+        self._alone, self._batch = SameTypes(_layers), SameTypes(_layers)
 
     @classmethod
     def of(cls, layers: Sequence, config: ModelConfig) -> "FusedLayers | None":
@@ -198,10 +201,10 @@ class FusedLayers:
         # A batch's caches as typed lists: one compiled ``_layers`` whatever the number of sequences.
         # One sequence's as a 1-tuple: a second compilation, specialized to one cache, whose steps ran faster.
         if len(blocks) == 1:
-            k_caches, v_caches = (blocks[0][2],), (blocks[0][3],)
+            k_caches, v_caches, layers = (blocks[0][2],), (blocks[0][3],), self._alone
         else:
-            k_caches, v_caches = List([b[2] for b in blocks]), List([b[3] for b in blocks])
-        x = _layers(np.ascontiguousarray(x, np.float32), rot, self.attn_norms, self.mlp_norms, self.d, self.m, self.q,
+            k_caches, v_caches, layers = List([b[2] for b in blocks]), List([b[3] for b in blocks]), self._batch
+        x = layers(np.ascontiguousarray(x, np.float32), np.ascontiguousarray(rot, np.complex64), self.attn_norms, self.mlp_norms, self.d, self.m, self.q,
                     k_caches, v_caches, span_of, lo, np.array([b[4] for b in blocks], np.int64), bias, bias_at,
                     tap_slot, out, np.float32(c.rms_norm_eps), c.num_heads, c.num_kv_heads, c.head_dim,
                     intdot.path_index(), clock)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
+from numba import njit
 
 from ..errors import LyannaError
 from .attention import AttentionSpan, prefill_attention, ragged_attention
@@ -51,13 +52,33 @@ class KVCache:
         Used after verification: of a block of tree nodes appended at ``start``, only the accepted
         path survives, moved to be contiguous right after the prefix.
         """
-        keep = compaction(start, self.length, keep)
-        if not np.array_equal(keep, np.arange(keep.size)):
+        keep = np.asarray(keep, np.int64)
+        # a verified path (every round's case) in one compiled call; anything else checked here
+        if not (0 <= start <= self.length and _moved_forward(self.k, self.v, start, self.length, keep)):
+            keep = compaction(start, self.length, keep)
             src = start + keep
             dst = slice(start, start + keep.size)
             self.k[:, :, dst] = self.k[:, :, src]  # fancy indexing copies first, so overlap is safe
             self.v[:, :, dst] = self.v[:, :, src]
         self.length = start + int(keep.size)
+
+
+@njit(nogil=True, cache=True)
+def _moved_forward(k, v, start, length, keep):  # pragma: no cover - compiled
+    """Slot ``start + keep[i]`` moved to ``start + i`` in every layer and head, in order, where
+    ``keep`` is strictly increasing within the block ``[start, length)`` (then no slot is
+    overwritten before it is read); False, with nothing moved, for any other ``keep``."""
+    for i in range(keep.shape[0]):
+        if keep[i] < 0 or start + keep[i] >= length or (i > 0 and keep[i] <= keep[i - 1]):
+            return False
+    for i in range(keep.shape[0]):
+        src, dst = start + keep[i], start + i
+        if src != dst:
+            for layer in range(k.shape[0]):
+                for g in range(k.shape[1]):
+                    k[layer, g, dst] = k[layer, g, src]
+                    v[layer, g, dst] = v[layer, g, src]
+    return True
 
 
 @dataclass

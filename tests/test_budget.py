@@ -764,7 +764,8 @@ def test_cli_rejects_a_bad_budget(capsys, command, value):
 
 
 def test_auto_budget_drafts_one_level_deeper_than_it_kept_last():
-    """What ``choose`` prices a kept tree at: the next round drafting one level below it."""
+    """What ``choose`` prices a kept tree at: the next round drafting one level below it; a round
+    that keeps nothing does not reset it."""
     budget = Budget("auto", FLAT_THEN_STEEP)
     assert budget.limit_depth(100) == 100  # nothing kept yet: draft as deep as there is room
     chosen = budget.choose(binary_tree(20, 0.9), 0.0)
@@ -773,6 +774,12 @@ def test_auto_budget_drafts_one_level_deeper_than_it_kept_last():
     star = DraftTree(np.arange(NODE0, NODE0 + 5), np.full(5, -1), np.full(5, 0.9))  # depth 1
     budget.choose(star, 0.0)
     assert budget.limit_depth(100) == 2
+    budget.cost._factors[2:] = 100.0  # every block of two rows or more now costs 100 plain passes
+    assert not len(budget.choose(binary_tree(20, 0.9), 0.0))
+    assert budget.limit_depth(100) == 2  # a tree cut to nothing leaves the depth of the last one kept
+    first = Budget("auto", FLAT_THEN_STEEP)
+    first.cost._factors[2:] = 100.0
+    assert not len(first.choose(binary_tree(20, 0.9), 0.0)) and first.limit_depth(100) == 1  # none kept yet
     fixed = Budget(4)
     fixed.choose(binary_tree(20, 0.9), 0.0)
     assert fixed.limit_depth(100) == 4 and fixed.limit_depth(3) == 3  # 4 nodes are never deeper than 4

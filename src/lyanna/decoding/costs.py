@@ -76,7 +76,8 @@ class PassCost:
     def observe(self, rows: int, seconds: float, predicted: float) -> None:
         """A pass over ``rows`` rows took ``seconds`` where the curve says ``predicted``: the
         drift moves by what the shape does not explain; the size's factor, if a one-row pass was
-        measured within ``ANCHOR_PASSES`` passes, by this pass's ratio over that one's."""
+        measured within ``ANCHOR_PASSES`` passes, towards this pass's ratio over that one's (from
+        the curve's own factor, 1, the first time)."""
         ratio = seconds / predicted
         self.slowdown = self.decay * self.slowdown + (1 - self.decay) * ratio / self.factor(rows)
         if rows <= 1:
@@ -86,7 +87,12 @@ class PassCost:
         if rows > SHAPE_ROWS or self._one is None or self._since_one > ANCHOR_PASSES:
             return
         seen, now = self._learned[rows], ratio / self._one
-        self._learned[rows] = now if np.isnan(seen) else SHAPE_DECAY * seen + (1 - SHAPE_DECAY) * now
+        # A size met for the first time starts from the curve's price (factor 1), not from that one
+        # pass: a pass that met a pause of the host would price its size, and through the shape's
+        # monotony every larger one, out of reach, and a size priced too dear is not verified
+        # again, so never measured again (a model-free drafter's trees, worth a few tenths of a
+        # token, then kept no node for the rest of a run).
+        self._learned[rows] = SHAPE_DECAY * (1.0 if np.isnan(seen) else seen) + (1 - SHAPE_DECAY) * now
         self._factors = _filled(self._learned)
 
 

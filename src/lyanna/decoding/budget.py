@@ -379,8 +379,7 @@ class Budget:
             self._judge(rate * plain_pass / (others + 1.0) - 1.0 if keep else -seconds / (seconds + plain_pass),
                         int(seconds * (others + 1) / (PROBE_SHARE * plain_pass)))
         chosen = tree.best(keep, closed)
-        if len(chosen) or self._kept_depth is None:  # a tree cut to nothing leaves the last kept depth
-            self._kept_depth = int(chosen.depths.max()) if len(chosen) else 0
+        self._kept_depth = int(chosen.depths.max()) if len(chosen) else (self._kept_depth or 0)  # ``limit_depth``
         if keep and not free:
             self._ahead = _bucket(keep)
         return chosen
@@ -434,15 +433,11 @@ class Budget:
         """How deep to draft this round, at most ``room``: under ``auto``, one level deeper than
         the last tree kept (so a tree that fills its depth lets the next one grow a level: what
         ``choose`` priced it at), on the first round to ``room``; a fixed budget of ``n`` nodes no
-        deeper than ``n`` (a chain step drafted below that could never be verified). A round
-        whose tree was cut to nothing leaves that depth as it was: reset to one level, the next
-        draft could not show what deeper nodes are worth, and a draft head whose trees were often
-        cut to nothing drafted most of its rounds one level deep."""
+        deeper than ``n`` (a chain step drafted below that could never be verified). A tree cut
+        to nothing leaves that depth: one level deep, the next draft shows nothing deeper."""
         if self.spec != "auto":
             return min(room, int(self.spec))
-        if self._kept_depth is None:
-            return room
-        return min(room, self._kept_depth + 1)
+        return room if self._kept_depth is None else min(room, self._kept_depth + 1)
 
     def wants_drafts(self) -> bool:
         """Whether to propose a tree this round: not while requests wait for the batch

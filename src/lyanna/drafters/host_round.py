@@ -160,10 +160,12 @@ class CompiledChain:
                 self.fl, (cache.k, cache.v), int(cache.length), rot, int(depth), self.norm, self.lm, self.eps, self.shape,
                 intdot.path_index())
 
-    def _drafted(self, pc: PairContext, args: tuple) -> None:
-        """The context after a draft: its catch-up pairs committed to the cache, the chain's not."""
-        pc.cache.length = pc.base = args[7] + args[0].shape[0]
-        pc.passes += args[9]
+    @staticmethod
+    def _drafted(pc: PairContext, ctx: np.ndarray, depth: int) -> None:
+        """The context after a draft: its catch-up pairs (every pair of ``ctx``) committed to the
+        cache, the chain's rows not."""
+        pc.cache.length = pc.base = len(ctx) - 1
+        pc.passes += depth
 
     def draft(self, pc: PairContext, ctx: np.ndarray, depth: int) -> np.ndarray | None:
         """``ChainHead.draft`` in one call, or None where the catch-up is longer than one step."""
@@ -172,7 +174,7 @@ class CompiledChain:
             return None
         with _launch:
             raw = self._chain(*args)
-        self._drafted(pc, args)
+        self._drafted(pc, ctx, depth)
         return raw
 
     def draft_trees(self, pc: PairContext, ctx: np.ndarray, depth: int, leftover: np.ndarray | None, ti: TokenInfo,
@@ -187,5 +189,5 @@ class CompiledChain:
         with _launch:
             raw, tokens, parents, scores, origin = self._round(*args, rows, *ti.kernel_args(), d2t, int(topk), int(width),
                                                                int(max_nodes))
-        self._drafted(pc, args)
+        self._drafted(pc, ctx, depth)
         return raw, ti.tree(tokens, parents, scores, origin)

@@ -5,8 +5,8 @@
 # and no network. The default model's GGUF (94 MiB) travels in two parts of 47 MiB, one per
 # command, while the machine stays warm (it goes back after 30 s idle: send the calls back to
 # back); the draft heads (~39 MiB, tracked) leave no room for a part, so take them out of the
-# index for the two receive calls and put them back for the run. The one wheel the machine lacks
-# (gguf) travels with the run.
+# index for the two receive calls and put them back for the run. The wheels the machine lacks
+# (gguf, and the server's fastapi, uvicorn, pydantic...: $WHEELS) travel with the run.
 #
 #   here:  scripts/gpu-bench.sh prepare     # .gpu/ (in .gitignore): part-00, part-01, MANIFEST, wheels/
 #   here:  git rm --cached -q $HEADS && printf '/%s\n' $HEADS >> .git/info/exclude
@@ -72,6 +72,8 @@ DATA=${DATA_PARCEL:-.gpu/data}  # what `data` needs (prepare-data)
 GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
 METHODS=${METHODS:-ar,suffix,eagle,lyanna,lyanna+suffix}
 LATENCY_DTYPE=${LATENCY_DTYPE:-bfloat16}
+# Packages the GPU image lacks (its list: the device library's KINDS.md), carried as wheels.
+WHEELS="gguf fastapi starlette uvicorn pydantic pydantic-core annotated-types typing-inspection opentelemetry-api"
 
 prepare() {
   local py=.venv/bin/python gguf
@@ -83,10 +85,12 @@ EOF
   rm -rf .gpu && mkdir -p .gpu/wheels
   split -b "${PART_MB}M" -d -a 2 "$gguf" .gpu/part-
   (cd .gpu && sha256sum part-* > MANIFEST && echo "$(sha256sum < "$gguf" | cut -d' ' -f1)  $GGUF_NAME" >> MANIFEST)
-  local version
-  version=$($py -m pip show gguf | awk '/^Version/{print $2}')
+  # gguf for the model; the server's stack (the image lacks it) for the `batch` step
+  local name pins=()
+  for name in $WHEELS; do pins+=("$name==$($py -m pip show "$name" | awk '/^Version/{print $2}')"); done
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .gpu/wheels "gguf==$version"
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    -d .gpu/wheels "${pins[@]}"
   echo "prepared: $(ls .gpu | grep -c part-) parts of ${PART_MB} MiB, and $(ls .gpu/wheels)"
   for p in .gpu/part-*; do echo "  run: scripts/gpu-bench.sh receive   carry: [\"$p\", \".gpu/MANIFEST\"]"; done
   echo "  run: scripts/gpu-bench.sh run       carry: [\".gpu/MANIFEST\", \".gpu/wheels\"]"

@@ -785,6 +785,26 @@ def test_auto_budget_drafts_one_level_deeper_than_it_kept_last():
     assert fixed.limit_depth(100) == 4 and fixed.limit_depth(3) == 3  # 4 nodes are never deeper than 4
 
 
+def test_where_each_shape_compiles_every_round_drafts_as_deep_as_there_is_room(monkeypatch, tiny_decoder):
+    """On an engine whose calls compile and capture at each new shape (a GPU's), the depth the
+    budget would move round to round is a new shape each time: the policy drafts as deep as there
+    is room instead; the loop asks for that wherever ``shapes_compile`` says so, nowhere else."""
+    from lyanna.decoding import loop
+    from lyanna.decoding.policy import Policy
+
+    budget = Budget("auto", FLAT_THEN_STEEP)
+    budget.choose(binary_tree(20, 0.9), 0.0)
+    assert Policy(budget, None).plan(True, 9).depth == 4
+    assert [Policy(budget, None, full_depth=True).plan(True, room).depth for room in (9, 2)] == [9, 2]
+    made = []
+    monkeypatch.setattr(loop, "Policy", lambda *a, **k: made.append(k["full_depth"]) or Policy(*a, **k))
+    d = Decoder(tiny_decoder.target, default_drafts=False)
+    req = GenerationRequest(max_new_tokens=4, eos_token_ids=())
+    want = d.generate([1, 2, 3], req, method="ar").tokens
+    monkeypatch.setattr(d.engine, "shapes_compile", True, raising=False)
+    assert d.generate([1, 2, 3], req, method="ar").tokens == want and made == [False, True]
+
+
 def test_a_shared_pass_verifies_only_trees_that_clearly_beat_plain_decoding(monkeypatch):
     """Beside 7 other sequences on a curve still flat, unlikely drafts add a few % to the pass's
     tokens: alone such a tree is verified (it costs nothing), in a shared pass it is not (it would

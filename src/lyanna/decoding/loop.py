@@ -19,7 +19,8 @@ import numpy as np
 
 from ..drafters.base import BatchDrafter, DeviceDrafter, Drafter, DraftRequest, draft_together
 from ..drafters.tree import DraftTree
-from ..engines.base import Block, Cache, ForwardOutput, LeftTree, PendingOutput, TargetEngine, Verification, first_runs
+from ..engines.base import (Block, Cache, ForwardOutput, LeftTree, PendingOutput, TargetEngine, Verification, first_runs,
+                            shapes_compile)
 from .budget import Budget
 from .policy import Fallback, Plan, Policy
 from .sampling import SamplingParams, next_token
@@ -420,5 +421,5 @@ def rounds(state: DecodeState, drafter: Drafter, budget: Budget | None = None,
     is told every commit, paused or not, so it can draft again at any round. Where the state
     allows it (``DecodeState.ahead``) rounds are pipelined (``Rounds.pipelined``). Returns the
     rounds' statistics."""
-    loop = Rounds(state, drafter, Policy(budget, fallback))
+    loop = Rounds(state, drafter, Policy(budget, fallback, full_depth=shapes_compile(state.engine)))
     return (yield from (loop.pipelined() if state.ahead else loop.synchronous()))

@@ -94,8 +94,12 @@ class Policy:
     """The budget and the fallback as one drafting policy (either may be None: verify every tree
     whole, never pause)."""
 
-    def __init__(self, budget: Budget | None, fallback: Fallback | None):
-        self.budget, self.fallback = budget, fallback
+    def __init__(self, budget: Budget | None, fallback: Fallback | None, full_depth: bool = False):
+        """``full_depth``: draft as deep as there is room every round, not as the budget's last
+        kept depth says (``Budget.limit_depth``): on an engine where each new call shape compiles
+        and captures (``engines.base.shapes_compile``) a depth is a shape, and the budget's depth
+        moving round to round met new shapes inside timed rounds all generation long."""
+        self.budget, self.fallback, self.full_depth = budget, fallback, full_depth
         # Whether the next drafted round catches its drafter up on many tokens: the generation's
         # first (its whole prompt) and the first after rounds that drafted nothing. Its drafting
         # time is that catch-up's, paid once (tens of ms for a head's prompt), not what a round's
@@ -117,7 +121,8 @@ class Policy:
             return Plan(drafting, False, room, None, False)
         free = not drafting and not budget.throughput_bound()
         nodes = budget.nodes_ahead() if drafting else None
-        return Plan(drafting, free, budget.limit_depth(room), nodes, drafting and nodes is None)
+        depth = room if self.full_depth else budget.limit_depth(room)
+        return Plan(drafting, free, depth, nodes, drafting and nodes is None)
 
     def cut(self, tree: DraftTree, seconds: float, free: bool, measured: bool = True) -> DraftTree:
         """The nodes of a tree seen on the host to verify (``seconds``: its drafting time; not

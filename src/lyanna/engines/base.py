@@ -64,6 +64,13 @@ def first_runs(engine: "TargetEngine") -> int:
     return int(getattr(engine, "first_runs", 0))
 
 
+def shapes_compile(engine: "TargetEngine") -> bool:
+    """Whether a computation's first call at a new shape compiles or captures on ``engine``
+    (``DeviceEngine.shapes_compile``): few distinct shapes are then worth more than a size
+    fitted to each round."""
+    return bool(getattr(engine, "shapes_compile", False))
+
+
 class PendingOutput(Protocol):
     """A pass launched ahead (``Block.ahead``; ``engines.device.PendingPass``): its outcome stays
     on the device until ``collect``; ``levels``: the most tree levels it can keep."""

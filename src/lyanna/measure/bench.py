@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 from ..data import SPEC_BENCH, packaged
 from ..decoding.decoder import Decoder, GenerationRequest, GenerationResult
 from ..decoding.sampling import SamplingParams
+from ..engines.base import shapes_compile
 from ..errors import LyannaError
 from .llamacpp_baseline import METHODS as LLAMACPP_METHODS
 from .peers import Peer, PeerFailed, start_peers
@@ -414,7 +415,7 @@ def run_bench(
     try:
         prompts = [decoder.encode(q.prompt) for q in questions]
         deadline = None if time_limit is None else started + time_limit
-        warm_each = bool(getattr(decoder.engine, "shapes_compile", False))
+        warm_each = shapes_compile(decoder.engine)
         per_method, failed, done = _interleave(runners, prompts, max_new_tokens, repeats, deadline, progress, warm_each)
     finally:
         close_runners(runners)

@@ -1143,6 +1143,22 @@ def test_compiled_layers_give_the_eager_tokens(tiny, method):
         assert device_calls._COMPILED_ROUND_TREE
 
 
+def test_a_generation_counts_the_shapes_its_rounds_ran_first(tiny, monkeypatch):
+    """Where shapes compile and capture (a GPU), a call of a shape met for the first time costs
+    seconds: a generation says how many of its rounds' calls did (``first_runs``, summed in
+    the bench's JSON), so a timed run that compiled inside its clock shows it; a generation that
+    meets only shapes met before says 0 on an engine that keeps them."""
+    e = DeviceEngine(tiny.config, tiny.weights, DEVICE, pipelines=True)
+    monkeypatch.setattr(e, "shapes_compile", True)
+    d = _with_heads(Decoder(tiny, engine=e, default_drafts=False), tiny)
+    req = GenerationRequest(max_new_tokens=16, eos_token_ids=())
+    first = d.generate(list(range(3, 30)), req, method="lyanna-device", budget=None)
+    again = d.generate(list(range(3, 30)), req, method="lyanna-device", budget=None)
+    assert first.extra["first_runs"] > again.extra["first_runs"] >= 0 and again.tokens == first.tokens
+    monkeypatch.setattr(e, "shapes_compile", False)  # an engine whose every shape costs the same: none counted
+    assert d.generate(list(range(3, 40)), req, method="lyanna-device", budget=None).extra["first_runs"] == 0
+
+
 @pytest.mark.parametrize("method", ["lyanna-device", "eagle-device"])
 def test_a_round_launched_ahead_is_one_call(tiny, method, monkeypatch):
     """A round launched ahead runs its draft call and the pass that verifies its tree as one

@@ -61,6 +61,7 @@ class RoundStats:
     accepted_draft_tokens: int = 0  # of those, committed
     recovered_tokens: int = 0  # committed nodes that came from re-sampling an earlier chain
     draft_passes: int = 0
+    first_runs: int = 0  # calls of a shape run for the first time (a compile and a capture on a GPU)
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     other_seconds: float = 0.0
@@ -106,6 +107,7 @@ class RoundStats:
             **fell_back,
             "rounds": self.rounds,
             "draft_passes": self.draft_passes,
+            "first_runs": self.first_runs,
             "recovered_tokens": self.recovered_tokens,
             "draft_seconds": self.draft_seconds,
             "verify_seconds": self.verify_seconds,
@@ -208,7 +210,7 @@ class Rounds:
         self.state, self.drafter, self.policy = state, drafter, policy
         self.stats = RoundStats()
         drafter.start(state.prompt_ids, state.prefill_hidden)
-        self._passes_before = drafter.passes
+        self._passes_before, self._first_runs_before = drafter.passes, first_runs(state.engine)
         self.root = next_token(state.last_logits, state.params, state.rng)
         state.tracker.extend([self.root])
         self.context = [*state.prompt_ids, self.root]  # prompt + committed tokens, grown in place
@@ -369,6 +371,7 @@ class Rounds:
 
     def _done(self) -> RoundStats:
         self.stats.draft_passes = self.drafter.passes - self._passes_before
+        self.stats.first_runs = first_runs(self.state.engine) - self._first_runs_before
         return self.stats
 
     # -- drivers -------------------------------------------------------------------------------

@@ -248,6 +248,8 @@ def _aggregate(results: list[GenerationResult]) -> dict[str, Any]:
         "tau": round(tokens / passes, 4) if passes and all(r.target_passes for r in results) else None,
         "draft_tokens": drafted,
         "fell_back": sum("fell_back_after_tokens" in r.extra for r in results),
+        # shapes met for the first time inside timed runs: on a GPU each compiled and captured in the clock
+        "first_runs": sum(r.extra.get("first_runs", 0) for r in results),
         "waste_ratio": round(1 - sum(r.accepted_draft_tokens for r in results) / drafted, 4) if drafted else None,
     }
 

@@ -115,7 +115,9 @@ setup() {
     mv "$pkg/$GGUF_NAME.tmp" "$pkg/$GGUF_NAME"
   fi
   touch "$pkg/__init__.py"
-  if [ -d .gpu/wheels ] && ls .gpu/wheels/*.whl > /dev/null 2>&1; then
+  # Not where PY names a Python that has them already (a run here: `local`, or fit/data on the CPU);
+  # the wheels are the GPU image's Python's (3.12), not necessarily this one's.
+  if [ -z "${PY:-}" ] && [ -d .gpu/wheels ] && ls .gpu/wheels/*.whl > /dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$STAGE/site" .gpu/wheels/*.whl
   fi
   export PYTHONPATH="$PWD/src:$STAGE/site${PYTHONPATH:+:$PYTHONPATH}" LYANNA_CACHE="$STAGE/cache" PYTHONUNBUFFERED=1

@@ -785,19 +785,24 @@ def test_auto_budget_drafts_one_level_deeper_than_it_kept_last():
     assert fixed.limit_depth(100) == 4 and fixed.limit_depth(3) == 3  # 4 nodes are never deeper than 4
 
 
-def test_where_each_shape_compiles_every_round_drafts_as_deep_as_there_is_room(monkeypatch, tiny_decoder):
-    """On an engine whose calls compile and capture at each new shape (a GPU's), the depth the
-    budget would move round to round is a new shape each time: the policy drafts as deep as there
-    is room instead; the loop asks for that wherever ``shapes_compile`` says so, nowhere else."""
+def test_where_each_shape_compiles_every_round_drafts_one_shape_as_deep_as_there_is_room(monkeypatch, tiny_decoder):
+    """On an engine whose calls compile and capture at each new shape (a GPU's), the depth and
+    the tree size the budget would move round to round are a new shape each time: the policy
+    drafts as deep as there is room and leaves ``SHAPED_NODES`` nodes on the device instead (a
+    fixed budget its own); the loop asks for that wherever ``shapes_compile`` says so, nowhere else."""
     from lyanna.decoding import loop
-    from lyanna.decoding.policy import Policy
+    from lyanna.decoding.policy import SHAPED_NODES, Policy
 
     budget = Budget("auto", FLAT_THEN_STEEP)
     budget.choose(binary_tree(20, 0.9), 0.0)
     assert Policy(budget, None).plan(True, 9).depth == 4
-    assert [Policy(budget, None, full_depth=True).plan(True, room).depth for room in (9, 2)] == [9, 2]
+    assert Policy(budget, None).plan(True, 9).nodes == budget.nodes_ahead() != SHAPED_NODES
+    shaped = [Policy(budget, None, fixed_shapes=True).plan(True, room) for room in (9, 2)]
+    assert [(p.depth, p.nodes, p.seen) for p in shaped] == [(9, SHAPED_NODES, False), (2, SHAPED_NODES, False)]
+    assert Policy(Budget(3, FLAT_THEN_STEEP), None, fixed_shapes=True).plan(True, 9).nodes == 3
+    assert Policy(budget, None, fixed_shapes=True).plan(False, 9).nodes is None
     made = []
-    monkeypatch.setattr(loop, "Policy", lambda *a, **k: made.append(k["full_depth"]) or Policy(*a, **k))
+    monkeypatch.setattr(loop, "Policy", lambda *a, **k: made.append(k["fixed_shapes"]) or Policy(*a, **k))
     d = Decoder(tiny_decoder.target, default_drafts=False)
     req = GenerationRequest(max_new_tokens=4, eos_token_ids=())
     want = d.generate([1, 2, 3], req, method="ar").tokens

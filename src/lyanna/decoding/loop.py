@@ -424,5 +424,5 @@ def rounds(state: DecodeState, drafter: Drafter, budget: Budget | None = None,
     is told every commit, paused or not, so it can draft again at any round. Where the state
     allows it (``DecodeState.ahead``) rounds are pipelined (``Rounds.pipelined``). Returns the
     rounds' statistics."""
-    loop = Rounds(state, drafter, Policy(budget, fallback, full_depth=shapes_compile(state.engine)))
+    loop = Rounds(state, drafter, Policy(budget, fallback, fixed_shapes=shapes_compile(state.engine)))
     return (yield from (loop.pipelined() if state.ahead else loop.synchronous()))

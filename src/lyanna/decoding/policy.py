@@ -35,6 +35,11 @@ PROBE_ROUNDS = 4
 # tokens, while a drafter that never pays probes ever more rarely.
 FIRST_PAUSE_ROUNDS = 16
 MAX_PAUSE_ROUNDS = 256
+# The nodes an ``auto`` budget leaves on the device each drafting round where every tree size is a
+# compiled, captured call (``Policy``'s ``fixed_shapes``): one size, so timed rounds meet no new
+# shape; 31 with the root is a 32-row block, which on such a device costs little more than one
+# row (an H200's pass time is nearly flat in its rows: docs/bench/gpu/h200-shapes-latency-*.json).
+SHAPED_NODES = 31
 
 
 class Fallback:
@@ -94,12 +99,14 @@ class Policy:
     """The budget and the fallback as one drafting policy (either may be None: verify every tree
     whole, never pause)."""
 
-    def __init__(self, budget: Budget | None, fallback: Fallback | None, full_depth: bool = False):
-        """``full_depth``: draft as deep as there is room every round, not as the budget's last
-        kept depth says (``Budget.limit_depth``): on an engine where each new call shape compiles
-        and captures (``engines.base.shapes_compile``) a depth is a shape, and the budget's depth
-        moving round to round met new shapes inside timed rounds all generation long."""
-        self.budget, self.fallback, self.full_depth = budget, fallback, full_depth
+    def __init__(self, budget: Budget | None, fallback: Fallback | None, fixed_shapes: bool = False):
+        """``fixed_shapes``: on an engine where each new call shape compiles and captures
+        (``engines.base.shapes_compile``), every round drafts as deep as there is room (not as
+        the budget's last kept depth says, ``Budget.limit_depth``) and an ``auto`` budget leaves
+        ``SHAPED_NODES`` nodes on the device (not as many as it last kept, ``nodes_ahead``): a
+        depth and a tree size are each a shape, and the budget's moving round to round met new
+        shapes inside timed rounds all generation long."""
+        self.budget, self.fallback, self.fixed_shapes = budget, fallback, fixed_shapes
         # Whether the next drafted round catches its drafter up on many tokens: the generation's
         # first (its whole prompt) and the first after rounds that drafted nothing. Its drafting
         # time is that catch-up's, paid once (tens of ms for a head's prompt), not what a round's
@@ -120,8 +127,9 @@ class Policy:
         if budget is None:
             return Plan(drafting, False, room, None, False)
         free = not drafting and not budget.throughput_bound()
-        nodes = budget.nodes_ahead() if drafting else None
-        depth = room if self.full_depth else budget.limit_depth(room)
+        fixed = self.fixed_shapes
+        nodes = (SHAPED_NODES if fixed and budget.spec == "auto" else budget.nodes_ahead()) if drafting else None
+        depth = room if fixed else budget.limit_depth(room)
         return Plan(drafting, free, depth, nodes, drafting and nodes is None)
 
     def cut(self, tree: DraftTree, seconds: float, free: bool, measured: bool = True) -> DraftTree:

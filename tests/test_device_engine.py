@@ -1159,6 +1159,41 @@ def test_a_generation_counts_the_shapes_its_rounds_ran_first(tiny, monkeypatch):
     assert d.generate(list(range(3, 40)), req, method="lyanna-device", budget=None).extra["first_runs"] == 0
 
 
+def test_where_shapes_compile_every_draft_call_is_built_at_full_depth(tiny, monkeypatch):
+    """Where each new shape compiles and captures, a lyanna round's call is built at its drafter's
+    full depth whatever depth the room left in a reply allows (that depth moved in every reply's
+    last rounds: a new shape each time), its tree held to that depth by the call's ``levels``: the
+    tokens stay ``ar``'s, and a repeated prompt meets no draft call or verification pass of a new
+    shape."""
+    from lyanna.drafters.device_calls import _DraftTreesPass
+
+    e = DeviceEngine(tiny.config, tiny.weights, DEVICE, pipelines=True)
+    monkeypatch.setattr(e, "shapes_compile", True)
+    d = _with_heads(Decoder(tiny, engine=e, default_drafts=False), tiny)
+    built, init = [], _DraftTreesPass.__init__
+    monkeypatch.setattr(_DraftTreesPass, "__init__", lambda self, *a, **k: built.append(a[3]) or init(self, *a, **k))
+    deepest, draft_trees = [], DeviceChainHead.draft_trees
+
+    def held(self, pc, ctx, depth, *a, **k):  # each tree's depth against the depth asked for
+        raw, tree = draft_trees(self, pc, ctx, depth, *a, **k)
+        seen = tree if isinstance(tree, DraftTree) else DraftTree.from_packed(tree.packed.cpu().numpy())
+        deepest.append((int(seen.depths.max()) if len(seen) else 0, depth))
+        return raw, tree
+
+    monkeypatch.setattr(DeviceChainHead, "draft_trees", held)
+    req = GenerationRequest(max_new_tokens=13, eos_token_ids=())
+    prompt = list(range(3, 30))
+    want = d.generate(prompt, req, method="ar", budget=None).tokens
+    assert d.generate(prompt, req, method="lyanna-device", budget=None).tokens == want
+    assert built and set(built) == {3}  # the drafter's depth, also in the reply's last rounds
+    assert all(got <= asked for got, asked in deepest) and min(asked for _, asked in deepest) < 3
+    calls = len(built), len(e._tree_passes)
+    again = d.generate(prompt, req, method="lyanna-device", budget=None)
+    assert again.tokens == want and (len(built), len(e._tree_passes)) == calls
+    monkeypatch.setattr(e, "shapes_compile", False)  # elsewhere the call is as deep as the room allows
+    assert d.generate(prompt, req, method="lyanna-device", budget=None).tokens == want and min(built) < 3
+
+
 @pytest.mark.parametrize("method", ["lyanna-device", "eagle-device"])
 def test_a_round_launched_ahead_is_one_call(tiny, method, monkeypatch):
     """A round launched ahead runs its draft call and the pass that verifies its tree as one

@@ -21,6 +21,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from ..engines.base import shapes_compile
 from ..engines.device_passes import PendingPass
 from ..engines.device_slabs import (HANDOFF_COUNT, KEY_BUCKET_MIN, DeviceTree, Slab, SlabPool, StaticCache,
                                     pow2_at_least)
@@ -337,6 +338,20 @@ class DeviceChainHead(DeviceDraftHead):
             self.rows = HeadRows(self, engine.row_slabs.rows, engine.row_slabs.capacity)
         self._draft_trees: dict[tuple, _DraftTreesPass] = {}
         self._trees: dict[tuple[int, int, int, int], _TreePass] = {}
+        self._engine = engine
+        # The deepest a drafter of this head drafts (``LyannaDrafter.build`` sets it): where each
+        # new shape compiles and captures, every round's call is built that deep (``_call_depth``).
+        self.full_depth: int | None = None
+
+    def _call_depth(self, depth: int) -> int:
+        """The depth a round's call is built at for a tree of ``depth`` levels: the head's
+        ``full_depth`` on an engine where each new shape compiles and captures
+        (``engines.base.shapes_compile``), the tree held to ``depth`` levels by the call's
+        ``levels`` input (the depth the room left in a reply allows moved in its last rounds, a
+        new shape each time); elsewhere ``depth`` itself (deeper levels cost a step each)."""
+        if self.full_depth is None or not shapes_compile(self._engine):
+            return depth
+        return max(depth, self.full_depth)
 
     def drafts_together(self, pc: PairContext, length: int, depth: int) -> HeadRows | None:
         """What drafts a batch's rounds in one call: the head's row caches, for a context on one
@@ -394,7 +409,7 @@ class DeviceChainHead(DeviceDraftHead):
         if topk < 1 or width < 1:
             return self.draft(pc, ctx, depth), DraftTree.empty()
         k, resample = min(topk, self.d2t.size), leftover is not None
-        cut = _cut(max_nodes, nodes)
+        cut, levels, depth = _cut(max_nodes, nodes), depth, self._call_depth(depth)
 
         def make(slab: Slab, rows: int, keys: int) -> _DraftTreesPass:
             key = (id(slab), rows, depth, keys, resample, k, width, max_nodes, cut)
@@ -403,7 +418,7 @@ class DeviceChainHead(DeviceDraftHead):
                 p = self._draft_trees[key] = _DraftTreesPass(self, slab, rows, depth, keys, resample, k, width,
                                                               max_nodes, cut, self._graph_pool)
             p.host("root_info")[:] = self._token_info(ti, int(ctx[-1]))
-            p.host("levels")[:] = [[depth]] + ([[leftover.shape[0]]] if resample else [])
+            p.host("levels")[:] = [[levels]] + ([[min(leftover.shape[0], levels)]] if resample else [])
             if resample:
                 p.leftover[: leftover.shape[0]].copy_(leftover)
             return p
@@ -423,6 +438,7 @@ class DeviceChainHead(DeviceDraftHead):
         the round's own pass runs it joined with itself (``_deferred``), one launch a round, and
         fills the returned chain. ``length``: the context's length before that pass. None where
         no such call fits (``_follow_room``): the host reads the pass first."""
+        tree_levels, depth = depth, self._call_depth(depth)
         slab = None if topk < 1 or width < 1 else self._follow_room(pc, pending, length, depth)
         if slab is None:
             return None
@@ -436,7 +452,7 @@ class DeviceChainHead(DeviceDraftHead):
                                                           cut, self._graph_pool, handoff=hand)
         self._token_info(ti, 0)  # the table current (the root's row is read on the device)
         p.host("length")[0], p.host("last_depth")[0] = length, chain.shape[0]
-        p.host("levels")[:] = [[depth]] + ([[0]] if resample else [])  # the second: from the pass, on the device
+        p.host("levels")[:] = [[tree_levels]] + ([[0]] if resample else [])  # the second: from the pass, on the device
         if resample:  # the chain's rows past the pass's kept tokens (clamped: those past the chain are not read)
             past = torch.arange(1, depth + 1, device=self.device) + hand[HANDOFF_COUNT]
             p.leftover.copy_(chain.index_select(0, past.clamp(max=chain.shape[0] - 1)))

@@ -175,8 +175,9 @@ class _DraftTreesPass(_DraftPass):
         self.chain_positions.copy_(chain + 1)
         self.chain_mask.copy_(key[None, :] <= chain[:, None])
         self.root_info.copy_(h.ti_full[bonus].expand_as(self.root_info))
-        if self.leftover is not None:
-            self.levels[1:].copy_((self.last_depth - count - 1).clamp(0, self.depth).view(1, 1))
+        if self.leftover is not None:  # no deeper than the chain's own tree (``levels[0]``)
+            left = (self.last_depth - count - 1).clamp(0, self.depth).view(1, 1)
+            self.levels[1:].copy_(torch.minimum(left, self.levels[:1]))
         return count, bonus, key
 
     def _forward(self) -> None:

@@ -118,16 +118,8 @@ class DraftCost:
         recent = self._recent.setdefault(depth, deque(maxlen=DRAFT_MEASURES))
         recent.append(seconds)
         ordered, half = sorted(recent), len(recent) // 2
-        learned = self._learned
-        learned[depth] = ordered[half] if len(ordered) % 2 else (ordered[half - 1] + ordered[half]) / 2
-        met = np.flatnonzero(~np.isnan(learned))
-        filled = _filled(learned)
-        if len(met) > 1:
-            top, below = met[-1], met[-2]
-            step = max(0.0, (learned[top] - learned[below]) / (top - below))
-            filled[top:] = learned[top] + step * np.arange(MAX_DEPTH + 1 - top)
-        filled[0] = filled[1]
-        self._by_depth = _bounded(filled, learned[met[0]])
+        self._learned[depth] = ordered[half] if len(ordered) % 2 else (ordered[half - 1] + ordered[half]) / 2
+        self._by_depth = _draft_prices(self._learned)
 
     def by_depth(self) -> np.ndarray | None:
         """Seconds of a round drafting 0, 1, ... ``MAX_DEPTH`` levels (None before any measure)."""
@@ -135,9 +127,26 @@ class DraftCost:
 
 
 @njit(cache=True)
-def _bounded(by_depth: np.ndarray, level_at_most: float) -> np.ndarray:  # pragma: no cover - compiled
-    """``by_depth`` made non-decreasing, each depth at most ``level_at_most`` above the one before."""
-    out = by_depth.copy()
-    for d in range(1, len(out)):
+def _draft_prices(learned: np.ndarray) -> np.ndarray:  # pragma: no cover - compiled
+    """``DraftCost``'s seconds by depth from each depth's median (``learned``, NaN where not met,
+    at least one met): the gaps interpolated, shallower than the shallowest met at its value,
+    deeper than the deepest met each level adding the last level's step between the two deepest
+    (nothing with one met); then non-decreasing, each depth at most the shallowest met's price
+    above the one before. One compiled call: the decode loop tells it every drafting round."""
+    n = learned.shape[0]
+    met = np.flatnonzero(~np.isnan(learned))
+    out = np.empty(n)
+    first, top = met[0], met[-1]
+    out[: first + 1] = learned[first]
+    for i in range(len(met) - 1):  # linear between neighbours met
+        a, b = met[i], met[i + 1]
+        slope = (learned[b] - learned[a]) / (b - a)
+        for d in range(a + 1, b + 1):
+            out[d] = learned[a] + slope * (d - a)
+    step = max(0.0, (learned[top] - learned[met[-2]]) / (top - met[-2])) if len(met) > 1 else 0.0
+    for d in range(top, n):
+        out[d] = learned[top] + step * (d - top)
+    level_at_most = learned[first]
+    for d in range(1, n):
         out[d] = min(max(out[d], out[d - 1]), out[d - 1] + level_at_most)
     return out

@@ -89,15 +89,16 @@ class RoundStats:
     def record(self, tree: DraftTree, verdict: Verdict, committed_drafts: int) -> None:
         if not len(tree):  # nothing was drafted (always, for ar): nothing else to count
             return
+        path = verdict.path
         self.draft_tokens += len(tree)
         self.accepted_draft_tokens += committed_drafts
-        self.recovered_tokens += int(tree.origin[verdict.path[:committed_drafts]].sum())
-        depths = tree.depths
-        kids = tree.children()
-        for d, node in enumerate([-1] + verdict.path, start=1):
-            if any(depths[c] == d for c in kids.get(node, [])):
+        if committed_drafts:
+            self.recovered_tokens += int(tree.origin[path[:committed_drafts]].sum())
+        kids = tree.children()  # a node's children are one level below it
+        for d, node in enumerate([-1] + path, start=1):
+            if node in kids:
                 self.tried_by_depth[d] += 1
-                self.accepted_by_depth[d] += d <= len(verdict.path)
+                self.accepted_by_depth[d] += d <= len(path)
 
     def to_extra(self) -> dict[str, Any]:
         """The ``GenerationResult.extra`` entries."""

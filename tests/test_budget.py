@@ -659,7 +659,7 @@ def test_the_loop_does_not_measure_rounds_that_ran_a_shape_first(decoder, ar_out
         return observe(self, *args, measured=measured, drafted=drafted)
 
     monkeypatch.setattr(engine, "forward_batch", counting)
-    monkeypatch.setattr(engine, "first_runs", 0, raising=False)
+    monkeypatch.setattr(type(engine), "first_runs", 0, raising=False)  # a count the test sets
     monkeypatch.setattr(Policy, "observe", recorded)
     prompt = PROMPTS[0]
     r = decoder.generate(decoder.encode(prompt), GenerationRequest(max_new_tokens=N_NEW), method="suffix-wide",
@@ -868,3 +868,25 @@ def test_auto_choose_keeps_the_size_of_the_best_rate(scores, correction, others,
     if others and rate[want] < (1.0 + budget_module.SHARED_MARGIN) * rate[0]:
         want = 0
     assert len(budget.choose(tree, seconds, free=True)) == want
+
+
+def test_one_outlier_of_drafting_time_does_not_price_drafting_out_of_reach_for_good():
+    """A drafting round that met a first use's compile or a pause of the host priced drafting far
+    above a round's cost: its margin started waits, and after a wait every drafting round catches
+    its drafter up, so none was judged and drafting stayed that dear, a method drafting almost
+    never for the rest of a run. Such a round's time only bounds what drafting costs, so one
+    below the price brings it down, and the budget judges drafting worth it again; one above
+    it changes nothing."""
+    from lyanna.decoding.policy import Policy
+
+    budget = Budget("auto", FLAT_THEN_STEEP)
+    likely = binary_tree(7, 0.9)
+    budget.choose(likely, 0.3)  # the outlier, measured: drafting does not pay at that price
+    assert not budget.evidence.paid and budget.evidence.drafting.by_depth()[3] == 0.3
+    policy = Policy(budget, None)
+    policy.observe(DraftTree.empty(), 0, 0.01, False, 0.011, 1)  # a plain round: the next drafts after it
+    policy.cut(likely, 0.5, free=False)  # a catch-up above the price: nothing learned
+    assert budget.evidence.drafting.by_depth()[3] == 0.3
+    policy.cut(likely, 0.002, free=False)  # below it: drafting costs at most that
+    assert budget.evidence.drafting.by_depth()[3] == 0.002 and budget.evidence.draft_seconds == 0.002
+    assert len(budget.choose(likely, 0.002)) == len(likely) and budget.evidence.paid

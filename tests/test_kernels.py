@@ -332,3 +332,19 @@ def test_kernel_launches_warn_once_when_a_second_live_thread_launches():
         on_a_thread()  # while this (main) thread, which launched, is alive
         on_a_thread()
     assert [w.category for w in seen] == [RuntimeWarning] and "one thread" in str(seen[0].message)
+
+
+def test_a_compiled_call_met_first_counts_as_a_first_run_of_the_engine(tiny_decoder):
+    """The first call of a ``SameTypes`` function compiles it or loads it from numba's cache (up
+    to minutes after a change to the package): the host engine counts it in ``first_runs``, so
+    a round that held one is not taken for what its work costs; later calls are not counted."""
+    from numba import njit
+
+    from lyanna.engines.base import first_runs
+    from lyanna.engines.kernels import SameTypes
+
+    twice = SameTypes(njit(lambda x: 2 * x))
+    before = first_runs(tiny_decoder.engine)
+    assert twice(np.float32(2.0)) == 4.0 and first_runs(tiny_decoder.engine) == before + 1
+    assert twice(np.float32(3.0)) == 6.0 and first_runs(tiny_decoder.engine) == before + 1
+    assert first_runs(tiny_decoder.engine) == SameTypes.first_calls

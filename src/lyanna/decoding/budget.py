@@ -16,11 +16,10 @@ what a round spends outside pass and drafting (``Budget.overhead``); the latency
 seconds are priced as decoding measures them (``costs``: the curve corrected per block size, the
 drafting time per depth). ``Budget(n)`` is the fixed alternative.
 
-Under ``auto`` the budget also bounds how deep the next tree is drafted (``limit_depth``): one
-level deeper than the tree it kept last round, which is the drafting ``choose`` prices a kept tree
-at. Levels it would cut anyway cost draft passes for nothing, and a window of recent rounds (the
-deepest of the last 8 kept trees, once) drafted one or two levels deeper than the trees it priced,
-so the bigger trees looked cheaper than the rounds after them were.
+Under ``auto`` the budget also drafts the next tree one level deeper than the tree it kept last
+round (``limit_depth``), the drafting ``choose`` prices a kept tree at: levels it would cut cost
+draft passes for nothing, and a deeper window (the deepest of the last 8 kept trees) made the
+bigger trees look cheaper than the rounds after them were.
 """
 from __future__ import annotations
 
@@ -256,8 +255,7 @@ class Evidence:
 
     @property
     def paid(self) -> bool:
-        """Whether the trees judged lately beat plain decoding, on average (before any was
-        judged, not yet: but the first wait is no round at all)."""
+        """Whether the trees judged lately beat plain decoding, on average (none judged: not yet)."""
         return self.margin > 0.0
 
 
@@ -346,11 +344,14 @@ class Budget:
         by its own small drafting time and says nothing about whether drafting pays. Not
         ``measured``: its drafting time includes a compile (``engines.base.first_runs``): the
         tree is sized by the drafting time known so far and says nothing either."""
-        ev = self.evidence
+        ev, depth = self.evidence, int(tree.depths.max()) if len(tree) else 1
         judged = not free and measured  # whether this tree's drafting time tells what drafting costs
         if judged:
             ev.draft_seconds = draft_seconds if ev.draft_seconds is None else 0.5 * (ev.draft_seconds + draft_seconds)
-            ev.drafting.observe(int(tree.depths.max()) if len(tree) else 1, draft_seconds)
+            ev.drafting.observe(depth, draft_seconds)
+        elif not free:  # a catch-up's or a compile's time: more than drafting costs, so an upper bound
+            ev.draft_seconds = None if ev.draft_seconds is None else min(ev.draft_seconds, draft_seconds)
+            ev.drafting.at_most(depth, draft_seconds)
         seconds = draft_seconds if free or ev.draft_seconds is None else ev.draft_seconds
         self._judged = True
         if tree.sampled_from or not len(tree):

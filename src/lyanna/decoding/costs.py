@@ -115,11 +115,35 @@ class DraftCost:
         """Told every judged drafting round, so in the decode loop: only the depth measured
         changes its median, and the bounds are one compiled call."""
         depth = min(max(depth, 1), MAX_DEPTH)
-        recent = self._recent.setdefault(depth, deque(maxlen=DRAFT_MEASURES))
-        recent.append(seconds)
-        ordered, half = sorted(recent), len(recent) // 2
+        self._recent.setdefault(depth, deque(maxlen=DRAFT_MEASURES)).append(seconds)
+        self._settle(depth)
+
+    def _settle(self, depth: int) -> None:
+        """Depth ``depth``'s price the median of its measures, and every depth's from them."""
+        ordered = sorted(self._recent[depth])
+        half = len(ordered) // 2
         self._learned[depth] = ordered[half] if len(ordered) % 2 else (ordered[half - 1] + ordered[half]) / 2
         self._by_depth = _draft_prices(self._learned)
+
+    def at_most(self, depth: int, seconds: float) -> None:
+        """A drafting round whose time only bounds its drafting's (it caught the drafter up on
+        many tokens, or ran a shape first): where it is below the depth's price, that depth's
+        measures are cut to it (one measure where none was; nothing while no depth has a price).
+        Without it, one outlier measured
+        (a kernel loaded on first use, a pause of the host) priced drafting out of reach for good:
+        nothing kept meant waits, and after a wait every drafting round catches up, so none was
+        measured again."""
+        depth = min(max(depth, 1), MAX_DEPTH)
+        if self._by_depth is None or seconds >= self._by_depth[depth]:
+            return
+        recent = self._recent.setdefault(depth, deque(maxlen=DRAFT_MEASURES))
+        if recent:
+            clipped = [min(x, seconds) for x in recent]
+            recent.clear()
+            recent.extend(clipped)
+        else:
+            recent.append(seconds)
+        self._settle(depth)
 
     def by_depth(self) -> np.ndarray | None:
         """Seconds of a round drafting 0, 1, ... ``MAX_DEPTH`` levels (None before any measure)."""

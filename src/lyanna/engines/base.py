@@ -59,8 +59,8 @@ class LeftTree(Protocol):
 
 def first_runs(engine: "TargetEngine") -> int:
     """How many computations of a shape not met before ``engine`` and the drafters on its device
-    have run (``DeviceEngine.first_runs``; 0 for engines whose every shape costs the same from
-    the first call): a round during which it grew timed a compile, not its work."""
+    have run (``DeviceEngine.first_runs``, ``Transformer.first_runs``; 0 for engines that keep no
+    count): a round during which it grew timed a compile, not its work."""
     return int(getattr(engine, "first_runs", 0))
 
 

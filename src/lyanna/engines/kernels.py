@@ -89,7 +89,11 @@ class SameTypes:
     compiled for those types. Why: the dispatcher types every argument on every call, and a tuple
     holding typed lists has no fast fingerprint, so typing it costs about as much Python as a
     small kernel's whole call. The caller keeps the types fixed: the same dtype, dimensions and
-    contiguity for every array, the same kind for every scalar (the machine code trusts them)."""
+    contiguity for every array, the same kind for every scalar (the machine code trusts them).
+    ``first_calls`` counts, over every such function of the process, the calls that compiled it
+    or loaded it from numba's cache (``Transformer.first_runs``)."""
+
+    first_calls = 0
 
     def __init__(self, kernel: Dispatcher):
         self.kernel = kernel
@@ -98,6 +102,7 @@ class SameTypes:
     def __call__(self, *args: object) -> object:
         if self._entry is not None:
             return self._entry(*args)
+        SameTypes.first_calls += 1
         out = self.kernel(*args)
         self._entry = self.kernel.get_overload(tuple(self.kernel.typeof_pyval(a) for a in args))
         return out

@@ -23,7 +23,7 @@ from .attention import AttentionSpan, prefill_attention, ragged_attention
 from .base import Block, ForwardOutput, TargetEngine, block_inputs, compaction
 from .config import ModelConfig, rope_inv_freq
 from .fused import FusedLayers
-from .kernels import BULK_MIN_ROWS, _launch, linear, linear_rows, rms_norm, rope_qk, silu_mul
+from .kernels import BULK_MIN_ROWS, SameTypes, _launch, linear, linear_rows, rms_norm, rope_qk, silu_mul
 from . import intdot
 from .quant import QuantMatrix
 
@@ -253,6 +253,14 @@ class Transformer(TargetEngine):
         # every row's numbers are the same however the prompt is split into blocks, which lets a
         # cached prefix stand in for its rows bit for bit (``prefix_cache.py``).
         self.blockwise_prefill = bool(kernels)
+
+    @property
+    def first_runs(self) -> int:
+        """Compiled calls (the layers', a host draft round's: ``kernels.SameTypes``) run for the
+        first time in this process (``base.first_runs``): such a call compiles or loads its
+        machine code, up to minutes after a change to the package, so a round holding one timed
+        that, not what drafting costs."""
+        return SameTypes.first_calls
 
     def new_cache(self, capacity: int) -> KVCache:
         c = self.config

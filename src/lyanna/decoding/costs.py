@@ -129,20 +129,14 @@ class DraftCost:
         """A drafting round whose time only bounds its drafting's (it caught the drafter up on
         many tokens, or ran a shape first): where it is below the depth's price, that depth's
         measures are cut to it (one measure where none was; nothing while no depth has a price).
-        Without it, one outlier measured
-        (a kernel loaded on first use, a pause of the host) priced drafting out of reach for good:
-        nothing kept meant waits, and after a wait every drafting round catches up, so none was
-        measured again."""
+        Without it, one outlier measured (a kernel loaded on first use, a pause of the host)
+        priced drafting out of reach for good: nothing kept meant waits, and after a wait every
+        drafting round catches up, so none was measured again."""
         depth = min(max(depth, 1), MAX_DEPTH)
         if self._by_depth is None or seconds >= self._by_depth[depth]:
             return
-        recent = self._recent.setdefault(depth, deque(maxlen=DRAFT_MEASURES))
-        if recent:
-            clipped = [min(x, seconds) for x in recent]
-            recent.clear()
-            recent.extend(clipped)
-        else:
-            recent.append(seconds)
+        recent = self._recent.get(depth)
+        self._recent[depth] = deque([min(x, seconds) for x in recent] if recent else [seconds], maxlen=DRAFT_MEASURES)
         self._settle(depth)
 
     def by_depth(self) -> np.ndarray | None:

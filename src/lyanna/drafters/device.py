@@ -339,7 +339,7 @@ class DeviceChainHead(DeviceDraftHead):
         self._draft_trees: dict[tuple, _DraftTreesPass] = {}
         self._trees: dict[tuple[int, int, int, int], _TreePass] = {}
         self._engine = engine
-        # The deepest a drafter of this head drafts (``LyannaDrafter.build`` sets it): where each
+        # The deepest a drafter of this head drafts (each ``LyannaDrafter`` on it raises it): where each
         # new shape compiles and captures, every round's call is built that deep (``_call_depth``).
         self.full_depth: int | None = None
 

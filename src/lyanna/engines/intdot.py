@@ -43,7 +43,7 @@ import os
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, prange, types
+from numba import get_num_threads, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
@@ -165,8 +165,9 @@ def _quantize_span(x, lo, hi, quantized):  # pragma: no cover - compiled
 
 
 # Blocks of ROW_SHARES_MIN rows and more on matrices of fewer than MANY_TILES tiles (a layer's qkv,
-# o and down projections) are shared among the threads by rows, up to ROW_SHARE rows a task (as
-# even as they go: ``kernels.even_group``) over every
+# o and down projections) are shared among the threads by rows, up to ROW_SHARE rows a task, as
+# many tasks as a whole number of rounds of the threads takes (``_share_rows``: 12 rows on two
+# threads are 6 + 6, not 4 + 4 + 4, where one thread ran a third share alone), over every
 # tile, instead of by tiles: split by tiles, each of two threads held one tile of such a matrix
 # and the pair ran well below twice one thread's speed, while by rows each streams the whole
 # matrix (a few hundred KB, the second time from its cache) for its rows. Five rows stay split by
@@ -176,7 +177,7 @@ def _quantize_span(x, lo, hi, quantized):  # pragma: no cover - compiled
 # threads scaled better by rows than by tiles there. The LM head (tens of tiles) stays split by
 # tiles: by rows both threads would stream all of its 30 MB.
 # Measured on the 2-core Zen 4: docs/engine.md (latency against block size).
-ROW_SHARE = 4
+ROW_SHARE = 8
 ROW_SHARES_MIN = 6
 ROW_SHARES_WIDE, WIDE_TILES = 8, 8
 # Output vectors whose blocks lie side by side (``_grouped``): the widest chunk of the kernel.
@@ -212,6 +213,14 @@ def _shapes(xq, d, m, q):  # pragma: no cover - compiled
             1 if m.size else 0)
 
 
+@njit(cache=True, nogil=True)
+def _share_rows(rows, threads):  # pragma: no cover - compiled
+    """Rows a share of ``_by_rows`` takes: at most ``ROW_SHARE``, the shares a multiple of
+    ``threads`` in number, as even as they go."""
+    shares = threads * ((rows + threads * ROW_SHARE - 1) // (threads * ROW_SHARE))
+    return (rows + shares - 1) // shares
+
+
 @njit(parallel=True, cache=True, nogil=True)
 def _by_rows(x, quantized, d, m, q, out, path):  # pragma: no cover - compiled
     """``int_linear_kernel`` by shares of ``ROW_SHARE`` rows: each share quantizes its rows of
@@ -220,7 +229,7 @@ def _by_rows(x, quantized, d, m, q, out, path):  # pragma: no cover - compiled
     rows, k, tiles, nb, tw, nvec, g, size, nibbles, offsets = _shapes(xq, d, m, q)
     flat, xflat, dflat, sflat, cflat = q.reshape(-1), xq.reshape(-1), dx.reshape(-1), xs.reshape(-1), xc.reshape(-1)
     width = out.shape[1]
-    share_rows = even_group(rows, ROW_SHARE)
+    share_rows = _share_rows(rows, get_num_threads())
     for share in prange((rows + share_rows - 1) // share_rows):
         i = share * share_rows
         group = min(share_rows, rows - i)

@@ -45,7 +45,11 @@ _COLS = {1: 4, 2: 2, 3: 2}
 # needed: 4 rows x 4 vectors of float and integer sums had been all 32 registers, and from 5 rows
 # a chunk had to drop to 2 vectors, unpacking each weight twice as often. The same integers and
 # the same fp32 operations lane by lane, so the same bits; whole passes: docs/engine.md.
+# From PAIR_ROWS rows a chunk takes one value (two vectors) instead: its 512-bit sums of up to 8
+# rows fit the registers with room to spare, each weight's unpacking still serves every row, and
+# the kernel on a matrix in cache ran about 1.06x faster at 16 and 64 rows (1.1x on the LM head).
 PAIRS_512 = 2
+PAIR_ROWS = 5
 
 
 class _Emitter:
@@ -144,7 +148,7 @@ class _Emitter:
             case = b.append_basic_block(f"rows{rows}")
             switch.add_case(self.rows.type(rows), case)
             b.position_at_end(case)
-            cols = PAIRS_512 if self.per == 2 else _COLS.get(rows, 1)  # values a chunk takes
+            cols = (PAIRS_512 if rows < PAIR_ROWS else 1) if self.per == 2 else _COLS.get(rows, 1)  # values a chunk takes
             width = cols * self.per  # output vectors a chunk takes
             full = b.sdiv(b.sub(self.jn, self.j0), intp(width))  # vectors j0 .. jn - 1
             with cgutils.for_range(b, full) as loop:

@@ -33,7 +33,7 @@ their outputs in registers, so it reads the bytes in the order they lie.
 Paths (``PATH``: the first of ``PATHS`` the CPU has, or ``LYANNA_INTDOT_PATH``, chosen at import): ``vnni``
 (``vpdpbusd``, AVX-512 VNNI or AVX-VNNI: four byte products added into each 32-bit lane in one
 instruction, so no 16-bit partial sums and no widening step; with AVX-512 VNNI two output vectors
-share a 512-bit register and four share each broadcast input at every row count), ``avx2``
+share a 512-bit register, and four share each broadcast input below ``intdot_ir.PAIR_ROWS`` rows), ``avx2``
 (``vpmaddubsw`` + ``vpmaddwd``; AVX-512 CPUs run it too) and ``portable`` (the same integers in plain LLVM vector IR, for any CPU). Every path
 computes the same integers, so they agree bit for bit; each is tested against ``reference``.
 """
@@ -43,7 +43,7 @@ import os
 
 import numpy as np
 from llvmlite import ir
-from numba import get_num_threads, njit, prange, types
+from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
@@ -165,10 +165,9 @@ def _quantize_span(x, lo, hi, quantized):  # pragma: no cover - compiled
 
 
 # Blocks of ROW_SHARES_MIN rows and more on matrices of fewer than MANY_TILES tiles (a layer's qkv,
-# o and down projections) are shared among the threads by rows, up to ROW_SHARE rows a task, as
-# many tasks as a whole number of rounds of the threads takes (``_share_rows``: 12 rows on two
-# threads are 6 + 6, not 4 + 4 + 4, where one thread ran a third share alone), over every
-# tile, instead of by tiles: split by tiles, each of two threads held one tile of such a matrix
+# o and down projections) are shared among the threads by rows, up to ROW_SHARE rows a task in
+# an even number of tasks (``_share_rows``: 12 rows on two threads are 6 + 6, not 4 + 4 + 4, where
+# one thread ran a third share alone), over every tile, instead of by tiles: split by tiles, each of two threads held one tile of such a matrix
 # and the pair ran well below twice one thread's speed, while by rows each streams the whole
 # matrix (a few hundred KB, the second time from its cache) for its rows. Five rows stay split by
 # tiles, one group of 5 a tile: with the kernel's chunks of 512-bit values that took 0.95x the
@@ -214,10 +213,11 @@ def _shapes(xq, d, m, q):  # pragma: no cover - compiled
 
 
 @njit(cache=True, nogil=True)
-def _share_rows(rows, threads):  # pragma: no cover - compiled
-    """Rows a share of ``_by_rows`` takes: at most ``ROW_SHARE``, the shares a multiple of
-    ``threads`` in number, as even as they go."""
-    shares = threads * ((rows + threads * ROW_SHARE - 1) // (threads * ROW_SHARE))
+def _share_rows(rows):  # pragma: no cover - compiled
+    """Rows a share of ``_by_rows`` takes: at most ``ROW_SHARE``, an even number of shares (the
+    project's CPUs have two cores; the thread count is not read here, which would keep numba
+    from caching the kernels), as even as they go."""
+    shares = 2 * ((rows + 2 * ROW_SHARE - 1) // (2 * ROW_SHARE))
     return (rows + shares - 1) // shares
 
 
@@ -229,7 +229,7 @@ def _by_rows(x, quantized, d, m, q, out, path):  # pragma: no cover - compiled
     rows, k, tiles, nb, tw, nvec, g, size, nibbles, offsets = _shapes(xq, d, m, q)
     flat, xflat, dflat, sflat, cflat = q.reshape(-1), xq.reshape(-1), dx.reshape(-1), xs.reshape(-1), xc.reshape(-1)
     width = out.shape[1]
-    share_rows = _share_rows(rows, get_num_threads())
+    share_rows = _share_rows(rows)
     for share in prange((rows + share_rows - 1) // share_rows):
         i = share * share_rows
         group = min(share_rows, rows - i)

@@ -164,17 +164,18 @@ def _quantize_span(x, lo, hi, quantized):  # pragma: no cover - compiled
             _quantize_block(flat, i * k + b * QK, qflat, dflat, sflat, cflat, i * nb + b)
 
 
-# Blocks of ROW_SHARES_MIN rows and more on matrices of fewer than MANY_TILES tiles (a layer's qkv,
-# o and down projections) are shared among the threads by rows, up to ROW_SHARE rows a task in
-# an even number of tasks (``_share_rows``: 12 rows on two threads are 6 + 6, not 4 + 4 + 4, where
-# one thread ran a third share alone), over every tile, instead of by tiles: split by tiles, each
-# of two threads held one tile of such a matrix and the pair ran well below twice one thread's speed, while by rows each streams the whole
-# matrix (a few hundred KB, the second time from its cache) for its rows. Five rows stay split by
-# tiles, one group of 5 a tile: with the kernel's chunks of 512-bit values that took 0.95x the
-# time of two shares of 3 + 2 rows. Blocks of ROW_SHARES_WIDE rows and more go by rows on
-# matrices of fewer than WIDE_TILES tiles too (a layer's gate and up projections, about 1 MB): two
-# threads scaled better by rows than by tiles there. The LM head (tens of tiles) stays split by
-# tiles: by rows both threads would stream all of its 30 MB.
+# Blocks of ROW_SHARES_MIN rows and more on matrices of fewer than MANY_TILES tiles (a layer's
+# qkv, o and down projections) are shared among the threads by rows, up to ROW_SHARE rows a task
+# in an even number of tasks (``_share_rows``: 12 rows on two threads are 6 + 6, not 4 + 4 + 4,
+# where one thread ran a third share alone), over every tile, instead of by tiles: split by tiles,
+# each of two threads held one tile of such a matrix and the pair ran well below twice one
+# thread's speed, while by rows each streams the whole matrix (a few hundred KB, the second time
+# from its cache) for its rows. Five rows stay split by tiles, one group of 5 a tile: with the
+# kernel's chunks of 512-bit values that took 0.95x the time of two shares of 3 + 2 rows. Blocks
+# of ROW_SHARES_WIDE rows and more go by rows on matrices of fewer than WIDE_TILES tiles too (a
+# layer's gate and up projections, about 1 MB): two threads scaled better by rows than by tiles
+# there. The LM head (tens of tiles) stays split by tiles: by rows both threads would stream all
+# of its 30 MB.
 # Measured on the 2-core Zen 4: docs/engine.md (latency against block size).
 ROW_SHARE = 8
 ROW_SHARES_MIN = 6

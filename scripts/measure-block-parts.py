@@ -8,8 +8,8 @@ measured apart, need not add up to the pass). And the same passes timed inside, 
 pass spends outside the layers, the LM head mostly): there each part meets the caches as the pass
 leaves them, where a part timed alone, over and over, finds much of its weights in cache (the LM
 head's 30 MB of blocks nearly fit a 32 MB L3). Also the integer kernel's
-multiply-adds per second on one matrix that stays in cache (its arithmetic bound, no memory
-stream): what each extra row of a block costs at the least; and this CPU's own peaks, both cores
+multiply-adds per second on one matrix that stays in cache at 8 / 16 / 64 rows (its arithmetic
+bound, no memory stream; each also as a share of the CPU's 8-bit peak below): what each extra row of a block costs at the least; and this CPU's own peaks, both cores
 busy with independent operations on registers: 8-bit multiply-adds (``vpdpbusd`` on the
 ``vnni`` path, ``vpmaddubsw`` + ``vpmaddwd`` on ``avx2``) and fp32 fused multiply-adds, from
 which the fastest a block could be on this machine follows (each extra row's matrix products at
@@ -152,6 +152,30 @@ def median_ms(run, repeats: int = REPEATS) -> float:
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO / "docs" / "bench" / "block-parts.json"
+
+
+HOT_ROWS = (8, 16, 64)
+
+
+@njit(nogil=True)
+def _calls(x, d, m, q, out, path, n):  # pragma: no cover - compiled
+    for _ in range(n):
+        intdot.int_linear_kernel(x, d, m, q, out, path)
+
+
+def hot_kernel_per_s(w, rng: np.random.Generator, rows: int, calls: int = 20) -> float:
+    """Multiply-adds a second of the kernel on one matrix (layer 0's gate and up projections, 1.1
+    MB of blocks) over and over at ``rows`` rows, so its weights come from cache, not memory: its
+    arithmetic bound. The integer kernel is called from compiled code, as a pass calls it
+    (``fused``), so the interpreter's call is not counted; other weights go through ``linear``."""
+    x = rng.standard_normal((rows, w.shape[1])).astype(np.float32)
+    if getattr(w, "kernel", None) == "int8":
+        out = np.empty((rows, w.padded_rows), np.float32)
+        run = lambda: _calls(x, w.d, w.m, w.q, out, intdot.path_index(), calls)  # noqa: E731
+    else:
+        run = lambda: [linear(x, w) for _ in range(calls)]  # noqa: E731
+    seconds = min(median_ms(run) for _ in range(ROUNDS)) / 1e3 / calls
+    return rows * w.shape[0] * w.shape[1] / seconds
 
 
 def _shown(path: Path) -> str:
@@ -316,14 +340,10 @@ def report(args: argparse.Namespace, engine: Transformer, rng: np.random.Generat
     """The kernel's bound and the CPU's peaks measured, and the JSON written."""
     widths = _widths(engine)
     c = engine.config
-    # The kernel's arithmetic bound: one matrix (layer 0's gate and up projections, 1.1 MB of
-    # blocks) over and over at 16 rows, so its weights come from cache, not memory.
-    w = engine.layers[0].w_gate_up
-    hot_x = rng.standard_normal((16, w.shape[1])).astype(np.float32)
-    seconds = min(median_ms(lambda: [linear(hot_x, w) for _ in range(20)]) for _ in range(ROUNDS)) / 1e3 / 20
+    hot = {rows: hot_kernel_per_s(engine.layers[0].w_gate_up, rng, rows) for rows in HOT_ROWS}
+    peak = hot[16]
     macs_per_row = sum(getattr(layer, name).shape[0] * getattr(layer, name).shape[1]
                        for layer in engine.layers for name in widths) + engine.lm_head.shape[0] * engine.lm_head.shape[1]
-    peak = 16 * w.shape[0] * w.shape[1] / seconds
     machine = machine_info()
     int_kind = None if intdot.PATH == "portable" else intdot.PATH  # the portable path has no one instruction to time
     int_peak = peak_per_s(int_kind) if int_kind else None
@@ -353,6 +373,9 @@ def report(args: argparse.Namespace, engine: Transformer, rng: np.random.Generat
         "ms_beside": None if beside is None else {who: {k: [round(v, 2) for v in row] for k, row in rows.items()}
                                                   for who, rows in beside.items()},
         "hot_kernel_gmac_per_s": round(peak / 1e9, 1),
+        "hot_kernel_gmac_per_s_by_rows": {str(rows): round(v / 1e9, 1) for rows, v in hot.items()},
+        "hot_kernel_share_of_int8_peak": None if int_peak is None else {str(rows): round(v / int_peak, 3)
+                                                                         for rows, v in hot.items()},
         "macs_per_row": macs_per_row,
         # Each row beyond the first costs at least its multiply-adds at the kernel's bound.
         "least_ms_per_extra_row": round(macs_per_row / peak * 1e3, 3),
@@ -365,7 +388,8 @@ def report(args: argparse.Namespace, engine: Transformer, rng: np.random.Generat
         "block_ms_at_cpu_peaks": at_peaks,
     }
     args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps({k: report[k] for k in ("ms", "ms_inside_pass", "hot_kernel_gmac_per_s", "least_ms_per_extra_row",
+    print(json.dumps({k: report[k] for k in ("ms", "ms_inside_pass", "hot_kernel_gmac_per_s_by_rows",
+                                             "hot_kernel_share_of_int8_peak", "least_ms_per_extra_row",
                                              "cpu_int8_peak_gmac_per_s", "cpu_fp32_fma_peak_g_per_s",
                                              "block_ms_at_cpu_peaks")}, indent=1))
 

@@ -7,7 +7,7 @@ import pytest
 
 from lyanna.engines import intdot
 
-ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 14, 15, 16, 33)  # 6 and more on few tiles: even shares of up to 4 rows
+ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 14, 15, 16, 33)  # 6 and more on few tiles: even shares of up to 8 rows
 
 
 def matrix(kind: str, n: int, k: int, seed: int, half: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -56,6 +56,17 @@ def test_each_path_equals_the_reference(path, kind, shape, half):
         out = np.empty((rows, shape[0]), np.float32)
         intdot.int_linear_kernel(x[:rows], *packed, out, intdot.ALL_PATHS.index(path))
         assert np.array_equal(out, want[:rows]), (rows, kind, shape)
+
+
+def test_rows_go_in_an_even_number_of_shares_as_even_as_they_go():
+    """``_by_rows``' shares: an even number (work for both cores of the project's CPU), none over
+    ``ROW_SHARE`` rows, sizes at most one row apart, every row in one."""
+    for rows in range(intdot.ROW_SHARES_MIN, 200):
+        shares = intdot._shares(rows)
+        bounds = [share * rows // shares for share in range(shares + 1)]
+        sizes = np.diff(bounds)
+        assert shares % 2 == 0 and bounds[0] == 0 and bounds[-1] == rows, rows
+        assert sizes.max() <= intdot.ROW_SHARE and sizes.max() - sizes.min() <= 1 and sizes.min() > 0, rows
 
 
 @pytest.mark.parametrize("half", [False, True])

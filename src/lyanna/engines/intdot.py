@@ -166,7 +166,7 @@ def _quantize_span(x, lo, hi, quantized):  # pragma: no cover - compiled
 
 # Blocks of ROW_SHARES_MIN rows and more on matrices of fewer than MANY_TILES tiles (a layer's
 # qkv, o and down projections) are shared among the threads by rows, up to ROW_SHARE rows a task
-# in an even number of tasks (``_share_rows``: 12 rows on two threads are 6 + 6, not 4 + 4 + 4,
+# in an even number of tasks (``_shares``: 12 rows on two threads are 6 + 6, not 4 + 4 + 4,
 # where one thread ran a third share alone), over every tile, instead of by tiles: split by tiles,
 # each of two threads held one tile of such a matrix and the pair ran well below twice one
 # thread's speed, while by rows each streams the whole matrix (a few hundred KB, the second time
@@ -214,26 +214,25 @@ def _shapes(xq, d, m, q):  # pragma: no cover - compiled
 
 
 @njit(cache=True, nogil=True)
-def _share_rows(rows):  # pragma: no cover - compiled
-    """Rows a share of ``_by_rows`` takes: at most ``ROW_SHARE``, an even number of shares (the
-    project's CPUs have two cores; the thread count is not read here, which would keep numba
-    from caching the kernels), as even as they go."""
-    shares = 2 * ((rows + 2 * ROW_SHARE - 1) // (2 * ROW_SHARE))
-    return (rows + shares - 1) // shares
+def _shares(rows):  # pragma: no cover - compiled
+    """How many shares ``_by_rows`` cuts ``rows`` rows into: an even number (the project's CPUs
+    have two cores; the thread count is not read here, which would keep numba from caching the
+    kernels), each of at most ``ROW_SHARE`` rows."""
+    return 2 * ((rows + 2 * ROW_SHARE - 1) // (2 * ROW_SHARE))
 
 
 @njit(parallel=True, cache=True, nogil=True)
 def _by_rows(x, quantized, d, m, q, out, path):  # pragma: no cover - compiled
-    """``int_linear_kernel`` by shares of ``ROW_SHARE`` rows: each share quantizes its rows of
+    """``int_linear_kernel`` by shares of up to ``ROW_SHARE`` rows: each share quantizes its rows of
     ``x`` (into ``quantized``) and takes every tile for them."""
     xq, dx, xs, xc = quantized
     rows, k, tiles, nb, tw, nvec, g, size, nibbles, offsets = _shapes(xq, d, m, q)
     flat, xflat, dflat, sflat, cflat = q.reshape(-1), xq.reshape(-1), dx.reshape(-1), xs.reshape(-1), xc.reshape(-1)
     width = out.shape[1]
-    share_rows = _share_rows(rows)
-    for share in prange((rows + share_rows - 1) // share_rows):
-        i = share * share_rows
-        group = min(share_rows, rows - i)
+    shares = _shares(rows)
+    for share in prange(shares):  # as even as they go: 49 rows are seven shares of 6 and one of 7
+        i = share * rows // shares
+        group = (share + 1) * rows // shares - i
         _quantize_span(x, i, i + group, quantized)
         out[i : i + group] = 0
         for c in range(tiles):

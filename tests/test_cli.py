@@ -9,6 +9,8 @@ import pytest
 from lyanna.cli import main
 from lyanna.decoding.decoder import DEFAULT_METHODS
 
+HEADLESS_DEFAULT = next(m for m in DEFAULT_METHODS if "lyanna" not in m)  # the tiny models have no draft head
+
 
 def run_cli(capsys, *args):
     code = main(list(args))
@@ -22,7 +24,7 @@ def test_generate_json(capsys, tiny_model_dir):
     row = json.loads(out)
     for key in ("method", "text", "new_tokens", "seconds", "tokens_per_s", "tau", "waste_ratio"):
         assert key in row
-    assert row["method"] == DEFAULT_METHODS[0] and 1 <= row["new_tokens"] <= 12  # the default method
+    assert row["method"] == HEADLESS_DEFAULT and 1 <= row["new_tokens"] <= 12  # the default method
     assert "tokens/s" in err
 
 
@@ -35,7 +37,7 @@ def test_generate_streams_text(capsys, tiny_model_dir):
 def test_demo_compares_the_default_method_with_ar_on_every_category(capsys, tiny_model_dir):
     code, out, err = run_cli(capsys, "--model", str(tiny_model_dir), "demo")
     assert code == 0
-    method = DEFAULT_METHODS[0]
+    method = HEADLESS_DEFAULT
     heading = rf"ar, {method} on \d+ Spec-Bench questions \(one per category\), 64 new tokens each, the fastest of 2 runs"
     assert re.search(heading, out) and f"| {method} |" in out
     line = next(x for x in out.splitlines() if x.startswith(f"{method} (the default method): "))

@@ -94,8 +94,10 @@ class GenerationResult:
 
 DRAFTS_DIR = Path(__file__).parents[1] / "drafts"  # trained heads shipped with the package, by model alias
 # The default method: the first of these a decoder has. The order is the measured one on the default
-# engine, fastest lossless method first (lyanna bench, docs/bench/default-gguf-epyc.json).
-DEFAULT_METHODS = ("suffix", PLAIN_METHOD)
+# engine, fastest lossless method first (the README's lyanna bench runs on the Zen 4 host,
+# docs/bench/default-gguf-vnni-zen4-price-a.json and -price-b.json: lyanna+suffix ahead of suffix
+# and of lyanna alone); a model without a draft head gets suffix.
+DEFAULT_METHODS = ("lyanna+suffix", "suffix", PLAIN_METHOD)
 # Tree positions past the committed context that a cache must hold: the largest verification block.
 MAX_TREE_TOKENS = 256
 

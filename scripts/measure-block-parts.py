@@ -7,11 +7,11 @@ measured apart, need not add up to the pass). And the same passes timed inside, 
 (``ms_inside_pass``: the layers' phases by the CPU's cycle counter, ``fused.PHASES``, and what the
 pass spends outside the layers, the LM head mostly): there each part meets the caches as the pass
 leaves them, where a part timed alone, over and over, finds much of its weights in cache (the LM
-head's 30 MB of blocks nearly fit a 32 MB L3). Also the integer kernel's
-multiply-adds per second on one matrix that stays in cache at 8 / 16 / 64 rows (its arithmetic
-bound, no memory stream; each also as a share of the CPU's 8-bit peak below): what each extra row of a block costs at the least; and this CPU's own peaks, both cores
-busy with independent operations on registers: 8-bit multiply-adds (``vpdpbusd`` on the
-``vnni`` path, ``vpmaddubsw`` + ``vpmaddwd`` on ``avx2``) and fp32 fused multiply-adds, from
+head's 30 MB of blocks nearly fit a 32 MB L3). Also the integer kernel's multiply-adds per
+second on one matrix that stays in cache at 8 / 16 / 64 rows (its arithmetic bound, no memory
+stream; each also as a share of the CPU's 8-bit peak below): what each extra row of a block costs
+at the least; and this CPU's own peaks, both cores busy with independent operations on
+registers: 8-bit multiply-adds (``vpdpbusd`` on the ``vnni`` path, ``vpmaddubsw`` + ``vpmaddwd`` on ``avx2``) and fp32 fused multiply-adds, from
 which the fastest a block could be on this machine follows (each extra row's matrix products at
 the integer peak and its attention at the fp32 peak, next to the measured one-token pass).
 
@@ -376,7 +376,7 @@ def report(args: argparse.Namespace, engine: Transformer, rng: np.random.Generat
         # --against: ours and the checkout's parts, each in children taking turns (each the fastest of its rounds)
         "ms_beside": None if beside is None else {who: {k: [round(v, 2) for v in row] for k, row in rows.items()}
                                                   for who, rows in beside.items()},
-        "hot_kernel_gmac_per_s": round(peak / 1e9, 1),
+        "hot_kernel_gmac_per_s": round(peak / 1e9, 1),  # at 16 rows, the figure earlier JSONs hold
         "hot_kernel_gmac_per_s_by_rows": {str(rows): round(v / 1e9, 1) for rows, v in hot.items()},
         "hot_kernel_share_of_int8_peak": None if int_peak is None else {str(rows): round(v / int_peak, 3)
                                                                          for rows, v in hot.items()},

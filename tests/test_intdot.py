@@ -63,8 +63,10 @@ def test_rows_go_in_an_even_number_of_shares_as_even_as_they_go():
     ``ROW_SHARE`` rows, sizes at most one row apart, every row in one."""
     for rows in range(intdot.ROW_SHARES_MIN, 200):
         shares = intdot._shares(rows)
-        bounds = [share * rows // shares for share in range(shares + 1)]
+        spans = [intdot._share_span(rows, shares, share) for share in range(shares)]
+        bounds = [start for start, _ in spans] + [spans[-1][0] + spans[-1][1]]
         sizes = np.diff(bounds)
+        assert list(sizes) == [size for _, size in spans], rows
         assert shares % 2 == 0 and bounds[0] == 0 and bounds[-1] == rows, rows
         assert sizes.max() <= intdot.ROW_SHARE and sizes.max() - sizes.min() <= 1 and sizes.min() > 0, rows
 

@@ -171,7 +171,8 @@ def _quantize_span(x, lo, hi, quantized):  # pragma: no cover - compiled
 # each of two threads held one tile of such a matrix and the pair ran well below twice one
 # thread's speed, while by rows each streams the whole matrix (a few hundred KB, the second time
 # from its cache) for its rows. Five rows stay split by tiles, one group of 5 a tile: with the
-# kernel's chunks of 512-bit values that took 0.95x the time of two shares of 3 + 2 rows. Blocks
+# kernel's chunks of four vectors (before ``intdot_ir.PAIR_ROWS``) that took 0.95x the time of two
+# shares of 3 + 2 rows. Blocks
 # of ROW_SHARES_WIDE rows and more go by rows on matrices of fewer than WIDE_TILES tiles too (a
 # layer's gate and up projections, about 1 MB): two threads scaled better by rows than by tiles
 # there. The LM head (tens of tiles) stays split by tiles: by rows both threads would stream all
@@ -221,6 +222,14 @@ def _shares(rows):  # pragma: no cover - compiled
     return 2 * ((rows + 2 * ROW_SHARE - 1) // (2 * ROW_SHARE))
 
 
+@njit(cache=True, nogil=True)
+def _share_span(rows, shares, share):  # pragma: no cover - compiled
+    """Where share ``share`` of ``shares`` starts and how many rows it takes, as even as they go:
+    49 rows in 8 shares are seven of 6 and one of 7."""
+    start = share * rows // shares
+    return start, (share + 1) * rows // shares - start
+
+
 @njit(parallel=True, cache=True, nogil=True)
 def _by_rows(x, quantized, d, m, q, out, path):  # pragma: no cover - compiled
     """``int_linear_kernel`` by shares of up to ``ROW_SHARE`` rows: each share quantizes its rows of
@@ -230,9 +239,8 @@ def _by_rows(x, quantized, d, m, q, out, path):  # pragma: no cover - compiled
     flat, xflat, dflat, sflat, cflat = q.reshape(-1), xq.reshape(-1), dx.reshape(-1), xs.reshape(-1), xc.reshape(-1)
     width = out.shape[1]
     shares = _shares(rows)
-    for share in prange(shares):  # as even as they go: 49 rows are seven shares of 6 and one of 7
-        i = share * rows // shares
-        group = (share + 1) * rows // shares - i
+    for share in prange(shares):
+        i, group = _share_span(rows, shares, share)
         _quantize_span(x, i, i + group, quantized)
         out[i : i + group] = 0
         for c in range(tiles):

@@ -13,7 +13,9 @@ stream; each also as a share of the CPU's 8-bit peak below): what each extra row
 at the least; and this CPU's own peaks, both cores busy with independent operations on
 registers: 8-bit multiply-adds (``vpdpbusd`` on the ``vnni`` path, ``vpmaddubsw`` + ``vpmaddwd`` on ``avx2``) and fp32 fused multiply-adds, from
 which the fastest a block could be on this machine follows (each extra row's matrix products at
-the integer peak and its attention at the fp32 peak, next to the measured one-token pass).
+the integer peak and its attention at the fp32 peak, next to the measured one-token pass). And
+the layers' bytes streamed with no arithmetic, one parallel call per matrix as a one-row pass
+makes them and all in one call (``layer_stream_ms``): the one-token products' memory floor.
 
 Why: a draft tree pays only if verifying it costs little more than one token, and the block's
 cost in one-token steps (``scripts/measure-blocks.py``) says how far it is from that, not why.
@@ -37,9 +39,10 @@ from pathlib import Path
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, prange, types
+from numba import get_num_threads, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
+from numba.typed import List
 
 from lyanna.engines import intdot
 from lyanna.engines.attention import _attention_kernel, span_layout
@@ -180,6 +183,67 @@ def hot_kernel_per_s(w, rng: np.random.Generator, rows: int, calls: int = 20) ->
         run()
     seconds = min(median_ms(run) for _ in range(ROUNDS)) / 1e3 / calls
     return rows * w.shape[0] * w.shape[1] / seconds
+
+
+LANES = 64  # floats a row of the stream floor's arrays: whole cache lines, vectorized sums
+
+
+@njit(parallel=True, nogil=True, fastmath=True)
+def _read(a, shares):  # pragma: no cover - compiled
+    """Every float of ``a`` [rows, LANES] added up, its rows in ``shares`` runs taken in parallel."""
+    n = a.shape[0] // shares
+    sums = np.zeros(shares, np.float32)
+    for share in prange(shares):
+        acc = np.zeros(LANES, np.float32)
+        for i in range(share * n, (share + 1) * n):
+            for j in range(LANES):
+                acc[j] += a[i, j]
+        sums[share] = acc.sum()
+    return sums.sum()
+
+
+@njit(nogil=True)
+def _read_each(arrays, shares):  # pragma: no cover - compiled
+    """``_read`` of each array in turn: one parallel call each, as a one-row pass calls its matrices."""
+    total = np.float32(0.0)
+    for a in arrays:
+        total += _read(a, shares)
+    return total
+
+
+@njit(parallel=True, nogil=True, fastmath=True)
+def _read_once(arrays, shares):  # pragma: no cover - compiled
+    """The same floats in one parallel call: each thread reads its run of every array in turn."""
+    sums = np.zeros(shares, np.float32)
+    for share in prange(shares):
+        acc = np.zeros(LANES, np.float32)
+        for a in arrays:
+            n = a.shape[0] // shares
+            for i in range(share * n, (share + 1) * n):
+                for j in range(LANES):
+                    acc[j] += a[i, j]
+        sums[share] = acc.sum()
+    return sums.sum()
+
+
+def stream_floor_ms(engine: Transformer, rounds: int) -> dict[str, float]:
+    """How fast the layers' weights can stream from memory here, without arithmetic: as many bytes
+    as each layer matrix's blocks (an array of ones of that size each, so that no bit pattern
+    slows the sums), read in layer order, one parallel call per matrix (``per_matrix``: a one-row
+    pass's call structure, each call starting its streams afresh) and all in one call
+    (``one_call``: what a pass that kept its threads across matrices could reach). Their bytes
+    (66 MB for the default model) exceed the L3, so back-to-back reads come from memory: set
+    against the one-token pass's layer products (``ms``) they say how far those are from their
+    memory floor, and how much of the gap is the call structure rather than the kernel."""
+    mats = [getattr(layer, name) for layer in engine.layers for name in _widths(engine)]
+    sizes = [sum(getattr(w, f).nbytes for f in ("q", "d", "m")) if hasattr(w, "q") else w.nbytes for w in mats]
+    arrays = List([np.ones((max(1, size // (4 * LANES)), LANES), np.float32) for size in sizes])
+    shares = get_num_threads()
+    best = {"per_matrix": float("inf"), "one_call": float("inf")}
+    for _ in range(rounds):
+        best["per_matrix"] = min(best["per_matrix"], median_ms(lambda: _read_each(arrays, shares)))
+        best["one_call"] = min(best["one_call"], median_ms(lambda: _read_once(arrays, shares)))
+    return {"weights_mb": round(sum(a.nbytes for a in arrays) / 1e6, 1), **{k: round(v, 3) for k, v in best.items()}}
 
 
 def _shown(path: Path) -> str:
@@ -336,11 +400,12 @@ def main() -> None:
     else:  # ours measured in children too, alike
         beside = against_ms(args.against.resolve(), args.rounds)
         ms = next(rows for who, rows in beside.items() if who.startswith("ours@"))
-    report(args, engine, rng, ms, beside, phases_ms(engine, rng, cache, args.rounds))
+    report(args, engine, rng, ms, beside, phases_ms(engine, rng, cache, args.rounds), stream_floor_ms(engine, args.rounds))
 
 
 def report(args: argparse.Namespace, engine: Transformer, rng: np.random.Generator, ms: dict[str, list[float]],
-           beside: dict[str, dict[str, list[float]]] | None, phases: dict[str, list[float]] | None) -> None:
+           beside: dict[str, dict[str, list[float]]] | None, phases: dict[str, list[float]] | None,
+           stream: dict[str, float]) -> None:
     """The kernel's bound and the CPU's peaks measured, and the JSON written."""
     widths = _widths(engine)
     c = engine.config
@@ -390,12 +455,15 @@ def report(args: argparse.Namespace, engine: Transformer, rng: np.random.Generat
         # The measured one-token pass plus each extra row's products at the CPU's peaks: the
         # fastest each block could be here, whatever the kernels (None: a peak not measured).
         "block_ms_at_cpu_peaks": at_peaks,
+        # The layers' bytes streamed without arithmetic, a call per matrix and in one call
+        # (``stream_floor_ms``): the one-token pass's layer products' memory floor.
+        "layer_stream_ms": stream,
     }
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps({k: report[k] for k in ("ms", "ms_inside_pass", "hot_kernel_gmac_per_s_by_rows",
                                              "hot_kernel_share_of_int8_peak", "least_ms_per_extra_row",
                                              "cpu_int8_peak_gmac_per_s", "cpu_fp32_fma_peak_g_per_s",
-                                             "block_ms_at_cpu_peaks")}, indent=1))
+                                             "block_ms_at_cpu_peaks", "layer_stream_ms")}, indent=1))
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@ registers: 8-bit multiply-adds (``vpdpbusd`` on the ``vnni`` path, ``vpmaddubsw`
 which the fastest a block could be on this machine follows (each extra row's matrix products at
 the integer peak and its attention at the fp32 peak, next to the measured one-token pass). And
 the layers' bytes streamed with no arithmetic, one parallel call per matrix as a one-row pass
-makes them and all in one call (``layer_stream_ms``): the one-token products' memory floor.
+makes them and all in one call, and the LM head's in one (``layer_stream_ms``): the one-token
+products' memory floor.
 
 Why: a draft tree pays only if verifying it costs little more than one token, and the block's
 cost in one-token steps (``scripts/measure-blocks.py``) says how far it is from that, not why.
@@ -231,19 +232,32 @@ def stream_floor_ms(engine: Transformer, rounds: int) -> dict[str, float]:
     as each layer matrix's blocks (an array of ones of that size each, so that no bit pattern
     slows the sums), read in layer order, one parallel call per matrix (``per_matrix``: a one-row
     pass's call structure, each call starting its streams afresh) and all in one call
-    (``one_call``: what a pass that kept its threads across matrices could reach). Their bytes
+    (``one_call``: what a pass that kept its threads across matrices could reach); and as many as
+    the LM head's in one call after the layers' (``lm_head``: one call in a pass too). The layers' bytes
     (66 MB for the default model) exceed the L3, so back-to-back reads come from memory: set
     against the one-token pass's layer products (``ms``) they say how far those are from their
     memory floor, and how much of the gap is the call structure rather than the kernel."""
-    mats = [getattr(layer, name) for layer in engine.layers for name in _widths(engine)]
-    sizes = [sum(getattr(w, f).nbytes for f in ("q", "d", "m")) if hasattr(w, "q") else w.nbytes for w in mats]
-    arrays = List([np.ones((max(1, size // (4 * LANES)), LANES), np.float32) for size in sizes])
+    def ones(w) -> np.ndarray:  # as many bytes as ``w``'s blocks (or floats)
+        size = sum(getattr(w, f).nbytes for f in ("q", "d", "m")) if hasattr(w, "q") else w.nbytes
+        return np.ones((max(1, size // (4 * LANES)), LANES), np.float32)
+
+    arrays = List([ones(getattr(layer, name)) for layer in engine.layers for name in _widths(engine)])
+    head = ones(engine.lm_head)
     shares = get_num_threads()
-    best = {"per_matrix": float("inf"), "one_call": float("inf")}
+    def head_after_layers() -> float:  # ms of the LM head's read with the layers' read before it, as in a pass
+        _read_once(arrays, shares)
+        start = time.perf_counter()
+        _read(head, shares)
+        return (time.perf_counter() - start) * 1e3
+
+    best = {"per_matrix": float("inf"), "one_call": float("inf"), "lm_head": float("inf")}
     for _ in range(rounds):
         best["per_matrix"] = min(best["per_matrix"], median_ms(lambda: _read_each(arrays, shares)))
         best["one_call"] = min(best["one_call"], median_ms(lambda: _read_once(arrays, shares)))
-    return {"weights_mb": round(sum(a.nbytes for a in arrays) / 1e6, 1), **{k: round(v, 3) for k, v in best.items()}}
+        head_after_layers()  # warm-up (first-call compiles)
+        best["lm_head"] = min(best["lm_head"], float(np.median([head_after_layers() for _ in range(REPEATS)])))
+    return {"weights_mb": round(sum(a.nbytes for a in arrays) / 1e6, 1), "lm_head_mb": round(head.nbytes / 1e6, 1),
+            **{k: round(v, 3) for k, v in best.items()}}
 
 
 def _shown(path: Path) -> str:

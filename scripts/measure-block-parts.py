@@ -418,8 +418,7 @@ def main() -> None:
 
 
 def report(args: argparse.Namespace, engine: Transformer, rng: np.random.Generator, ms: dict[str, list[float]],
-           beside: dict[str, dict[str, list[float]]] | None, phases: dict[str, list[float]] | None,
-           stream: dict[str, float]) -> None:
+           beside: dict[str, dict[str, list[float]]] | None, phases: dict[str, list[float]] | None, stream: dict[str, float]) -> None:
     """The kernel's bound and the CPU's peaks measured, and the JSON written."""
     widths = _widths(engine)
     c = engine.config
@@ -469,9 +468,7 @@ def report(args: argparse.Namespace, engine: Transformer, rng: np.random.Generat
         # The measured one-token pass plus each extra row's products at the CPU's peaks: the
         # fastest each block could be here, whatever the kernels (None: a peak not measured).
         "block_ms_at_cpu_peaks": at_peaks,
-        # The layers' bytes streamed without arithmetic, a call per matrix and in one call
-        # (``stream_floor_ms``): the one-token pass's layer products' memory floor.
-        "layer_stream_ms": stream,
+        "layer_stream_ms": stream,  # the one-token products' memory floor (``stream_floor_ms``)
     }
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps({k: report[k] for k in ("ms", "ms_inside_pass", "hot_kernel_gmac_per_s_by_rows",

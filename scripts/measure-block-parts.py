@@ -189,16 +189,22 @@ def hot_kernel_per_s(w, rng: np.random.Generator, rows: int, calls: int = 20) ->
 LANES = 64  # floats a row of the stream floor's arrays: whole cache lines, vectorized sums
 
 
+@njit(nogil=True, fastmath=True)
+def _add_share(a, share, shares, acc):  # pragma: no cover - compiled
+    """Every float of run ``share`` of ``shares`` of ``a``'s rows [rows, LANES] added into ``acc``."""
+    n = a.shape[0] // shares
+    for i in range(share * n, (share + 1) * n):
+        for j in range(LANES):
+            acc[j] += a[i, j]
+
+
 @njit(parallel=True, nogil=True, fastmath=True)
 def _read(a, shares):  # pragma: no cover - compiled
-    """Every float of ``a`` [rows, LANES] added up, its rows in ``shares`` runs taken in parallel."""
-    n = a.shape[0] // shares
+    """Every float of ``a`` added up, its rows in ``shares`` runs taken in parallel."""
     sums = np.zeros(shares, np.float32)
     for share in prange(shares):
         acc = np.zeros(LANES, np.float32)
-        for i in range(share * n, (share + 1) * n):
-            for j in range(LANES):
-                acc[j] += a[i, j]
+        _add_share(a, share, shares, acc)
         sums[share] = acc.sum()
     return sums.sum()
 
@@ -219,10 +225,7 @@ def _read_once(arrays, shares):  # pragma: no cover - compiled
     for share in prange(shares):
         acc = np.zeros(LANES, np.float32)
         for a in arrays:
-            n = a.shape[0] // shares
-            for i in range(share * n, (share + 1) * n):
-                for j in range(LANES):
-                    acc[j] += a[i, j]
+            _add_share(a, share, shares, acc)
         sums[share] = acc.sum()
     return sums.sum()
 

@@ -16,7 +16,8 @@ which the fastest a block could be on this machine follows (each extra row's mat
 the integer peak and its attention at the fp32 peak, next to the measured one-token pass). And
 the layers' bytes streamed with no arithmetic, one parallel call per matrix as a one-row pass
 makes them and all in one call, and the LM head's in one (``layer_stream_ms``): the one-token
-products' memory floor.
+products' memory floor. And the attention inside one-token passes after 16, 256 and 1024 cached
+tokens (``attention_by_context``): its cost before any key is read and its rate over the keys.
 
 Why: a draft tree pays only if verifying it costs little more than one token, and the block's
 cost in one-token steps (``scripts/measure-blocks.py``) says how far it is from that, not why.
@@ -377,6 +378,46 @@ def phases_ms(engine: Transformer, rng: np.random.Generator, cache: KVCache, rou
     return {name: [round(best[n][name], 3) for n in SIZES] for name in best[SIZES[0]]}
 
 
+ATTENTION_CONTEXTS = (16, 256, 1024)
+
+
+def attention_by_context(engine: Transformer, rng: np.random.Generator, rounds: int) -> dict | None:
+    """Inside one-token passes after 16, 256 and 1024 cached tokens (taking turns): ms a pass in
+    the layers' attention (the fastest of ``rounds`` means of ``4 * REPEATS`` passes), what each 1000
+    more cached tokens add, and the rate at which that reads their keys and values (GB/s): what
+    attention costs before any key is read, and how fast it reads them. None without a clock."""
+    try:
+        from lyanna.engines.fused import PHASES, cycles
+    except ImportError:
+        return None
+    fused, c = engine._fused, engine.config
+    if fused is None:
+        return None
+    per_second, at = _cycles_per_second(cycles), PHASES.index("attention")
+    caches = {}
+    for ctx in ATTENTION_CONTEXTS:
+        caches[ctx] = engine.new_cache(ctx + 1)
+        engine.forward(rng.integers(c.vocab_size, size=ctx), np.arange(ctx), caches[ctx], logit_rows=[-1])
+    token, best = rng.integers(c.vocab_size, size=1), {}
+    clock = np.zeros(len(PHASES), np.int64)
+    engine._fused = lambda x, rot, blocks, taps: fused(x, rot, blocks, taps, clock=clock)
+    try:
+        for _ in range(rounds):
+            for ctx, cache in caches.items():
+                clock[:] = 0
+                for _ in range(4 * REPEATS):
+                    cache.length = ctx
+                    engine.forward(token, np.arange(ctx, ctx + 1), cache)
+                best[ctx] = min(best.get(ctx, np.inf), clock[at] / per_second / (4 * REPEATS) * 1e3)
+    finally:
+        engine._fused = fused
+    lo, hi = ATTENTION_CONTEXTS[1], ATTENTION_CONTEXTS[2]
+    per_1k = (best[hi] - best[lo]) / (hi - lo) * 1e3
+    kv_bytes_per_token = c.num_layers * c.num_kv_heads * c.head_dim * 2 * 4  # keys and values, float32
+    return {"context": list(ATTENTION_CONTEXTS), "ms": [round(best[ctx], 3) for ctx in ATTENTION_CONTEXTS],
+            "ms_per_1k_cached_tokens": round(per_1k, 3), "kv_gb_per_s": round(kv_bytes_per_token / per_1k / 1e3, 1)}
+
+
 def _child_ms(checkout: Path) -> dict[str, list[float]]:
     """One round of ``parts_ms`` in a child that imports ``checkout``'s package (this script's
     code, that checkout's engine)."""
@@ -417,11 +458,13 @@ def main() -> None:
     else:  # ours measured in children too, alike
         beside = against_ms(args.against.resolve(), args.rounds)
         ms = next(rows for who, rows in beside.items() if who.startswith("ours@"))
-    report(args, engine, rng, ms, beside, phases_ms(engine, rng, cache, args.rounds), stream_floor_ms(engine, args.rounds))
+    floors = {"layer_stream_ms": stream_floor_ms(engine, args.rounds),
+              "attention_by_context": attention_by_context(engine, rng, args.rounds)}
+    report(args, engine, rng, ms, beside, phases_ms(engine, rng, cache, args.rounds), floors)
 
 
 def report(args: argparse.Namespace, engine: Transformer, rng: np.random.Generator, ms: dict[str, list[float]],
-           beside: dict[str, dict[str, list[float]]] | None, phases: dict[str, list[float]] | None, stream: dict[str, float]) -> None:
+           beside: dict[str, dict[str, list[float]]] | None, phases: dict[str, list[float]] | None, floors: dict) -> None:
     """The kernel's bound and the CPU's peaks measured, and the JSON written."""
     widths = _widths(engine)
     c = engine.config
@@ -471,13 +514,14 @@ def report(args: argparse.Namespace, engine: Transformer, rng: np.random.Generat
         # The measured one-token pass plus each extra row's products at the CPU's peaks: the
         # fastest each block could be here, whatever the kernels (None: a peak not measured).
         "block_ms_at_cpu_peaks": at_peaks,
-        "layer_stream_ms": stream,  # the one-token products' memory floor (``stream_floor_ms``)
+        # the one-token products' memory floor (``stream_floor_ms``), attention against the context
+        **floors,
     }
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps({k: report[k] for k in ("ms", "ms_inside_pass", "hot_kernel_gmac_per_s_by_rows",
                                              "hot_kernel_share_of_int8_peak", "least_ms_per_extra_row",
                                              "cpu_int8_peak_gmac_per_s", "cpu_fp32_fma_peak_g_per_s",
-                                             "block_ms_at_cpu_peaks", "layer_stream_ms")}, indent=1))
+                                             "block_ms_at_cpu_peaks", *floors)}, indent=1))
 
 
 if __name__ == "__main__":

@@ -336,19 +336,29 @@ def _cycles_per_second(cycles) -> float:
     return (cycles() - c0) / (time.perf_counter() - t0)
 
 
+def _fused_clock(engine: Transformer) -> tuple | None:
+    """The engine's fused layers, their phases (``fused.PHASES``) and the cycle counter's rate:
+    what timing a pass phase by phase needs. None where the layers take no clock (an earlier
+    checkout) or the engine has no fused layers."""
+    try:
+        from lyanna.engines.fused import PHASES, cycles
+    except ImportError:
+        return None
+    if engine._fused is None:
+        return None
+    return engine._fused, PHASES, _cycles_per_second(cycles)
+
+
 def phases_ms(engine: Transformer, rng: np.random.Generator, cache: KVCache, rounds: int) -> dict[str, list[float]] | None:
     """Inside whole passes, per block size: ms a pass in each phase of the layers (``fused.PHASES``,
     summed over the layers), the layers' call, what the pass spends outside it (embedding, final
     norm, LM head, the Python around) and the pass; the round with the fastest pass, each the mean
     of ``REPEATS`` passes. None where the engine's layers take no clock (an earlier checkout)."""
-    try:
-        from lyanna.engines.fused import PHASES, cycles
-    except ImportError:
+    clocked = _fused_clock(engine)
+    if clocked is None:
         return None
-    fused, c = engine._fused, engine.config
-    if fused is None:
-        return None
-    per_second, best = _cycles_per_second(cycles), {}
+    fused, PHASES, per_second = clocked
+    c, best = engine.config, {}
     for _ in range(rounds):
         for n in SIZES:
             clock, inside = np.zeros(len(PHASES), np.int64), []
@@ -386,14 +396,11 @@ def attention_by_context(engine: Transformer, rng: np.random.Generator, rounds: 
     the layers' attention (the fastest of ``rounds`` means of ``4 * REPEATS`` passes), what each 1000
     more cached tokens add, and the rate at which that reads their keys and values (GB/s): what
     attention costs before any key is read, and how fast it reads them. None without a clock."""
-    try:
-        from lyanna.engines.fused import PHASES, cycles
-    except ImportError:
+    clocked = _fused_clock(engine)
+    if clocked is None:
         return None
-    fused, c = engine._fused, engine.config
-    if fused is None:
-        return None
-    per_second, at = _cycles_per_second(cycles), PHASES.index("attention")
+    fused, PHASES, per_second = clocked
+    c, at = engine.config, PHASES.index("attention")
     caches = {}
     for ctx in ATTENTION_CONTEXTS:
         caches[ctx] = engine.new_cache(ctx + 1)

@@ -310,6 +310,63 @@ def test_cuda_graphs_give_the_same_tokens(tiny):
     assert outs[0] == outs[1]
 
 
+class _ReplayedGraph:
+    """A CUDA graph as the CPU can have one: a replay writes into the outputs its capture made
+    (``FixedShapeCall._outputs``) and leaves the call's attributes where they point now, which
+    another capture of the same ``_forward`` (a round's ``JoinedCall``) may have moved."""
+
+    def __init__(self, call: FixedShapeCall):
+        self.call = call
+
+    def replay(self) -> None:
+        now = [getattr(c, name) for c, name, _ in self.call._outputs]
+        self.call._forward()
+        for (c, name, made), was in zip(self.call._outputs, now):
+            _write(made, getattr(c, name))
+            setattr(c, name, was)
+
+
+def _write(into, value) -> None:
+    if isinstance(into, torch.Tensor):
+        into.copy_(value)
+    elif isinstance(into, dict):
+        for k in into:
+            _write(into[k], value[k])
+    elif isinstance(into, (tuple, list)):
+        for a, b in zip(into, value):
+            _write(a, b)
+
+
+def _graphs_here(engine: DeviceEngine, monkeypatch) -> None:
+    """``engine``'s fixed-shape calls captured and replayed: on CUDA its own graphs, on the CPU
+    ``_ReplayedGraph``s (the warm-up and the capture each run ``_forward`` once, as CUDA's do)."""
+    if DEVICE.startswith("cuda"):
+        return
+    engine._graph_pool, engine.shapes_compile = "emulated", True
+    monkeypatch.setattr(FixedShapeCall, "_record", lambda call: call._forward() or call._forward() or _ReplayedGraph(call))
+
+
+@pytest.mark.parametrize("method", ["eagle-device", "lyanna-device"])
+def test_calls_that_run_alone_and_joined_replay_into_their_own_outputs(tiny, method, monkeypatch):
+    """A draft call or a verifying pass captured alone and again inside a round's joined call
+    reads, after each replay, what that replay wrote: its attributes point back at the outputs
+    of the graph that ran. (On an H200 an ``auto`` budget's rounds, some joined and some alone,
+    gave tokens no pass had chosen.)"""
+    e = DeviceEngine(tiny.config, tiny.weights, DEVICE, pipelines=True)
+    _graphs_here(e, monkeypatch)
+    d = _with_heads(Decoder(tiny, engine=e, default_drafts=False), tiny)
+    from lyanna.decoding.budget import LatencyCurve
+    d._curve = LatencyCurve((1, 2, 4, 8, 16), (0.01, 0.011, 0.013, 0.017, 0.5), "test-model", "test machine", 256)
+    req = GenerationRequest(max_new_tokens=32, eos_token_ids=())
+    prompt = list(range(3, 60))
+    ar = d.generate(prompt, req)
+    for budget in (None, 4, 1, 0, "auto"):
+        assert d.generate(prompt, req, method=method, budget=budget, fallback=False).tokens == ar.tokens, budget
+    joined = [c for c in e._joined.values() if c._ran]
+    alone = {id(c) for c in (*e._passes.values(), *e._tree_passes.values()) if c._ran and c.graph is not None}
+    assert joined and any(id(c.then) in alone for c in joined)
+
+
 def test_gguf_blocks_load_dequantized_and_bad_settings_are_refused(tiny):
     weights = {k: quantize_q8_0(w) if w.ndim == 2 and ".layers." in k else w for k, w in tiny.weights.items()}
     e = DeviceEngine(tiny.config, weights, DEVICE)
@@ -485,16 +542,18 @@ def test_a_device_trees_draft_time_counts_as_drafting_not_verification(tiny, ahe
     observe = Budget.observe
     monkeypatch.setattr(Budget, "observe", lambda self, tree, accepted, seconds=None, overhead=None:
                         observed.append(seconds) or observe(self, tree, accepted, seconds, overhead))
-    drafted: list[float] = []
     device_seconds = device_module.DeviceTree.device_seconds
-    monkeypatch.setattr(device_module.DeviceTree, "device_seconds", lambda self: drafted.append(device_seconds(self))
-                        or drafted[-1])
+    timed: list[tuple[bool, float]] = []  # (the draft call ran alone, its device seconds)
+    monkeypatch.setattr(device_module.DeviceTree, "device_seconds", lambda self: timed.append(
+        (self.deferred is None, device_seconds(self))) or timed[-1][1])
     real = d.generate(prompt, req, method="lyanna-device", budget=4, fallback=False)
-    assert drafted and all(s > 0 for s in drafted) if DEVICE == "cuda" else drafted and not any(drafted)
+    # A draft call deferred into its round's joined call has no device time apart from the pass's.
+    assert timed and all((s > 0) == (alone and DEVICE.startswith("cuda")) for alone, s in timed)
+    assert ahead == any(not alone for alone, _ in timed)
     # The first drafted round catches the head up on the prompt: its times are not the budget's (None).
     assert observed.count(None) == 1 and min(s for s in observed if s is not None) > 0
     observed.clear()
-    drafted.clear()
+    drafted: list[float] = []
     monkeypatch.setattr(device_module.DeviceTree, "device_seconds", lambda self: drafted.append(1e6) or 1e6)
     slow = d.generate(prompt, req, method="lyanna-device", budget=4, fallback=False)
     assert slow.tokens == real.tokens

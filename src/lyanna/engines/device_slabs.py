@@ -128,7 +128,10 @@ class FixedShapeCall:
     the constructor, filled through ``host(name)`` and read by ``_forward`` as attributes; they
     travel to the device in one copy a run (from pinned memory on CUDA: the host does not wait
     for it). Other buffers must be allocated before the first run, and every run must be harmless
-    to repeat with the same inputs (the capture's warm-up runs it once more).
+    to repeat with the same inputs (the capture's warm-up runs it once more). Its outputs are the
+    attributes ``_forward`` sets: a graph writes those its capture made, so each replay points the
+    attributes back at them (a joined call's capture of the same ``_forward`` moves them) and holds
+    them, so that the pool never lends their memory to a later capture.
 
     ``first_runs`` counts, over every call in the process, the runs of a shape not run before:
     such a run compiles and captures (up to seconds on a GPU, where a replay takes a
@@ -139,6 +142,7 @@ class FixedShapeCall:
     def __init__(self, device: torch.device, graph_pool: Any):
         self.device, self._pool = device, graph_pool
         self.graph: Any = None
+        self._outputs: tuple[tuple[FixedShapeCall, str, Any], ...] = ()  # what the graph's capture made
         self._ran = False
         self._specs: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
         self._staged: tuple[torch.Tensor, torch.Tensor, dict[str, np.ndarray]] | None = None
@@ -213,23 +217,37 @@ class FixedShapeCall:
             self._forward()
             return
         if self.graph is None:
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                self._forward()
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
+            before = [dict(vars(c)) for c in self._parts()]
             try:
-                with torch.cuda.graph(graph, pool=self._pool):
-                    self._forward()
+                graph = self._record()
             except RuntimeError as e:  # an op this torch cannot capture: this shape runs eagerly
                 warnings.warn(f"CUDA graph capture of {type(self).__name__} failed ({e}); it runs eagerly",
                               RuntimeWarning, stacklevel=2)
                 self._pool = None
                 self._forward()
                 return
+            self._outputs = tuple((c, name, value) for c, was in zip(self._parts(), before)
+                                  for name, value in vars(c).items() if was.get(name) is not value)
             self.graph = graph
         self.graph.replay()
+        for call, name, value in self._outputs:  # where another capture (a joined call's) moved them
+            setattr(call, name, value)
+
+    def _record(self) -> Any:
+        """``_forward`` warmed up on a side stream, then captured: the graph (not run yet)."""
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            self._forward()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            self._forward()
+        return graph
+
+    def _parts(self) -> tuple[FixedShapeCall, ...]:
+        """The calls whose ``_forward`` this one runs (whose attributes hold its outputs)."""
+        return (self,)
 
 
 class JoinedCall(FixedShapeCall):
@@ -245,6 +263,9 @@ class JoinedCall(FixedShapeCall):
     def _send(self) -> None:
         self.first._send()
         self.then._send()
+
+    def _parts(self) -> tuple[FixedShapeCall, ...]:
+        return (self.first, self.then)
 
     def _forward(self) -> None:
         self.first._forward()

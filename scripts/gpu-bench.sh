@@ -26,7 +26,8 @@
 # latency for blocks of 1..128 tokens (the pass alone too, and a pass's kernels), its layers compiled
 # (the default on CUDA) and eager. It is meant to fit one 10-minute
 # command (the first H200 run, with longer bench steps and no fixed-budget step, took 8 minutes);
-# BF16_S, FIXED_S, FP32_S and TESTS_S set the steps' seconds, BENCH_LIMIT and BENCH_TOKENS the bench,
+# BF16_S, FIXED_S, FP32_S and TESTS_S set the steps' seconds, TESTS_K the tests' pytest -k (e.g. llama:
+# one layout; the whole files outlast a window), BENCH_LIMIT and BENCH_TOKENS the bench,
 # STEPS which steps run (bf16,latency,latency-eager,tests,fp32,ops,peers,fixed,datagen: all, in that
 # order; datagen: training replies a second on the batched device engine, scripts/measure-datagen.py;
 # batch: a load test of 8 and 32 clients on a batch of 32, row caches and not; latency-whole: the
@@ -159,7 +160,10 @@ measure() {  # measure DEVICE OUT LIMIT TOKENS; the headline comes first, each s
       latency-whole) step 120 "latency against block size, each layer one compiled function ($device, $LATENCY_DTYPE)" \
                        "${PY:-python3}" scripts/project-speedup.py --device "$device" --dtype "$LATENCY_DTYPE" --compile whole \
                        --out "$out/latency-$LATENCY_DTYPE-whole.json" ;;
-      tests) step "$TESTS_S" "tests on $device" env LYANNA_TEST_DEVICE="$device" "${PY:-python3}" -m pytest -x -q -p no:cacheprovider \
+      # Interrupted (not killed) at its time, so that pytest still lists what failed (SIGINT handled
+      # even where a background job started it ignored); TESTS_K: pytest's -k.
+      tests) step $((TESTS_S + 30)) "tests on $device" timeout -s INT "$TESTS_S" env LYANNA_TEST_DEVICE="$device" \
+               "${PY:-python3}" -c "$PYTEST_INTERRUPTIBLE" -q -rf -p no:cacheprovider ${TESTS_K:+-k "$TESTS_K"} \
                tests/test_device_engine.py tests/test_device_batch.py tests/test_device_rows.py \
                tests/test_training.py::test_a_fit_computing_its_features_online_equals_one_on_stored_features ;;
       fp32) step $((FP32_S + 150)) "bench float32" "${lyanna[@]}" --backend torch --device "$device" --dtype float32 bench \
@@ -198,6 +202,7 @@ measure() {  # measure DEVICE OUT LIMIT TOKENS; the headline comes first, each s
 
 # Seconds of prompts per step (see step()); the defaults fit one 10-minute command: bf16 is the
 # headline, fp32 shows equality with ar.
+PYTEST_INTERRUPTIBLE='import signal, sys, pytest; signal.signal(signal.SIGINT, signal.default_int_handler); sys.exit(pytest.main(sys.argv[1:]))'
 BF16_S=${BF16_S:-150} FIXED_S=${FIXED_S:-45} FP32_S=${FP32_S:-75} TESTS_S=${TESTS_S:-150}
 STEPS=${STEPS:-bf16,latency,latency-eager,tests,fp32,ops,peers,fixed,datagen,batch}  # which steps, in this order
 

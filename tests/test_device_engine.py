@@ -383,6 +383,22 @@ def test_calls_that_run_alone_and_joined_replay_into_their_own_outputs(tiny, met
     assert joined and any(id(c.then) in alone for c in joined)
 
 
+@pytest.mark.parametrize("ahead", [False, True])
+def test_where_rounds_launch_ahead_the_default_method_is_lyanna(tiny, ahead):
+    """lyanna+suffix's trees come to the host for the suffix matches a round at a time; where
+    rounds launch ahead (CUDA's default) the device head's own method comes first."""
+    from lyanna.drafters.suffix import SuffixDrafter
+
+    d = _with_heads(Decoder(tiny, engine=DeviceEngine(tiny.config, tiny.weights, DEVICE, pipelines=ahead),
+                            default_drafts=False), tiny)
+    d.add_drafter("lyanna+suffix", SuffixDrafter())
+    assert d.default_method == ("lyanna" if ahead else "lyanna+suffix")
+    d.add_drafter("suffix", SuffixDrafter())
+    assert d.default_method == ("lyanna" if ahead else "lyanna+suffix")
+    del d.drafters["lyanna"]
+    assert d.default_method == ("suffix" if ahead else "lyanna+suffix")
+
+
 def test_gguf_blocks_load_dequantized_and_bad_settings_are_refused(tiny):
     weights = {k: quantize_q8_0(w) if w.ndim == 2 and ".layers." in k else w for k, w in tiny.weights.items()}
     e = DeviceEngine(tiny.config, weights, DEVICE)

@@ -98,6 +98,11 @@ DRAFTS_DIR = Path(__file__).parents[1] / "drafts"  # trained heads shipped with 
 # docs/bench/default-gguf-vnni-zen4-price-a.json and -price-b.json: lyanna+suffix ahead of suffix
 # and of lyanna alone); a model without a draft head gets suffix.
 DEFAULT_METHODS = ("lyanna+suffix", "suffix", PLAIN_METHOD)
+# On an engine that launches each round before the host reads the last (``DeviceEngine.pipelines``,
+# CUDA's default) a head's tree stays on the device and its round runs ahead, while lyanna+suffix's
+# trees come to the host for the suffix matches, a round at a time: lyanna first there (both H200
+# benches, docs/bench/gpu/h200-joined-bench-bfloat16.json and h200-cache-in-graph-bench-bfloat16.json).
+AHEAD_DEFAULT_METHODS = ("lyanna", "suffix", "lyanna+suffix", PLAIN_METHOD)
 # Tree positions past the committed context that a cache must hold: the largest verification block.
 MAX_TREE_TOKENS = 256
 
@@ -185,7 +190,8 @@ class Decoder:
     @property
     def default_method(self) -> str:
         """The method ``lyanna generate`` and ``make run`` use when none is named."""
-        return next(m for m in DEFAULT_METHODS if m in self.methods)
+        order = AHEAD_DEFAULT_METHODS if getattr(self.engine, "pipelines", False) else DEFAULT_METHODS
+        return next(m for m in order if m in self.methods)
 
     @property
     def methods(self) -> list[str]:

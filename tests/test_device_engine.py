@@ -1285,6 +1285,40 @@ def test_where_shapes_compile_every_draft_call_is_built_at_full_depth(tiny, monk
     assert d.generate(prompt, req, method="lyanna-device", budget=None).tokens == want and min(built) < 3
 
 
+@pytest.mark.parametrize("ahead", [False, True])
+def test_where_shapes_compile_every_eagle_call_is_built_at_full_depth(tiny, ahead, monkeypatch):
+    """The same for an EAGLE head's tree call: built at its drafter's depth in a reply's last
+    rounds too, its tree held to the depth asked by the call's ``levels`` (the same tree a call
+    of that depth chooses: the tokens stay ``ar``'s), and a repeated prompt meets no new shape."""
+    from lyanna.drafters.device_calls import _EagleTreePass
+
+    e = DeviceEngine(tiny.config, tiny.weights, DEVICE, pipelines=ahead)
+    monkeypatch.setattr(e, "shapes_compile", True)
+    d = _with_heads(Decoder(tiny, engine=e, default_drafts=False), tiny)
+    built, init = [], _EagleTreePass.__init__
+    monkeypatch.setattr(_EagleTreePass, "__init__", lambda self, *a, **k: built.append(a[3]) or init(self, *a, **k))
+    deepest, eagle_tree = [], DeviceDraftHead.eagle_tree
+
+    def held(self, pc, ctx, depth, *a, **k):  # each tree's depth against the depth asked for
+        tree = eagle_tree(self, pc, ctx, depth, *a, **k)
+        seen = tree if isinstance(tree, DraftTree) else DraftTree.from_packed(tree.packed.cpu().numpy())
+        deepest.append((int(seen.depths.max()) if len(seen) else 0, depth))
+        return tree
+
+    monkeypatch.setattr(DeviceDraftHead, "eagle_tree", held)
+    req = GenerationRequest(max_new_tokens=13, eos_token_ids=())
+    prompt = list(range(3, 30))
+    want = d.generate(prompt, req, method="ar", budget=None).tokens
+    assert d.generate(prompt, req, method="eagle-device", budget=None).tokens == want
+    assert built and set(built) == {3} and deepest
+    assert all(got <= asked for got, asked in deepest) and (ahead or min(asked for _, asked in deepest) < 3)
+    calls = len(built), len(e._tree_passes)
+    again = d.generate(prompt, req, method="eagle-device", budget=None)
+    assert again.tokens == want and (len(built), len(e._tree_passes)) == calls
+    monkeypatch.setattr(e, "shapes_compile", False)  # elsewhere the call is as deep as the room allows
+    assert d.generate(prompt, req, method="eagle-device", budget=None).tokens == want and min(built) < 3
+
+
 @pytest.mark.parametrize("method", ["lyanna-device", "eagle-device"])
 def test_a_round_launched_ahead_is_one_call(tiny, method, monkeypatch):
     """A round launched ahead runs its draft call and the pass that verifies its tree as one

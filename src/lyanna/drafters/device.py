@@ -149,6 +149,20 @@ class DeviceDraftHead:
                               features=c.hidden_size)
         self._eagles: dict[tuple[int, ...], _EagleTreePass] = {}
         self.rows: HeadRows | None = None  # head caches as rows of one tensor, where a head drafts on several at once
+        self._engine = engine
+        # The deepest a drafter of this head drafts (each drafter on it raises it): where each new
+        # shape compiles and captures, every round's call is built that deep (``_call_depth``).
+        self.full_depth: int | None = None
+
+    def _call_depth(self, depth: int) -> int:
+        """The depth a round's call is built at for a tree of ``depth`` levels: the head's
+        ``full_depth`` on an engine where each new shape compiles and captures
+        (``engines.base.shapes_compile``), the tree held to ``depth`` levels by the call's
+        ``levels`` input (the depth the room left in a reply allows moved in its last rounds, a
+        new shape each time); elsewhere ``depth`` itself (deeper levels cost a step each)."""
+        if self.full_depth is None or not shapes_compile(self._engine):
+            return depth
+        return max(depth, self.full_depth)
 
     @staticmethod
     def _weight(weights: dict[str, np.ndarray], name: str) -> torch.Tensor:
@@ -230,7 +244,7 @@ class DeviceDraftHead:
         left on the device, ``DeviceTree``, for the verification pass). The context is left at
         its committed pairs."""
         k = min(topk, self.config.vocab_size)
-        cut = _cut(max_nodes, nodes)
+        cut, levels, depth = _cut(max_nodes, nodes), depth, self._call_depth(depth)
         spec = max(depth - 1, 0) * width  # speculative pairs' slots: ``width`` a level after the first
 
         def make(slab: Slab, rows: int, keys: int, base: int) -> _EagleTreePass:
@@ -238,6 +252,7 @@ class DeviceDraftHead:
             p = self._eagles.get(key)
             if p is None:
                 p = self._eagles[key] = _EagleTreePass(self, slab, rows, depth, k, width, cut, keys, self._graph_pool)
+            p.host("levels")[0] = levels
             p.host("spec_slots")[:] = base + np.arange(spec)
             positions = p.host("spec_positions")
             positions[:], positions[: depth - 1] = 0, len(ctx) - 1 + np.arange(1, depth)
@@ -253,6 +268,7 @@ class DeviceDraftHead:
         """``eagle_tree`` (left on the device) for the round after ``pending``, a target pass the
         host has not read, from what it left there, the call deferred to the round's own pass
         (see ``DeviceChainHead.draft_trees_after``); None where the host must read the pass first."""
+        tree_levels, depth = depth, self._call_depth(depth)
         slab = self._follow_room(pc, pending, length, width * depth + 1)
         if slab is None:
             return None
@@ -263,7 +279,7 @@ class DeviceDraftHead:
         if p is None:
             p = self._eagles[key] = _EagleTreePass(self, slab, key[1], depth, k, width, cut, keys, self._graph_pool,
                                                    handoff=pending.handoff)
-        p.host("length")[0] = length
+        p.host("length")[0], p.host("levels")[0] = length, tree_levels
         pc.passes += depth
         if p.tree is None:  # a first run goes alone: its tree's shape is known once it has run
             p.run_fixed(timed=True)
@@ -338,20 +354,6 @@ class DeviceChainHead(DeviceDraftHead):
             self.rows = HeadRows(self, engine.row_slabs.rows, engine.row_slabs.capacity)
         self._draft_trees: dict[tuple, _DraftTreesPass] = {}
         self._trees: dict[tuple[int, int, int, int], _TreePass] = {}
-        self._engine = engine
-        # The deepest a drafter of this head drafts (each ``LyannaDrafter`` on it raises it): where each
-        # new shape compiles and captures, every round's call is built that deep (``_call_depth``).
-        self.full_depth: int | None = None
-
-    def _call_depth(self, depth: int) -> int:
-        """The depth a round's call is built at for a tree of ``depth`` levels: the head's
-        ``full_depth`` on an engine where each new shape compiles and captures
-        (``engines.base.shapes_compile``), the tree held to ``depth`` levels by the call's
-        ``levels`` input (the depth the room left in a reply allows moved in its last rounds, a
-        new shape each time); elsewhere ``depth`` itself (deeper levels cost a step each)."""
-        if self.full_depth is None or not shapes_compile(self._engine):
-            return depth
-        return max(depth, self.full_depth)
 
     def drafts_together(self, pc: PairContext, length: int, depth: int) -> HeadRows | None:
         """What drafts a batch's rounds in one call: the head's row caches, for a context on one

@@ -205,6 +205,7 @@ class _EagleTreePass(_CatchUpCall):
         self._input("spec_slots", (spec,), torch.int64)
         self._input("spec_positions", (max(depth - 1, 1),), torch.int64)
         self._input("prefix", (keys,), torch.bool)  # the committed slots
+        self._input("levels", (1,), torch.int64)  # no node deeper is chosen: a call as deep as the room allows
         self.tree: torch.Tensor | None = None
 
     def _follow(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -258,8 +259,7 @@ class _EagleTreePass(_CatchUpCall):
             n += fw * k
         tokens, parents, depths = (torch.cat(t)[None] for t in (tokens, parents, depths))
         self.tree = packed(best(tokens, parents, torch.cat(scores)[None].exp(), depths, torch.zeros_like(tokens),
-                                torch.ones_like(tokens, dtype=torch.bool), self.max_nodes, self.depth, joint=True,
-                                leveled=True))
+                                depths <= self.levels, self.max_nodes, self.depth, joint=True, leveled=True))
 
 
 def _round_tree(h: ChainCallHead, raw: torch.Tensor, root_info: torch.Tensor, levels: torch.Tensor, topk: int,

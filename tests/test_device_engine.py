@@ -1250,6 +1250,24 @@ def test_a_generation_counts_the_shapes_its_rounds_ran_first(tiny, monkeypatch):
     assert d.generate(list(range(3, 40)), req, method="lyanna-device", budget=None).extra["first_runs"] == 0
 
 
+def _watch_full_depth(monkeypatch, call, head, drafts: str, pair: bool) -> tuple[list[int], list[tuple[int, int]]]:
+    """The depth each ``call`` (a draft call class) is built at, and each tree ``head.<drafts>``
+    returns (``pair``: a (raw, tree) pair) as (its depth, the depth asked for)."""
+    built, init = [], call.__init__
+    monkeypatch.setattr(call, "__init__", lambda self, *a, **k: built.append(a[3]) or init(self, *a, **k))
+    deepest, original = [], getattr(head, drafts)
+
+    def held(self, pc, ctx, depth, *a, **k):  # each tree's depth against the depth asked for
+        out = original(self, pc, ctx, depth, *a, **k)
+        tree = out[1] if pair else out
+        seen = tree if isinstance(tree, DraftTree) else DraftTree.from_packed(tree.packed.cpu().numpy())
+        deepest.append((int(seen.depths.max()) if len(seen) else 0, depth))
+        return out
+
+    monkeypatch.setattr(head, drafts, held)
+    return built, deepest
+
+
 def test_where_shapes_compile_every_draft_call_is_built_at_full_depth(tiny, monkeypatch):
     """Where each new shape compiles and captures, a lyanna round's call is built at its drafter's
     full depth whatever depth the room left in a reply allows (that depth moved in every reply's
@@ -1261,17 +1279,7 @@ def test_where_shapes_compile_every_draft_call_is_built_at_full_depth(tiny, monk
     e = DeviceEngine(tiny.config, tiny.weights, DEVICE, pipelines=True)
     monkeypatch.setattr(e, "shapes_compile", True)
     d = _with_heads(Decoder(tiny, engine=e, default_drafts=False), tiny)
-    built, init = [], _DraftTreesPass.__init__
-    monkeypatch.setattr(_DraftTreesPass, "__init__", lambda self, *a, **k: built.append(a[3]) or init(self, *a, **k))
-    deepest, draft_trees = [], DeviceChainHead.draft_trees
-
-    def held(self, pc, ctx, depth, *a, **k):  # each tree's depth against the depth asked for
-        raw, tree = draft_trees(self, pc, ctx, depth, *a, **k)
-        seen = tree if isinstance(tree, DraftTree) else DraftTree.from_packed(tree.packed.cpu().numpy())
-        deepest.append((int(seen.depths.max()) if len(seen) else 0, depth))
-        return raw, tree
-
-    monkeypatch.setattr(DeviceChainHead, "draft_trees", held)
+    built, deepest = _watch_full_depth(monkeypatch, _DraftTreesPass, DeviceChainHead, "draft_trees", pair=True)
     req = GenerationRequest(max_new_tokens=13, eos_token_ids=())
     prompt = list(range(3, 30))
     want = d.generate(prompt, req, method="ar", budget=None).tokens
@@ -1295,17 +1303,7 @@ def test_where_shapes_compile_every_eagle_call_is_built_at_full_depth(tiny, ahea
     e = DeviceEngine(tiny.config, tiny.weights, DEVICE, pipelines=ahead)
     monkeypatch.setattr(e, "shapes_compile", True)
     d = _with_heads(Decoder(tiny, engine=e, default_drafts=False), tiny)
-    built, init = [], _EagleTreePass.__init__
-    monkeypatch.setattr(_EagleTreePass, "__init__", lambda self, *a, **k: built.append(a[3]) or init(self, *a, **k))
-    deepest, eagle_tree = [], DeviceDraftHead.eagle_tree
-
-    def held(self, pc, ctx, depth, *a, **k):  # each tree's depth against the depth asked for
-        tree = eagle_tree(self, pc, ctx, depth, *a, **k)
-        seen = tree if isinstance(tree, DraftTree) else DraftTree.from_packed(tree.packed.cpu().numpy())
-        deepest.append((int(seen.depths.max()) if len(seen) else 0, depth))
-        return tree
-
-    monkeypatch.setattr(DeviceDraftHead, "eagle_tree", held)
+    built, deepest = _watch_full_depth(monkeypatch, _EagleTreePass, DeviceDraftHead, "eagle_tree", pair=False)
     req = GenerationRequest(max_new_tokens=13, eos_token_ids=())
     prompt = list(range(3, 30))
     want = d.generate(prompt, req, method="ar", budget=None).tokens

@@ -154,6 +154,11 @@ class DeviceDraftHead:
         # shape compiles and captures, every round's call is built that deep (``_call_depth``).
         self.full_depth: int | None = None
 
+    def drafts_to(self, depth: int) -> None:
+        """A drafter on this head drafts ``depth`` levels deep: calls are built at least that deep
+        where shapes compile (``full_depth``)."""
+        self.full_depth = max(self.full_depth or 0, depth)
+
     def _call_depth(self, depth: int) -> int:
         """The depth a round's call is built at for a tree of ``depth`` levels: the head's
         ``full_depth`` on an engine where each new shape compiles and captures

@@ -46,8 +46,8 @@ class EagleDrafter(DeviceDrafter):
         self.head, self.tap = head, tap
         self.taps = (tap,)
         self.depth, self.topk, self.width, self.max_nodes = depth, topk, width, max_nodes
-        if hasattr(head, "full_depth"):  # a device head builds calls as deep as its drafters draft
-            head.full_depth = max(head.full_depth or 0, depth)
+        if hasattr(head, "drafts_to"):  # a device head builds calls as deep as its drafters draft
+            head.drafts_to(depth)
         self.context = head.context(self.taps)
 
     @classmethod

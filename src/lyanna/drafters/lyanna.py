@@ -145,7 +145,7 @@ class LyannaDrafter(DeviceDrafter, BatchDrafter):
         self.head, self.ti, self.taps = head, ti, tuple(taps)
         self.depth, self.topk, self.width, self.max_nodes = depth, topk, width, max_nodes
         if not isinstance(head, ChainHead):  # a device head builds calls as deep as its drafters draft
-            head.full_depth = max(head.full_depth or 0, depth)
+            head.drafts_to(depth)
         self.policy, self.reuse_min_expected = policy, reuse_min_expected
         self.context = head.context(self.taps)
         self.suffix = SuffixDrafter() if suffix else None

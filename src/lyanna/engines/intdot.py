@@ -35,7 +35,8 @@ Paths (``PATH``: the first of ``PATHS`` the CPU has, or ``LYANNA_INTDOT_PATH``, 
 instruction, so no 16-bit partial sums and no widening step; with AVX-512 VNNI two output vectors
 share a 512-bit register, and four share each broadcast input below ``intdot_ir.PAIR_ROWS`` rows), ``avx2``
 (``vpmaddubsw`` + ``vpmaddwd``; AVX-512 CPUs run it too) and ``portable`` (the same integers in plain LLVM vector IR, for any CPU). Every path
-computes the same integers, so they agree bit for bit; each is tested against ``reference``.
+computes the same integers, so they agree bit for bit; each is tested against ``reference``. On
+CPUs with AMX-INT8, ``amx`` (asked for by name) takes blocks of rows on tiles (``intdot_amx``).
 """
 from __future__ import annotations
 
@@ -47,16 +48,26 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from .intdot_ir import (ALL_PATHS, BYTE_BYTES, GROUP, HAS_AVX2, HAS_F16C, HAS_VNNI, MANY_TILES,  # noqa: F401
-                        MAX_TILE, NIBBLE_BYTES, OUT, PATHS, PREFETCH_BYTES, QK, _block_avx2,
-                        _block_portable, _block_vnni)
+from . import intdot_amx
+from .intdot_ir import (ALL_PATHS as _IR_PATHS, BYTE_BYTES, GROUP, HAS_AVX2, HAS_F16C, HAS_VNNI,  # noqa: F401
+                        MANY_TILES, MAX_TILE, NIBBLE_BYTES, OUT, PATHS as _IR_RUNS, PREFETCH_BYTES, QK, _block_avx2,
+                        _block_portable, _block_vnni, _scale_at)
 from .kernels import even_group, ir_splat
+
+# ``amx`` (``intdot_amx``): tile products for blocks of ``AMX_ROWS`` rows and more, the first path
+# of ``PATHS`` for fewer. It runs only where it is asked for (``LYANNA_INTDOT_PATH=amx``) until its
+# speed and bits are measured on an AMX host; every other path is in ``intdot_ir``.
+AMX = "amx"
+ALL_PATHS = _IR_PATHS + (AMX,)  # a path's index is what the kernels take
+PATHS = _IR_RUNS + ((AMX,) if intdot_amx.AVAILABLE else ())  # the ones this CPU runs
+AMX_ROWS = 2
+_FIRST = _IR_PATHS.index(_IR_RUNS[0])
 
 
 def _chosen_path() -> str:
     """The fastest path this CPU runs, or the one ``LYANNA_INTDOT_PATH`` names (to compare paths,
     or to rule one out): every path gives the same bits, so this changes speed only."""
-    name = os.environ.get("LYANNA_INTDOT_PATH", "").strip() or PATHS[0]
+    name = os.environ.get("LYANNA_INTDOT_PATH", "").strip() or _IR_RUNS[0]
     if name not in PATHS:
         raise ValueError(f"LYANNA_INTDOT_PATH={name!r}: this CPU runs {', '.join(PATHS)}")
     return name
@@ -197,11 +208,35 @@ def int_linear_kernel(x, d, m, q, out, path):  # pragma: no cover - compiled
     the threads by tiles, or by rows (``ROW_SHARE``): every row's outputs have the same bits
     either way."""
     rows, tiles = x.shape[0], d.shape[0]
+    if path == len(_IR_PATHS):  # amx: tiles for blocks, the first path of ``PATHS`` for single rows
+        if rows >= AMX_ROWS and _amx_linear(x, d, m, q, out):
+            return
+        path = _FIRST
     if (rows >= ROW_SHARES_MIN and tiles < MANY_TILES) or (rows >= ROW_SHARES_WIDE and tiles < WIDE_TILES):
         _by_rows(x, _quantized(x), d, m, q, out, path)  # each share quantizes its own rows
     else:
         xq, dx, xs, xc = quantize_rows(x)
         _by_blocks(xq, dx, xs, xc, d, m, q, out, path)
+
+
+def _amx_linear(x, d, m, q, out):  # pragma: no cover - replaced in compiled code by the overload below
+    """``int_linear_kernel`` on AMX tiles (``intdot_amx``); False, nothing done, where this build has
+    no tile code or the matrix's groups hold an odd number of vectors."""
+
+
+@overload(_amx_linear)
+def _amx_linear_where_compiled(x, d, m, q, out):
+    if not intdot_amx.HAS_AMX:  # never compile tile code for a CPU without AMX
+        return lambda x, d, m, q, out: False
+
+    def run(x, d, m, q, out):
+        if q.shape[3] % 2:
+            return False
+        xq, dx, xs, _ = quantize_rows(x)
+        intdot_amx.amx_by_tiles(xq, dx, xs, d, m, q, out)
+        return True
+
+    return run
 
 
 @njit(cache=True, nogil=True)
@@ -352,26 +387,6 @@ def unpack(d: np.ndarray, m: np.ndarray, q: np.ndarray) -> tuple[np.ndarray, np.
     m = _float_scales(m) if m.size else np.zeros_like(d)
     d2, m2 = (np.ascontiguousarray(a.transpose(0, 1, 3, 2).reshape(-1, nb)) for a in (d, m))
     return d2, m2, np.ascontiguousarray(values)
-
-
-@intrinsic
-def _widen_half(typingctx, bits):
-    """fp32 from fp16 bits (exact)."""
-    def codegen(context, builder, signature, args):
-        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
-
-    return types.float32(types.uint16), codegen
-
-
-def _scale_at(a, c, v, b, w, lane):  # pragma: no cover - replaced in compiled code by the overload below
-    """Scale ``a[c, v, b, w, lane]`` as fp32, whether ``pack`` kept it as fp32 or as fp16 bits."""
-
-
-@overload(_scale_at)
-def _scale_at_by_type(a, c, v, b, w, lane):
-    if a.dtype == types.uint16:
-        return lambda a, c, v, b, w, lane: _widen_half(a[c, v, b, w, lane])
-    return lambda a, c, v, b, w, lane: a[c, v, b, w, lane]
 
 
 @njit(parallel=True, cache=True, nogil=True)

@@ -31,7 +31,9 @@
 # STEPS which steps run (bf16,latency,latency-eager,tests,fp32,ops,peers,fixed,datagen: all, in that
 # order; datagen: training replies a second on the batched device engine, scripts/measure-datagen.py;
 # batch: a load test of 8 and 32 clients on a batch of 32, row caches and not; latency-whole: the
-# latency step with each layer compiled as one function, attention inside, --compile whole).
+# latency step with each layer compiled as one function, attention inside, --compile whole; amx: the
+# host CPU's AMX path, its tests and scripts/measure-blocks.py / measure-block-parts.py on two cores,
+# AMX_TESTS_S and AMX_BLOCKS_S seconds; not in the default STEPS: STEPS=amx runs it alone).
 # `local` runs the same steps here on the CPU (device cpu, a short bench) to check the script.
 #
 # Growing a self-distillation run on lent GPUs (the heads' data at scale), a session at a time:
@@ -133,6 +135,20 @@ step() {  # step SECONDS NAME COMMAND...: a step that fails or overruns is logge
   timeout -k 10 "$seconds" "$@" || echo "!! $name ended with status $?"
 }
 
+amx_host() {  # amx_host OUT: the amx step (see measure)
+  local out=$1 two=()
+  mkdir -p "$out"
+  { grep -m1 'model name' /proc/cpuinfo; grep -o 'amx_int8\|amx_tile\|avx512_vnni' /proc/cpuinfo | sort -u | tr '\n' ' '; echo; } \
+    | tee "$out/cpu.txt"
+  if command -v taskset > /dev/null; then two=(taskset -c 0,1); fi
+  step $((AMX_TESTS_S + 30)) "amx path tests (2 cores)" ${two[@]+"${two[@]}"} env NUMBA_NUM_THREADS=2 timeout -s INT "$AMX_TESTS_S" \
+    "${PY:-python3}" -c "$PYTEST_INTERRUPTIBLE" -q -rfs -p no:cacheprovider -k amx tests/test_intdot_amx.py tests/test_intdot.py
+  step "$AMX_BLOCKS_S" "whole passes, vnni and amx (2 cores)" ${two[@]+"${two[@]}"} env NUMBA_NUM_THREADS=2 "${PY:-python3}" \
+    scripts/measure-blocks.py --weights gguf --rounds 1 --out "$out/blocks-amx.json"
+  step "$AMX_BLOCKS_S" "a block's parts, amx (2 cores)" ${two[@]+"${two[@]}"} env NUMBA_NUM_THREADS=2 LYANNA_INTDOT_PATH=amx \
+    "${PY:-python3}" scripts/measure-block-parts.py --rounds 1 --out "$out/block-parts-amx.json"
+}
+
 measure() {  # measure DEVICE OUT LIMIT TOKENS; the headline comes first, each step time-boxed
   local device=$1 out=$2 limit=$3 tokens=$4
   local lyanna=("${PY:-python3}" -c "import sys; from lyanna.cli import main; sys.exit(main(sys.argv[1:]))")
@@ -194,7 +210,10 @@ measure() {  # measure DEVICE OUT LIMIT TOKENS; the headline comes first, each s
                  LYANNA_ARGS="--backend torch --device $device --dtype bfloat16 --batch-rows $rows" OUT="$out/loadtest-rows$rows" \
                  REQUESTS=64 MAX_TOKENS=64 PORT=$((8765 + rows)) scripts/loadtest-batching.sh "ar lyanna" 32 "8 32"
              done ;;
-      *) echo "!! unknown step $s (steps: bf16 latency latency-eager latency-whole tests fp32 ops peers fixed datagen batch)" ;;
+      # The machine's host CPU (a Xeon with AMX): the amx path's tests, then whole passes and their
+      # parts on two of its cores, as on the project's 2-core hosts (cpu.txt names the CPU).
+      amx) amx_host "$out" ;;
+      *) echo "!! unknown step $s (steps: bf16 latency latency-eager latency-whole tests fp32 ops peers fixed datagen batch amx)" ;;
     esac
   done
   echo "== done $(date -u +%T)"
@@ -204,6 +223,7 @@ measure() {  # measure DEVICE OUT LIMIT TOKENS; the headline comes first, each s
 # headline, fp32 shows equality with ar.
 PYTEST_INTERRUPTIBLE='import signal, sys, pytest; signal.signal(signal.SIGINT, signal.default_int_handler); sys.exit(pytest.main(sys.argv[1:]))'
 BF16_S=${BF16_S:-150} FIXED_S=${FIXED_S:-45} FP32_S=${FP32_S:-75} TESTS_S=${TESTS_S:-150}
+AMX_TESTS_S=${AMX_TESTS_S:-180} AMX_BLOCKS_S=${AMX_BLOCKS_S:-240}
 STEPS=${STEPS:-bf16,latency,latency-eager,tests,fp32,ops,peers,fixed,datagen,batch}  # which steps, in this order
 
 prepare_data() {  # prepare_data RUN PROMPTS

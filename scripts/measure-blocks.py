@@ -18,7 +18,10 @@ Writes docs/bench/blocks.json (``--out`` elsewhere).
 runs, more rounds let each engine meet its fast moments.
 ``--sizes 1,2,5,8``: other block sizes (1 first; default 1,2,8,16,64): a change for some sizes
 measured at those.
-Usage: .venv/bin/python scripts/measure-blocks.py [--against DIR] [--rounds N] [--sizes LIST] [--out PATH]
+``--weights gguf``: only these of our engines (``fp32``, ``gguf-float``, ``gguf``; default all): the
+integer paths alone where time is short (a lent machine compiling every kernel afresh).
+Usage: .venv/bin/python scripts/measure-blocks.py [--against DIR] [--rounds N] [--sizes LIST] [--weights LIST]
+       [--out PATH]
 """
 from __future__ import annotations
 
@@ -40,6 +43,7 @@ from lyanna.measure.bench import checkout_commit, json_beside, machine_info
 from lyanna.measure.peers import LLAMACPP_HINT, PeerFailed, call_in_child
 
 SIZES = (1, 2, 8, 16, 64)
+WEIGHTS = ("fp32", "gguf-float", "gguf")  # our engines: ``--weights`` of load_target
 CONTEXT = 256
 REPEATS = 7
 ROUNDS = 3  # passes over every engine (see ``main``)
@@ -105,7 +109,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=ROUNDS, help=f"passes over every engine (default {ROUNDS})")
     parser.add_argument("--sizes", default=",".join(map(str, SIZES)),
                         help="block sizes in tokens, comma-separated, 1 first (default: %(default)s)")
+    parser.add_argument("--weights", default=",".join(WEIGHTS),
+                        help="our engines to measure, comma-separated (default: %(default)s)")
     args = parser.parse_args()
+    weights_run = tuple(w.strip() for w in args.weights.split(","))
+    if not weights_run or any(w not in WEIGHTS for w in weights_run):
+        parser.error(f"--weights {args.weights!r}: a comma-separated choice of {', '.join(WEIGHTS)}")
     try:
         sizes = tuple(int(s) for s in args.sizes.split(","))
     except ValueError:
@@ -117,6 +126,7 @@ def main() -> None:
     # The default engine on each integer path this CPU runs (the same bits, different instructions).
     runs = [("fp32", default_path), ("gguf-float", default_path)]
     runs += [("gguf", p) for p in intdot.PATHS if p != "portable"]
+    runs = [(w, p) for w, p in runs if w in weights_run]
     engines = {}
     for weights, path in runs:
         intdot.PATH = path
@@ -140,7 +150,7 @@ def main() -> None:
         for checkout in () if args.against is None else (REPO, args.against.resolve()):  # alike: each in a child
             name = f"ours-gguf@{checkout_commit(checkout)}"
             ms[name] = fastest(ms.get(name), against_ms(checkout, sizes))
-            kernels[name] = kernels["ours-gguf"]
+            kernels[name] = kernels.get("ours-gguf", "intdot")
         if llamacpp_failed is None:  # in a child (loading the model each round, as before): a crash kills only it
             try:
                 row = call_in_child(llamacpp_ms, gguf, vocab, sizes, kind="llamacpp", hint=LLAMACPP_HINT)
@@ -152,6 +162,7 @@ def main() -> None:
         "command": "python scripts/measure-blocks.py" + (" --against CHECKOUT" if args.against else "")
                    + (f" --rounds {args.rounds}" if args.rounds != ROUNDS else "")
                    + (f" --sizes {','.join(map(str, sizes))}" if sizes != SIZES else "")
+                   + (f" --weights {','.join(weights_run)}" if weights_run != WEIGHTS else "")
                    + (f" --out {_shown(args.out)}" if args.out != DEFAULT_OUT else ""),
         "rounds": args.rounds,
         "commit": checkout_commit(REPO),

@@ -94,12 +94,14 @@ _COMPILE = textwrap.dedent("""
     assert amx.HAS_AMX
 
     @njit
-    def block(xq, weights, sums, config):
+    def tile(q, xq, dx, xs, d, m, out, weights, sums, config):
         amx._configure(config, 16)
         amx._tile_configure(config)
-        amx._tile_product(xq, 0, 32, weights, sums, 16)
+        amx._pairs(q, 0, 18, 4, 128, xq, 0, 576, dx, xs, 0, d, m, 0, out, 0, 576, 16, 1, weights, sums, 2)
 
-    block.compile("(int8[::1], int8[::1], int32[::1], uint8[::1])")
+    tile.compile("(uint8[::1], int8[::1], float32[::1], float32[::1], uint16[::1], uint16[::1], float32[::1], "
+                 "int8[::1], int32[::1], uint8[::1])")
+    block = tile
     print(block.inspect_asm(block.signatures[0]))
 """)
 

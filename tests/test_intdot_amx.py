@@ -72,8 +72,8 @@ def test_the_tile_configuration_names_each_registers_shape():
     intdot_amx._configure(config, 5)
     assert config[0] == 1 and not config[1:16].any()
     widths = config[16:32].view(np.uint16)
-    assert list(widths[:3]) == [64, 32, 64] and not widths[3:].any()  # C: 16 int32, A: 32 bytes, B: 64 bytes
-    assert list(config[48:51]) == [5, 5, 8] and not config[51:].any()
+    assert list(widths[:6]) == [64, 32, 64] * 2 and not widths[6:].any()  # C: 16 int32, A: 32 bytes, B: 64 bytes
+    assert list(config[48:54]) == [5, 5, 8] * 2 and not config[54:].any()
 
 
 def test_the_amx_path_is_asked_for_by_name_and_only_where_the_cpu_runs_it(monkeypatch):

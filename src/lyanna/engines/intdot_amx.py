@@ -13,8 +13,9 @@ The kernel writes that tile (widening nibbles) into a small buffer just before i
 the 4-bit weights stream from memory as 4 bits. The activations are ``intdot.quantize_rows``' int8
 rows, loaded as an A tile straight from the row array (row stride: the row's length).
 
-Tile registers: 0 holds the sums (C, rows x 16 int32), 1 the inputs (A, rows x 32 bytes), 2 the
-weights (B, 8 x 64 bytes). ``ldtilecfg`` sets their shapes per thread, per group of rows. The loop
+Tile registers: 0 and 3 hold sums (C, rows x 16 int32), 1 and 4 inputs (A, rows x 32 bytes), 2 and 5
+weights (B, 8 x 64 bytes), a set for even blocks and one for odd ones. ``ldtilecfg`` sets their
+shapes per thread, per group of rows. The loop
 over pairs and blocks is LLVM IR (``intdot_amx_ir``).
 
 Where the CPU has no AMX the tile product is emulated in plain vector IR (the same sums, slowly),
@@ -31,7 +32,7 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
-from .intdot_amx_ir import _A, _B, _C, B_BYTES, C_STRIDE, HAS_AMX, PAIR, QUADS, TILE_ROWS, _declare, _i8p, _pairs
+from .intdot_amx_ir import B_BYTES, C_STRIDE, HAS_AMX, PAIR, QUADS, TILE_ROWS, TILE_SETS, _declare, _i8p, _pairs
 from .intdot_ir import NIBBLE_BYTES, OUT, QK
 from .kernels import even_group
 
@@ -78,10 +79,11 @@ def _configure(config, rows):  # pragma: no cover - compiled
     row (16-bit, from byte 16) and its rows (from byte 48)."""
     config[:] = 0
     config[0] = 1
-    for tile, width, height in ((_C, C_STRIDE, rows), (_A, QK, rows), (_B, PAIR * 4, QUADS)):
-        config[16 + 2 * tile] = width & 255
-        config[17 + 2 * tile] = width >> 8
-        config[48 + tile] = height
+    for c, a, w in TILE_SETS:
+        for tile, width, height in ((c, C_STRIDE, rows), (a, QK, rows), (w, PAIR * 4, QUADS)):
+            config[16 + 2 * tile] = width & 255
+            config[17 + 2 * tile] = width >> 8
+            config[48 + tile] = height
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -97,7 +99,8 @@ def amx_by_tiles(xq, dx, xs, d, m, q, out):  # pragma: no cover - compiled
     flat, xflat, dflat, sflat = q.reshape(-1), xq.reshape(-1), dx.reshape(-1), xs.reshape(-1)
     dm, mm = d.reshape(-1), m.reshape(-1)
     for c in prange(tiles):
-        weights, sums, config = np.empty(B_BYTES, np.int8), np.empty(TILE_ROWS * PAIR, np.int32), np.empty(64, np.uint8)
+        weights, sums = np.empty(2 * B_BYTES, np.int8), np.empty(2 * TILE_ROWS * PAIR, np.int32)
+        config = np.empty(64, np.uint8)
         i = 0
         while i < rows:
             group = min(most, rows - i)

@@ -27,7 +27,7 @@ PAIR = 2 * OUT  # outputs of one product: a B tile's 16 columns, two output vect
 QUADS = QK // 4  # rows of a B tile: one per four inputs of the block
 B_BYTES = QUADS * PAIR * 4  # a B tile: 8 rows of 64 bytes
 C_STRIDE = PAIR * 4  # bytes per row of the stored sums
-_A, _B, _C = 1, 2, 0  # tile registers
+TILE_SETS = ((0, 1, 2), (3, 4, 5))  # tile registers (C the sums, A the inputs, B the weights), blocks taking turns
 HAS_AMX = "+amx-int8" in _FEATURES and "+amx-tile" in _FEATURES  # tile code compiled in (else emulated)
 
 
@@ -80,19 +80,31 @@ class _PairsEmitter:
                 unit = b.add(b.mul(b.add(b.mul(j, self.nb), blk), self.g), w)  # the vector's block (``pack``)
                 qat = b.add(self.qoff, b.mul(unit, self.size))
                 self._prefetch(qat)
+                # Blocks take turns between two sets of tiles and buffers: a block's product need
+                # not wait for the previous block's sums to be read out of its C tile.
+                half = b.and_(blk, intp(1))
+                weights = b.gep(self.weights, [b.mul(half, intp(B_BYTES))])
+                sums = b.bitcast(b.gep(self.sums, [b.mul(half, intp(TILE_ROWS * PAIR))]), self.sums.type)
                 with b.if_else(b.icmp_signed("==", self.size, intp(NIBBLE_BYTES))) as (packed, plain):
                     with packed:
-                        self._unpack(qat, True)
+                        self._unpack(qat, weights, True)
                     with plain:
-                        self._unpack(qat, False)
+                        self._unpack(qat, weights, False)
                 xat = b.add(self.xoff, b.mul(blk, intp(QK)))
-                self._product(xat) if self.amx else self._emulated_product(xat)
+                if self.amx:
+                    with b.if_else(b.icmp_signed("==", half, intp(0))) as (even, odd):
+                        with even:
+                            self._product(xat, weights, sums, 0)
+                        with odd:
+                            self._product(xat, weights, sums, 1)
+                else:
+                    self._emulated_product(xat, weights, sums)
                 sat = b.add(self.dmoff, b.mul(unit, intp(OUT)))
                 with b.if_else(b.icmp_signed("!=", self.offsets, intp(0))) as (with_offsets, without):
                     with with_offsets:
-                        self._add(blk, sat, True)
+                        self._add(blk, sat, sums, True)
                     with without:
-                        self._add(blk, sat, False)
+                        self._add(blk, sat, sums, False)
             with cgutils.for_range(b, self.rows) as row_loop:  # the pair's outputs, from the sums of every block
                 r = row_loop.index
                 self._store(self._load(self.acc, b.mul(r, intp(PAIR)), self.v16f32), self.out,
@@ -107,7 +119,7 @@ class _PairsEmitter:
             ptr = b.gep(self.q, [b.add(qat, b.add(line, intp(PREFETCH_BYTES)))])  # a prefetch never faults
             b.call(fn, [b.bitcast(ptr, _i8p()), self.i32(0), self.i32(PREFETCH_LOCALITY), self.i32(1)])
 
-    def _unpack(self, qat, nibbles: bool) -> None:
+    def _unpack(self, qat, weights, nibbles: bool) -> None:
         """The B tile into ``weights``: row ``p``, the first vector's quad ``p`` then the second's
         (32 bytes each); packed nibbles hold quad ``p`` low and ``p + 4`` high."""
         b, intp = self.b, self.intp
@@ -118,23 +130,24 @@ class _PairsEmitter:
                       for v in range(2)]
             row = b.shuffle_vector(halves[0], halves[1], join)
             if not nibbles:
-                self._store(row, self.weights, intp(64 * p))
+                self._store(row, weights, intp(64 * p))
                 continue
-            self._store(b.and_(row, ir.Constant(self.v64i8, [15] * 64)), self.weights, intp(64 * p))
-            self._store(b.lshr(row, ir.Constant(self.v64i8, [4] * 64)), self.weights, intp(64 * (p + 4)))
+            self._store(b.and_(row, ir.Constant(self.v64i8, [15] * 64)), weights, intp(64 * p))
+            self._store(b.lshr(row, ir.Constant(self.v64i8, [4] * 64)), weights, intp(64 * (p + 4)))
 
-    def _product(self, xat) -> None:
-        """``sums = A @ B`` on the tiles: A the rows' 32 inputs of the block (row stride ``k``)."""
+    def _product(self, xat, weights, sums, turn: int) -> None:
+        """``sums = A @ B`` on the tiles of set ``turn`` (``TILE_SETS``): A the rows' 32 inputs of
+        the block (row stride ``k``), B the tile in ``weights``."""
         b, i8, i64 = self.b, self.i8, ir.IntType(64)
+        c, a, w = (i8(t) for t in TILE_SETS[turn])
         load = _declare(b, "llvm.x86.tileloadd64", i8, _i8p(), i64)
-        b.call(_declare(b, "llvm.x86.tilezero", i8), [i8(_C)])
-        b.call(load, [i8(_A), b.bitcast(b.gep(self.xq, [xat]), _i8p()), b.sext(self.k, i64)])
-        b.call(load, [i8(_B), b.bitcast(self.weights, _i8p()), i64(PAIR * 4)])
-        b.call(_declare(b, "llvm.x86.tdpbssd", i8, i8, i8), [i8(_C), i8(_A), i8(_B)])
-        b.call(_declare(b, "llvm.x86.tilestored64", i8, _i8p(), i64), [i8(_C), b.bitcast(self.sums, _i8p()),
-                                                                        i64(C_STRIDE)])
+        b.call(_declare(b, "llvm.x86.tilezero", i8), [c])
+        b.call(load, [a, b.bitcast(b.gep(self.xq, [xat]), _i8p()), b.sext(self.k, i64)])
+        b.call(load, [w, b.bitcast(weights, _i8p()), i64(PAIR * 4)])
+        b.call(_declare(b, "llvm.x86.tdpbssd", i8, i8, i8), [c, a, w])
+        b.call(_declare(b, "llvm.x86.tilestored64", i8, _i8p(), i64), [c, b.bitcast(sums, _i8p()), i64(C_STRIDE)])
 
-    def _emulated_product(self, xat) -> None:
+    def _emulated_product(self, xat, weights, sums) -> None:
         """``_product``'s sums in plain vector IR: per row and quad, four input bytes against the B
         tile's row, each output's four products added (``TDPBSSD``'s rule: signed bytes, exact)."""
         b, intp, i32 = self.b, self.intp, self.i32
@@ -147,9 +160,9 @@ class _PairsEmitter:
             for p in range(QUADS):
                 four = b.sext(self._load(self.xq, b.add(at, intp(4 * p)), v4i8), ir.VectorType(i32, 4))
                 inputs = b.shuffle_vector(four, four, spread)
-                weights = b.sext(self._load(self.weights, intp(64 * p), self.v64i8), v64i32)
-                acc = b.add(acc, self._fours(b.mul(inputs, weights)))
-            self._store(acc, self.sums, b.mul(row_loop.index, intp(PAIR)))
+                row = b.sext(self._load(weights, intp(64 * p), self.v64i8), v64i32)
+                acc = b.add(acc, self._fours(b.mul(inputs, row)))
+            self._store(acc, sums, b.mul(row_loop.index, intp(PAIR)))
 
     def _fours(self, v):
         """Lanes ``4n .. 4n + 3`` of ``v`` added, for each ``n``."""
@@ -166,7 +179,7 @@ class _PairsEmitter:
         bits = self._load(array, sat, ir.VectorType(ir.IntType(16), PAIR))
         return self.b.fpext(self.b.bitcast(bits, ir.VectorType(ir.HalfType(), PAIR)), self.v16f32)
 
-    def _add(self, blk, sat, offsets: bool) -> None:
+    def _add(self, blk, sat, sums, offsets: bool) -> None:
         """Each row's step for the block, in the rule's operations and order: ``term = (d * dx) *
         isum``, ``+ m * xs`` where ``m`` was kept, then ``out + term``, ``out`` the pair's sums so far
         (``acc``, contiguous: rows of a wide ``out`` lie a multiple of 4 KB apart, in one cache set)."""
@@ -176,7 +189,7 @@ class _PairsEmitter:
         with cgutils.for_range(b, self.rows) as row_loop:
             r = row_loop.index
             at = b.add(b.add(self.soff, b.mul(r, self.nb)), blk)
-            isum = b.sitofp(self._load(self.sums, b.mul(r, intp(PAIR)), self.v16i32), self.v16f32)
+            isum = b.sitofp(self._load(sums, b.mul(r, intp(PAIR)), self.v16i32), self.v16f32)
             term = b.fmul(b.fmul(dv, ir_splat(b, b.load(b.gep(self.dx, [at])), self.v16f32)), isum)
             if offsets:
                 term = b.fadd(term, b.fmul(mv, ir_splat(b, b.load(b.gep(self.xs, [at])), self.v16f32)))
@@ -192,8 +205,8 @@ def _pairs(typingctx, q, qoff, nb, g, size, xq, xoff, k, dx, xs, soff, d, m, dmo
     weights from ``qoff`` (``nb`` blocks, groups of ``g`` vectors of ``size`` bytes), ``xq`` the
     rows from ``xoff`` (``k`` a row), ``dx``/``xs`` theirs from ``soff`` (``nb`` a row), ``d``/``m``
     the tile's scales from ``dmoff``, ``out`` the rows' outputs of the tile from ``ooff``
-    (``ostride`` a row); ``offsets``: 1 where ``m`` was kept; ``weights``/``sums``: the B tile's
-    and the C tile's room; ``pairs``: the tile's vectors / 2. Tiles configured by the caller."""
+    (``ostride`` a row); ``offsets``: 1 where ``m`` was kept; ``weights``/``sums``: room for two
+    B tiles and two C tiles (``B_BYTES``, ``TILE_ROWS * PAIR`` each); ``pairs``: the tile's vectors / 2. Tiles configured by the caller."""
     sig = types.void(q, qoff, nb, g, size, xq, xoff, k, dx, xs, soff, d, m, dmoff, out, ooff, ostride, rows, offsets,
                      weights, sums, pairs)
 

@@ -13,6 +13,7 @@ import pytest
 
 from lyanna.engines import intdot, intdot_amx
 from .test_intdot import inputs, matrix
+from .test_quant import gguf_decoder  # noqa: F401  (the default model on its blocks)
 
 ROWS = (1, 2, 3, 8, 15, 16, 17, 33, 64)  # within one A tile, a full one, and several row groups
 
@@ -132,3 +133,27 @@ def test_on_tiles_the_amx_path_equals_the_rule(kind):
         out = np.empty((rows, 1536), np.float32)
         intdot.int_linear_kernel(x[:rows], *packed, out, intdot.ALL_PATHS.index(intdot.AMX))
         assert np.array_equal(out, want[:rows]), rows
+
+
+@pytest.mark.slow
+def test_whole_passes_and_drafted_replies_have_the_same_bits_on_the_amx_path(gguf_decoder, monkeypatch):
+    """The default model on its blocks, the amx path against the CPU's first path: a prompt's
+    logits (its rows on tiles) and a reply drafted by lyanna (blocks of tree rows verified on tiles,
+    single rows elsewhere; the head's own matrices too) are the same bits. Tiles emulated where
+    the CPU has no AMX."""
+    from lyanna.decoding.decoder import GenerationRequest
+
+    engine = gguf_decoder.engine
+    prompt = gguf_decoder.encode("Name three rivers in Europe.")
+
+    def run():
+        logits = engine.forward(prompt, np.arange(len(prompt)), engine.new_cache(len(prompt))).logits
+        reply = gguf_decoder.generate(prompt, GenerationRequest(max_new_tokens=24), method="lyanna", budget=16)
+        return logits, reply.tokens
+
+    first = run()
+    monkeypatch.setattr(intdot, "PATH", intdot.AMX)
+    assert intdot.path_index() == len(intdot.ALL_PATHS) - 1
+    on_tiles = run()
+    assert np.array_equal(on_tiles[0], first[0]) and len(prompt) >= intdot.AMX_ROWS
+    assert on_tiles[1] == first[1]

@@ -46,7 +46,7 @@ import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
-from numba.extending import intrinsic, overload
+from numba.extending import intrinsic
 
 from . import intdot_amx
 from .intdot_ir import (ALL_PATHS as _IR_PATHS, BYTE_BYTES, GROUP, HAS_AVX2, HAS_F16C, HAS_VNNI,  # noqa: F401
@@ -56,7 +56,8 @@ from .kernels import even_group, ir_splat
 
 # ``amx`` (``intdot_amx``): tile products for blocks of ``AMX_ROWS`` rows and more, the first path
 # of ``PATHS`` for fewer. It runs only where it is asked for (``LYANNA_INTDOT_PATH=amx``) until its
-# speed and bits are measured on an AMX host; every other path is in ``intdot_ir``.
+# speed and bits are measured on an AMX host; every other path is in ``intdot_ir``. Tests set
+# ``PATH = AMX`` on any CPU: without AMX its tile products are emulated (the same bits, slowly).
 AMX = "amx"
 ALL_PATHS = _IR_PATHS + (AMX,)  # a path's index is what the kernels take
 PATHS = _IR_RUNS + ((AMX,) if intdot_amx.AVAILABLE else ())  # the ones this CPU runs
@@ -219,24 +220,16 @@ def int_linear_kernel(x, d, m, q, out, path):  # pragma: no cover - compiled
         _by_blocks(xq, dx, xs, xc, d, m, q, out, path)
 
 
-def _amx_linear(x, d, m, q, out):  # pragma: no cover - replaced in compiled code by the overload below
-    """``int_linear_kernel`` on AMX tiles (``intdot_amx``); False, nothing done, where this build has
-    no tile code or the matrix's groups hold an odd number of vectors."""
-
-
-@overload(_amx_linear)
-def _amx_linear_where_compiled(x, d, m, q, out):
-    if not intdot_amx.HAS_AMX:  # never compile tile code for a CPU without AMX
-        return lambda x, d, m, q, out: False
-
-    def run(x, d, m, q, out):
-        if q.shape[3] % 2:
-            return False
-        xq, dx, xs, _ = quantize_rows(x)
-        intdot_amx.amx_by_tiles(xq, dx, xs, d, m, q, out)
-        return True
-
-    return run
+@njit(cache=True, nogil=True)
+def _amx_linear(x, d, m, q, out):  # pragma: no cover - compiled
+    """``int_linear_kernel`` on AMX tiles (``intdot_amx``: emulated where this build targets no AMX,
+    which only tests ask for, setting ``PATH`` themselves); False, nothing done, where the matrix's
+    groups hold an odd number of vectors."""
+    if q.shape[3] % 2:
+        return False
+    xq, dx, xs, _ = quantize_rows(x)
+    intdot_amx.amx_by_tiles(xq, dx, xs, d, m, q, out)
+    return True
 
 
 @njit(cache=True, nogil=True)

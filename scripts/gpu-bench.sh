@@ -32,8 +32,9 @@
 # order; datagen: training replies a second on the batched device engine, scripts/measure-datagen.py;
 # batch: a load test of 8 and 32 clients on a batch of 32, row caches and not; latency-whole: the
 # latency step with each layer compiled as one function, attention inside, --compile whole; amx: the
-# host CPU's AMX path, its tests and scripts/measure-blocks.py / measure-block-parts.py on two cores,
-# AMX_TESTS_S and AMX_BLOCKS_S seconds; not in the default STEPS: STEPS=amx runs it alone).
+# host CPU's AMX path, its tests and scripts/measure-blocks.py on two cores, AMX_TESTS_S and
+# AMX_BLOCKS_S seconds; amx-parts: scripts/measure-block-parts.py on amx, AMX_BLOCKS_S; neither is
+# in the default STEPS: STEPS=amx runs one alone).
 # `local` runs the same steps here on the CPU (device cpu, a short bench) to check the script.
 #
 # Growing a self-distillation run on lent GPUs (the heads' data at scale), a session at a time:
@@ -145,6 +146,11 @@ amx_host() {  # amx_host OUT: the amx step (see measure)
     "${PY:-python3}" -c "$PYTEST_INTERRUPTIBLE" -q -rfs -p no:cacheprovider -k amx tests/test_intdot_amx.py tests/test_intdot.py
   step "$AMX_BLOCKS_S" "whole passes, vnni and amx (2 cores)" ${two[@]+"${two[@]}"} env NUMBA_NUM_THREADS=2 "${PY:-python3}" \
     scripts/measure-blocks.py --weights gguf --rounds 1 --out "$out/blocks-amx.json"
+}
+
+amx_parts() {  # amx_parts OUT: the amx-parts step (see measure)
+  local out=$1 two=()
+  if command -v taskset > /dev/null; then two=(taskset -c 0,1); fi
   step "$AMX_BLOCKS_S" "a block's parts, amx (2 cores)" ${two[@]+"${two[@]}"} env NUMBA_NUM_THREADS=2 LYANNA_INTDOT_PATH=amx \
     "${PY:-python3}" scripts/measure-block-parts.py --rounds 1 --out "$out/block-parts-amx.json"
 }
@@ -210,10 +216,12 @@ measure() {  # measure DEVICE OUT LIMIT TOKENS; the headline comes first, each s
                  LYANNA_ARGS="--backend torch --device $device --dtype bfloat16 --batch-rows $rows" OUT="$out/loadtest-rows$rows" \
                  REQUESTS=64 MAX_TOKENS=64 PORT=$((8765 + rows)) scripts/loadtest-batching.sh "ar lyanna" 32 "8 32"
              done ;;
-      # The machine's host CPU (a Xeon with AMX): the amx path's tests, then whole passes and their
-      # parts on two of its cores, as on the project's 2-core hosts (cpu.txt names the CPU).
+      # The machine's host CPU (a Xeon with AMX): the amx path's tests, then whole passes on vnni
+      # and amx, on two of its cores as on the project's 2-core hosts (cpu.txt names the CPU); a
+      # block's parts on amx in a step of its own (with a fresh machine's compiles, both outlast a call).
       amx) amx_host "$out" ;;
-      *) echo "!! unknown step $s (steps: bf16 latency latency-eager latency-whole tests fp32 ops peers fixed datagen batch amx)" ;;
+      amx-parts) amx_parts "$out" ;;
+      *) echo "!! unknown step $s (steps: bf16 latency latency-eager latency-whole tests fp32 ops peers fixed datagen batch amx amx-parts)" ;;
     esac
   done
   echo "== done $(date -u +%T)"
@@ -223,7 +231,7 @@ measure() {  # measure DEVICE OUT LIMIT TOKENS; the headline comes first, each s
 # headline, fp32 shows equality with ar.
 PYTEST_INTERRUPTIBLE='import signal, sys, pytest; signal.signal(signal.SIGINT, signal.default_int_handler); sys.exit(pytest.main(sys.argv[1:]))'
 BF16_S=${BF16_S:-150} FIXED_S=${FIXED_S:-45} FP32_S=${FP32_S:-75} TESTS_S=${TESTS_S:-150}
-AMX_TESTS_S=${AMX_TESTS_S:-180} AMX_BLOCKS_S=${AMX_BLOCKS_S:-240}
+AMX_TESTS_S=${AMX_TESTS_S:-240} AMX_BLOCKS_S=${AMX_BLOCKS_S:-300}
 STEPS=${STEPS:-bf16,latency,latency-eager,tests,fp32,ops,peers,fixed,datagen,batch}  # which steps, in this order
 
 prepare_data() {  # prepare_data RUN PROMPTS

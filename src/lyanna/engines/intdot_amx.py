@@ -15,8 +15,7 @@ rows, loaded as an A tile straight from the row array (row stride: the row's len
 
 Tile registers: 0 and 3 hold sums (C, rows x 16 int32), 1 and 4 inputs (A, rows x 32 bytes), 2 and 5
 weights (B, 8 x 64 bytes), a set for even blocks and one for odd ones. ``ldtilecfg`` sets their
-shapes per thread, per group of rows. The loop
-over pairs and blocks is LLVM IR (``intdot_amx_ir``).
+shapes per thread, per group of rows. The loop over pairs and blocks is LLVM IR (``intdot_amx_ir``).
 
 Where the CPU has no AMX the tile product is emulated in plain vector IR (the same sums, slowly),
 so the kernel's layout and addressing are tested on every host; the tile instructions are compiled

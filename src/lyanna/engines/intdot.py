@@ -46,12 +46,12 @@ import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 from . import intdot_amx
 from .intdot_ir import (ALL_PATHS as _IR_PATHS, BYTE_BYTES, GROUP, HAS_AVX2, HAS_F16C, HAS_VNNI,  # noqa: F401
                         MANY_TILES, MAX_TILE, NIBBLE_BYTES, OUT, PATHS as _IR_RUNS, PREFETCH_BYTES, QK, _block_avx2,
-                        _block_portable, _block_vnni, _scale_at)
+                        _block_portable, _block_vnni)
 from .kernels import even_group, ir_splat
 
 # ``amx`` (``intdot_amx``): tile products for blocks of ``AMX_ROWS`` rows and more, the first path
@@ -380,6 +380,26 @@ def unpack(d: np.ndarray, m: np.ndarray, q: np.ndarray) -> tuple[np.ndarray, np.
     m = _float_scales(m) if m.size else np.zeros_like(d)
     d2, m2 = (np.ascontiguousarray(a.transpose(0, 1, 3, 2).reshape(-1, nb)) for a in (d, m))
     return d2, m2, np.ascontiguousarray(values)
+
+
+@intrinsic
+def _widen_half(typingctx, bits):
+    """fp32 from fp16 bits (exact)."""
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+
+    return types.float32(types.uint16), codegen
+
+
+def _scale_at(a, c, v, b, w, lane):  # pragma: no cover - replaced in compiled code by the overload below
+    """Scale ``a[c, v, b, w, lane]`` as fp32, whether ``pack`` kept it as fp32 or as fp16 bits."""
+
+
+@overload(_scale_at)
+def _scale_at_by_type(a, c, v, b, w, lane):
+    if a.dtype == types.uint16:
+        return lambda a, c, v, b, w, lane: _widen_half(a[c, v, b, w, lane])
+    return lambda a, c, v, b, w, lane: a[c, v, b, w, lane]
 
 
 @njit(parallel=True, cache=True, nogil=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
-from numba.extending import intrinsic, overload
+from numba.extending import intrinsic
 
 from .kernels import _FEATURES, ir_splat
 
@@ -349,23 +349,3 @@ def _block_intrinsic(path: str):
 
 
 _block_vnni, _block_avx2, _block_portable = (_block_intrinsic(p) for p in ALL_PATHS)
-
-
-@intrinsic
-def _widen_half(typingctx, bits):
-    """fp32 from fp16 bits (exact)."""
-    def codegen(context, builder, signature, args):
-        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
-
-    return types.float32(types.uint16), codegen
-
-
-def _scale_at(a, c, v, b, w, lane):  # pragma: no cover - replaced in compiled code by the overload below
-    """Scale ``a[c, v, b, w, lane]`` as fp32, whether ``pack`` kept it as fp32 or as fp16 bits."""
-
-
-@overload(_scale_at)
-def _scale_at_by_type(a, c, v, b, w, lane):
-    if a.dtype == types.uint16:
-        return lambda a, c, v, b, w, lane: _widen_half(a[c, v, b, w, lane])
-    return lambda a, c, v, b, w, lane: a[c, v, b, w, lane]

@@ -18,10 +18,12 @@ Writes docs/bench/blocks.json (``--out`` elsewhere).
 runs, more rounds let each engine meet its fast moments.
 ``--sizes 1,2,5,8``: other block sizes (1 first; default 1,2,8,16,64): a change for some sizes
 measured at those.
+``--context N``: cached tokens before each block (default 256): a one-token pass reads every
+cached key and value, so at long contexts their bytes, not the weights', set its time.
 ``--weights gguf``: only these of our engines (``fp32``, ``gguf-float``, ``gguf``; default all): the
 integer paths alone where time is short (a lent machine compiling every kernel afresh).
 Usage: .venv/bin/python scripts/measure-blocks.py [--against DIR] [--rounds N] [--sizes LIST] [--weights LIST]
-       [--out PATH]
+       [--context N] [--out PATH]
 """
 from __future__ import annotations
 
@@ -49,19 +51,19 @@ REPEATS = 7
 ROUNDS = 3  # passes over every engine (see ``main``)
 
 
-def llamacpp_ms(gguf: Path, vocab: int, sizes: tuple[int, ...] = SIZES) -> list[float]:
+def llamacpp_ms(gguf: Path, vocab: int, sizes: tuple[int, ...] = SIZES, context: int = CONTEXT) -> list[float]:
     import llama_cpp
 
-    llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=CONTEXT + max(sizes) + 8, n_threads=os.cpu_count(),
+    llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=context + max(sizes) + 8, n_threads=os.cpu_count(),
                           logits_all=True, verbose=False)
     rng = np.random.default_rng(0)
-    llm.eval(rng.integers(vocab, size=CONTEXT).tolist())
+    llm.eval(rng.integers(vocab, size=context).tolist())
     out = []
     for n in sizes:
         tokens = rng.integers(vocab, size=n).tolist()
         times = []
         for _ in range(REPEATS + 1):  # the first is a warm-up
-            llm.n_tokens = CONTEXT  # eval() drops the cache rows past n_tokens first
+            llm.n_tokens = context  # eval() drops the cache rows past n_tokens first
             t0 = time.perf_counter()
             llm.eval(tokens)
             times.append(time.perf_counter() - t0)
@@ -81,9 +83,9 @@ print(json.dumps([round(s * 1e3, 2) for s in curve.seconds]))
 """
 
 
-def against_ms(checkout: Path, sizes: tuple[int, ...] = SIZES) -> list[float]:
+def against_ms(checkout: Path, sizes: tuple[int, ...] = SIZES, context: int = CONTEXT) -> list[float]:
     """The default engine's row of ms in a child that imports ``checkout``'s package."""
-    code = _AGAINST.format(model=DEFAULT_MODEL, sizes=sizes, context=CONTEXT, repeats=REPEATS)
+    code = _AGAINST.format(model=DEFAULT_MODEL, sizes=sizes, context=context, repeats=REPEATS)
     return json_beside(checkout, ["-c", code])
 
 
@@ -111,7 +113,10 @@ def main() -> None:
                         help="block sizes in tokens, comma-separated, 1 first (default: %(default)s)")
     parser.add_argument("--weights", default=",".join(WEIGHTS),
                         help="our engines to measure, comma-separated (default: %(default)s)")
+    parser.add_argument("--context", type=int, default=CONTEXT, help=f"cached tokens before each block (default {CONTEXT})")
     args = parser.parse_args()
+    if args.context < 1:
+        parser.error("--context must be at least 1")
     weights_run = tuple(w.strip() for w in args.weights.split(","))
     if not weights_run or any(w not in WEIGHTS for w in weights_run):
         parser.error(f"--weights {args.weights!r}: a comma-separated choice of {', '.join(WEIGHTS)}")
@@ -121,7 +126,7 @@ def main() -> None:
         parser.error(f"--sizes {args.sizes!r}: comma-separated whole numbers")
     if sizes[0] != 1 or len(sizes) < 2 or any(b <= a for a, b in zip(sizes, sizes[1:])):
         parser.error(f"--sizes {args.sizes!r}: 1 first, then larger sizes in increasing order")
-    kernels = {}
+    kernels, kv_caches = {}, {}
     default_path = intdot.PATH
     # The default engine on each integer path this CPU runs (the same bits, different instructions).
     runs = [("fp32", default_path), ("gguf-float", default_path)]
@@ -134,6 +139,7 @@ def main() -> None:
         name = f"ours-{weights}" if path == default_path else f"ours-{weights}-{path}"
         engines[name] = (path, Transformer(target.config, target.weights))
         kernels[name] = engines[name][1].kernel
+        kv_caches[name] = engines[name][1].kv_cache
         vocab = target.config.vocab_size
     # Every engine in turn, ROUNDS times, each size's fastest median kept: a shared host's bursts of
     # load last seconds, and measured one engine after another a burst bent one engine's row only.
@@ -145,15 +151,15 @@ def main() -> None:
     for i in range(args.rounds):
         for name, (path, engine) in engines.items():
             intdot.PATH = path
-            curve = calibrate(engine, DEFAULT_MODEL, sizes=sizes, context=CONTEXT, repeats=REPEATS)
+            curve = calibrate(engine, DEFAULT_MODEL, sizes=sizes, context=args.context, repeats=REPEATS)
             ms[name] = fastest(ms.get(name), [round(s * 1e3, 2) for s in curve.seconds])
         for checkout in () if args.against is None else (REPO, args.against.resolve()):  # alike: each in a child
             name = f"ours-gguf@{checkout_commit(checkout)}"
-            ms[name] = fastest(ms.get(name), against_ms(checkout, sizes))
+            ms[name] = fastest(ms.get(name), against_ms(checkout, sizes, args.context))
             kernels[name] = kernels.get("ours-gguf", "intdot")
         if llamacpp_failed is None:  # in a child (loading the model each round, as before): a crash kills only it
             try:
-                row = call_in_child(llamacpp_ms, gguf, vocab, sizes, kind="llamacpp", hint=LLAMACPP_HINT)
+                row = call_in_child(llamacpp_ms, gguf, vocab, sizes, args.context, kind="llamacpp", hint=LLAMACPP_HINT)
                 ms["llamacpp"] = fastest(ms.get("llamacpp"), row)
             except PeerFailed as e:
                 llamacpp_failed = f"round {i + 1} of {args.rounds}: {e}"  # rounds before it stay in ms
@@ -163,15 +169,17 @@ def main() -> None:
                    + (f" --rounds {args.rounds}" if args.rounds != ROUNDS else "")
                    + (f" --sizes {','.join(map(str, sizes))}" if sizes != SIZES else "")
                    + (f" --weights {','.join(weights_run)}" if weights_run != WEIGHTS else "")
+                   + (f" --context {args.context}" if args.context != CONTEXT else "")
                    + (f" --out {_shown(args.out)}" if args.out != DEFAULT_OUT else ""),
         "rounds": args.rounds,
         "commit": checkout_commit(REPO),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": machine_info(),
         "model": DEFAULT_MODEL,
-        "context": CONTEXT,
+        "context": args.context,
         "sizes": list(sizes),
         "kernels": kernels,
+        "kv_caches": kv_caches,  # what each of our engines' key/value cache holds (``--against``'s: its own default)
         "ms": ms,
     }
     if llamacpp_failed is not None:

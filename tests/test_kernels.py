@@ -348,3 +348,89 @@ def test_a_compiled_call_met_first_counts_as_a_first_run_of_the_engine(tiny_deco
     assert twice(np.float32(2.0)) == 4.0 and first_runs(tiny_decoder.engine) == before + 1
     assert twice(np.float32(3.0)) == 6.0 and first_runs(tiny_decoder.engine) == before + 1
     assert first_runs(tiny_decoder.engine) == SameTypes.first_calls
+
+
+def _halves(x: np.ndarray) -> np.ndarray:
+    """``x`` as a 16-bit cache holds it (``KVCache(halves=True)``)."""
+    return x.astype(np.float16).view(np.uint16)
+
+
+@pytest.mark.parametrize("hd", [64, 40, 12])
+@pytest.mark.parametrize("rows", [1, 5, 13])
+def test_a_half_cache_gives_the_bits_of_its_values_in_float32(hd: int, rows: int) -> None:
+    """Keys and values read from a cache of halves' bits (the default on a GGUF's blocks) give
+    exactly what the same rounded values give from a float32 cache: widening a half is exact. Head
+    sizes with and without whole vectors, masked blocks and a batch of such caches beside a
+    float32 cache's reference."""
+    rng = np.random.default_rng(hd * rows)
+    kv, groups, cached = 3, 3, 37
+    q = rng.standard_normal((rows, kv * groups, hd)).astype(np.float32) / 8
+    k = (rng.standard_normal((kv, cached + rows + 3, hd)) * 4).astype(np.float32)
+    v = (rng.standard_normal((kv, cached + rows + 3, hd)) * 4).astype(np.float32)
+    rounded_k, rounded_v = k.astype(np.float16).astype(np.float32), v.astype(np.float16).astype(np.float32)
+    assert not np.array_equal(rounded_k, k)  # the rounding is real: it could show
+    bias = None
+    if rows > 1:
+        bias = np.zeros((rows, cached + rows), np.float32)
+        bias[:, cached:] = np.where(np.tril(np.ones((rows, rows), bool)), 0.0, -np.inf)
+    ours = attention(q, _halves(k), _halves(v), cached + rows, bias)
+    assert np.array_equal(ours, attention(q, rounded_k, rounded_v, cached + rows, bias))
+    np.testing.assert_allclose(ours, reference_attention(q, rounded_k, rounded_v, cached + rows, bias), rtol=1e-4, atol=1e-5)
+    out = np.empty((2 * rows, kv * groups * hd), np.float32)
+    ragged_attention(np.concatenate([q, q]), [AttentionSpan(0, rows, _halves(k), _halves(v), cached + rows, bias),
+                                             AttentionSpan(rows, 2 * rows, _halves(k), _halves(v), cached + rows, bias)], out)
+    assert np.array_equal(out[:rows], ours) and np.array_equal(out[rows:], ours)
+    if rows > 1:  # a prompt's prefill (PyTorch's GEMMs) reads the halves as the same float32 values
+        from lyanna.engines.attention import prefill_attention
+
+        causal = bias[:, cached:]
+        assert np.array_equal(prefill_attention(q, _halves(k), _halves(v), causal),
+                              prefill_attention(q, rounded_k, rounded_v, causal))
+
+
+def test_compiled_cache_writes_round_as_numpy_does() -> None:
+    """``attention.cache_value`` (what compiled passes write) and ``as_stored`` (what the numpy
+    path writes) store the same half for every float32 class: ties to even, the smallest halves,
+    overflow to infinity, signed zeros, NaN; and a float32 cache keeps the value as it is."""
+    from numba import njit
+
+    from lyanna.engines.attention import as_floats, as_stored, cache_value
+
+    @njit
+    def write(cache, x):
+        for i in range(x.size):
+            cache[i] = cache_value(cache, x[i])
+
+    rng = np.random.default_rng(5)
+    half_steps = np.arange(-2048, 2048, dtype=np.float32) * np.float32(2.0 ** -11) + np.float32(1.0)  # ties at 1 + odd/2^11
+    special = np.array([0.0, -0.0, 65504.0, 65520.0, 1e6, -1e6, 2.0 ** -24, 2.0 ** -25, 3 * 2.0 ** -26, 1e-30,
+                        np.inf, -np.inf], np.float32)
+    x = np.concatenate([special, half_steps, (rng.standard_normal(20000) * 10.0 ** rng.uniform(-8, 5, 20000)).astype(np.float32)])
+    halves = np.zeros(x.size, np.uint16)
+    write(halves, x)
+    assert np.array_equal(halves, as_stored(halves, x))
+    assert np.array_equal(as_floats(halves), x.astype(np.float16).astype(np.float32))
+    nan = np.zeros(1, np.uint16)
+    write(nan, np.array([np.nan], np.float32))
+    assert np.isnan(as_floats(nan)).all()
+    floats = np.zeros(x.size, np.float32)
+    write(floats, x)
+    assert np.array_equal(floats, x) and as_stored(floats, x) is x
+
+
+def test_the_key_value_cache_is_half_on_blocks_unless_asked_otherwise(monkeypatch) -> None:
+    """``LYANNA_KV_CACHE``: float16 or float32 as asked, else halves on a GGUF's blocks and float32
+    on fp32 weights; anything else refused by name."""
+    from lyanna.engines.intdot_ir import HAS_F16C
+    from lyanna.engines.transformer import KVCache, kv_cache_kind
+    from lyanna.errors import LyannaError
+
+    monkeypatch.delenv("LYANNA_KV_CACHE", raising=False)
+    assert kv_cache_kind(blocks=False) == "float32"
+    assert kv_cache_kind(blocks=True) == ("float16" if HAS_F16C else "float32")
+    monkeypatch.setenv("LYANNA_KV_CACHE", "float32")
+    assert kv_cache_kind(blocks=True) == "float32"
+    monkeypatch.setenv("LYANNA_KV_CACHE", "bfloat16")
+    with pytest.raises(LyannaError, match="LYANNA_KV_CACHE='bfloat16'"):
+        kv_cache_kind(blocks=True)
+    assert KVCache(2, 3, 8, 5, halves=True).k.dtype == np.uint16 and KVCache(2, 3, 8, 5).v.dtype == np.float32

@@ -132,7 +132,7 @@ def gguf_decoder(default_target):
 
 
 @pytest.mark.slow
-def test_default_model_runs_on_its_gguf_blocks(gguf_decoder, default_decoder):
+def test_default_model_runs_on_its_gguf_blocks(gguf_decoder, default_decoder, monkeypatch):
     from lyanna.decoding.decoder import GenerationRequest
 
     engine = gguf_decoder.engine
@@ -151,6 +151,8 @@ def test_default_model_runs_on_its_gguf_blocks(gguf_decoder, default_decoder):
     from lyanna.engines.transformer import Transformer
 
     float_inputs = load_target(DEFAULT_MODEL, weight_format="gguf-float")
+    half_cache = Transformer(float_inputs.config, float_inputs.weights)
+    monkeypatch.setenv("LYANNA_KV_CACHE", "float32")  # the kernels alone: a float32 cache as the fp32 engine's
     float_engine = Transformer(float_inputs.config, float_inputs.weights)
     agree, replies = [], []
     for question in ("Name three rivers in Europe.", "Write a haiku about autumn rain.",
@@ -163,6 +165,9 @@ def test_default_model_runs_on_its_gguf_blocks(gguf_decoder, default_decoder):
 
         fp32 = logits(default_decoder.engine)
         assert np.abs(logits(float_engine) - fp32).max() <= 2e-3
+        # The default cache's halves move these logits a little (about 0.02 at most where first
+        # measured): bounded with a wide margin, so that a cache read wrongly fails here.
+        assert np.abs(logits(half_cache) - fp32).max() <= 0.1
         agree.extend(logits(engine).argmax(axis=1) == fp32.argmax(axis=1))
         replies.append(ids)
     assert len(agree) >= 200 and np.mean(agree) >= 0.88, np.mean(agree)
@@ -204,6 +209,7 @@ def test_fused_layers_give_the_layer_by_layer_bits(tiny_model_dir, kernel):
                for name, w in target.weights.items()}
     fused = Transformer(target.config, weights)
     assert fused._fused is not None
+    assert fused.kv_cache == "float16" and fused.new_cache(4).k.dtype == np.uint16  # written by both paths below
     plain = Transformer(target.config, weights)
     plain._fused = None
     tokens = np.random.default_rng(11).integers(3, 259, 30)

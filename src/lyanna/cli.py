@@ -334,7 +334,9 @@ def _calibrate(args: argparse.Namespace) -> None:
     decoder = _decoder(args)
     curve = decoder.latency_curve(recalibrate=args.force)
     print(f"model {curve.model} on {curve.machine}, {curve.context} tokens of context, measured {curve.date}")
-    print(f"engine {decoder.engine.name}, kernel {getattr(decoder.engine, 'kernel', decoder.engine.name)}")
+    kv = getattr(decoder.engine, "kv_cache", None)
+    print(f"engine {decoder.engine.name}, kernel {getattr(decoder.engine, 'kernel', decoder.engine.name)}"
+          + (f", {kv} key/value cache" if kv else ""))
     print("| block tokens | ms | x one-token step |\n|---|---|---|")
     for n, t in zip(curve.sizes, curve.seconds):
         print(f"| {n} | {t * 1e3:.1f} | {t / curve.seconds[0]:.2f} |")

@@ -7,7 +7,7 @@ import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 from .kernels import _EXP_FLOOR, _FAST, _LN2_HI, _LN2_LO, _LOG2E, LANES, _aligned, _launch, even_group, ir_muladd, ir_splat
 
@@ -29,8 +29,8 @@ def prefill_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, b
     groups = heads // kv
     # [kv, groups * n, hd]: the query heads that share key/value head g, one after the other
     qt = torch.from_numpy(_aligned(q)).view(n, kv, groups, hd).permute(1, 2, 0, 3).reshape(kv, groups * n, hd)
-    kt = torch.from_numpy(_aligned(k_cache[:, :n]))
-    vt = torch.from_numpy(_aligned(v_cache[:, :n]))
+    kt = torch.from_numpy(_aligned(as_floats(k_cache[:, :n])))
+    vt = torch.from_numpy(_aligned(as_floats(v_cache[:, :n])))
     mask = torch.from_numpy(bias).repeat(groups, 1).expand(kv, groups * n, n)
     with _launch:
         probs = torch.softmax(torch.baddbmm(mask, qt, kt.transpose(1, 2)), dim=-1)
@@ -49,6 +49,53 @@ QUERIES = 6 if LANES == 16 else 4
 # (three at a time ran slower); on AVX2's 16 registers, one.
 _SCORE_QUERIES = 2 if LANES == 16 else 1
 _KEYS = 8  # keys scored together: 8 lanes of a 256-bit vector, one key's dot product per lane
+
+
+def ir_load_floats(b: ir.IRBuilder, base: ir.Value, offset: ir.Value, kind: ir.Type) -> ir.Value:
+    """``kind`` (float32 or a vector of them) from element ``offset`` of ``base``: float32
+    elements as they are, 16-bit ones (a half cache's bits, ``KVCache``) widened to float32, which
+    is exact, so a key read from a half cache has the bits of the same key stored as float32."""
+    lanes = kind.count if isinstance(kind, ir.VectorType) else 1
+    at = b.gep(base, [offset])
+    if base.type.pointee == ir.IntType(16):
+        half = ir.VectorType(ir.HalfType(), lanes) if lanes > 1 else ir.HalfType()
+        return b.fpext(b.load(b.bitcast(at, half.as_pointer()), align=2), kind)
+    return b.load(b.bitcast(at, kind.as_pointer()), align=4)
+
+
+@intrinsic
+def _half_bits(typingctx, x):
+    """float32 ``x`` rounded to the nearest half-precision float (ties to even, as numpy's
+    ``astype(np.float16)`` rounds) as its 16 bits."""
+    if x != types.float32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+
+    return types.uint16(x), codegen
+
+
+def cache_value(cache, x):  # pragma: no cover - replaced in compiled code by the overload below
+    """``x`` (float32) as ``cache`` holds it: as it is in a float32 cache, as a half's bits in a
+    16-bit one (``KVCache``)."""
+
+
+@overload(cache_value)
+def _cache_value(cache, x):
+    if cache.dtype == types.uint16:
+        return lambda cache, x: _half_bits(np.float32(x))
+    return lambda cache, x: x
+
+
+def as_stored(cache: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """``cache_value`` for numpy: ``values`` as a cache of ``cache``'s dtype holds them."""
+    return values.astype(np.float16).view(np.uint16) if cache.dtype == np.uint16 else values
+
+
+def as_floats(cache: np.ndarray) -> np.ndarray:
+    """A cache's (or a slice's) values as float32: a 16-bit cache's halves widened."""
+    return cache.view(np.float16).astype(np.float32) if cache.dtype == np.uint16 else cache
 
 
 def _reduce_pairs(b: ir.IRBuilder, x: ir.Value, y: ir.Value) -> ir.Value:
@@ -92,7 +139,7 @@ class _Scores:
         for a in (a for row in acc for a in row):
             a.add_incoming(zero, entry)
         qv = [b.load(self._at(self.qp, b.add(query, d)), align=4) for query in queries]
-        kv = [b.load(self._at(self.kp, b.add(b.add(self.koff, b.mul(key, self.hd)), d)), align=4) for key in keys]
+        kv = [ir_load_floats(b, self.kp, b.add(b.add(self.koff, b.mul(key, self.hd)), d), v8) for key in keys]
         new = [[muladd(q, k, a) for k, a in zip(kv, row)] for q, row in zip(qv, acc)]
         d_next = b.add(d, intp(8))
         d.add_incoming(d_next, b.block)
@@ -114,7 +161,7 @@ class _Scores:
         row = b.add(self.koff, b.mul(key, self.hd))
         slot = cgutils.alloca_once_value(b, total)
         with cgutils.for_range_slice(b, self.full, self.hd, intp(1)) as (d, _):
-            qd, kd = b.load(b.gep(self.qp, [b.add(query, d)])), b.load(b.gep(self.kp, [b.add(row, d)]))
+            qd, kd = b.load(b.gep(self.qp, [b.add(query, d)])), ir_load_floats(b, self.kp, b.add(row, d), ir.FloatType())
             b.store(ir_muladd(b, ir.FloatType())(qd, kd, b.load(slot)), slot)
         b.store(b.load(slot), b.gep(self.sp, [b.add(out, key)]))
 
@@ -268,7 +315,7 @@ class _Weighted:
         for a in (x for row in acc for x in row):
             a.add_incoming(zero, entry)
         row = b.add(b.add(self.voff, b.mul(j, self.hd)), e)
-        vals = [b.load(at(self.vp, b.add(row, intp(w * lanes))), align=4) for w in range(width)]
+        vals = [ir_load_floats(b, self.vp, b.add(row, intp(w * lanes)), kind) for w in range(width)]
         new = []
         for r in range(queries):
             pv = ir_splat(b, b.load(b.gep(self.pp, [b.add(b.mul(intp(r), self.pstride), j)])), kind)
@@ -318,7 +365,7 @@ class _Weighted:
 def _weighted_rows(typingctx, p, pstride, nq, v, voff, n, hd, out, ooff, ostride, scales):
     """For each query r < nq (1..``QUERIES``): ``out[ooff + r * ostride + e] = scales[r] *
     sum(p[r * pstride + j] * v[voff + j * hd + e] for j < n)`` for e < hd, keys in order, one
-    ``fma`` per term, starting from +0 (``v``, ``out``: C-contiguous float32).
+    ``fma`` per term, starting from +0 (``v``: C-contiguous float32, or a half cache's 16 bits read as float32; ``out``: C-contiguous float32).
 
     Why IR: numba's loop keeps the accumulators in memory; here the accumulators of every query
     stay in registers across the keys and each value vector is loaded once for all of them. A

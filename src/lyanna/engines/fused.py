@@ -26,7 +26,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 from numba.typed import List
 
-from .attention import _attention_kernel, span_layout
+from .attention import _attention_kernel, cache_value, span_layout
 from .config import ModelConfig
 from .kernels import SameTypes, _rms_norm_kernel, _rope_kernel, _silu_mul_kernel
 from . import intdot
@@ -114,8 +114,8 @@ def _write_kv(qkv, kh, k_caches, v_caches, layer, span_of, lo, starts, v_at):  #
         k_cache, v_cache, slot = k_caches[s], v_caches[s], starts[s] + i - lo[s]
         for g in range(kv_heads):
             for e in range(head_dim):
-                k_cache[layer, g, slot, e] = kh[i, g, e]
-                v_cache[layer, g, slot, e] = qkv[i, v_at + g * head_dim + e]
+                k_cache[layer, g, slot, e] = cache_value(k_cache, kh[i, g, e])
+                v_cache[layer, g, slot, e] = cache_value(v_cache, qkv[i, v_at + g * head_dim + e])
 
 
 # What ``_layers`` times per layer when it is given a clock (``PHASES`` cycle counts, summed over

@@ -12,6 +12,7 @@ keys/values to a preallocated cache, and can later keep only a chosen subset of 
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Sequence
 
@@ -19,27 +20,51 @@ import numpy as np
 from numba import njit
 
 from ..errors import LyannaError
-from .attention import AttentionSpan, prefill_attention, ragged_attention
+from .attention import AttentionSpan, as_stored, prefill_attention, ragged_attention
 from .base import Block, ForwardOutput, TargetEngine, block_inputs, compaction
 from .config import ModelConfig, rope_inv_freq
 from .fused import FusedLayers
 from .kernels import BULK_MIN_ROWS, SameTypes, _launch, linear, linear_rows, rms_norm, rope_qk, silu_mul
 from . import intdot
+from .intdot_ir import HAS_F16C
 from .quant import QuantMatrix
 
 Weight = np.ndarray | QuantMatrix  # a matrix in fp32, or computed on a GGUF's blocks (``quant``)
 
 # Bumped whenever the forward pass's cost changes, so cached latency calibrations are redone.
-ENGINE_REVISION = 16
+ENGINE_REVISION = 17
+KV_CACHES = ("float16", "float32")  # what ``LYANNA_KV_CACHE`` may name
+
+
+def kv_cache_kind(blocks: bool) -> str:
+    """What an engine's key/value cache holds: ``LYANNA_KV_CACHE`` (``float16`` or ``float32``),
+    else half-precision floats where the weights are a GGUF's blocks and the CPU converts halves in
+    one instruction (F16C), float32 otherwise. Why halves: a one-token pass reads every cached key
+    and value, at long contexts more bytes than the weights, and half the bytes read faster. Those
+    weights are 4- and 8-bit already, as llama.cpp, whose default cache is also float16, runs
+    them; fp32 weights keep a float32 cache, so their passes stay the model's own float32 numbers.
+    A key or value is rounded once, when it is written, and read back exactly, so every row still
+    gets the same bits whatever its block, batch or method."""
+    name = os.environ.get("LYANNA_KV_CACHE", "").strip() or "auto"
+    if name == "auto":
+        return "float16" if blocks and HAS_F16C else "float32"
+    if name not in KV_CACHES:
+        raise LyannaError(f"LYANNA_KV_CACHE={name!r}: choose auto, {' or '.join(KV_CACHES)}")
+    if name == "float16" and not HAS_F16C:
+        raise LyannaError("LYANNA_KV_CACHE=float16: this CPU lacks F16C (half-precision conversions)")
+    return name
 
 
 class KVCache:
-    """Preallocated keys and values of every layer; the first ``length`` positions are valid."""
+    """Preallocated keys and values of every layer; the first ``length`` positions are valid.
+    ``halves``: each value a half-precision float's 16 bits (``uint16``: the compiled kernels take
+    no float16 arrays; ``attention.as_floats`` reads them in numpy), else float32."""
 
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int):
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int, halves: bool = False):
         shape = (num_layers, num_kv_heads, capacity, head_dim)
-        self.k = np.zeros(shape, np.float32)
-        self.v = np.zeros(shape, np.float32)
+        dtype = np.uint16 if halves else np.float32
+        self.k = np.zeros(shape, dtype)
+        self.v = np.zeros(shape, dtype)
         self.length = 0
 
     @property
@@ -185,8 +210,8 @@ def ragged_layer_forward(layer: LayerWeights, c: ModelConfig, x: np.ndarray, rot
     small = []  # every span our kernel serves goes into one launch
     for span in spans:
         end = span.start + span.hi - span.lo
-        span.k_cache[:, span.start : end] = k[span.lo : span.hi].transpose(1, 0, 2)
-        span.v_cache[:, span.start : end] = v[span.lo : span.hi].transpose(1, 0, 2)
+        span.k_cache[:, span.start : end] = as_stored(span.k_cache, k[span.lo : span.hi].transpose(1, 0, 2))
+        span.v_cache[:, span.start : end] = as_stored(span.v_cache, v[span.lo : span.hi].transpose(1, 0, 2))
         if span.prefill and span.hi - span.lo >= BULK_MIN_ROWS:
             o[span.lo : span.hi] = prefill_attention(q[span.lo : span.hi], span.k_cache, span.v_cache, span.bias)
         else:
@@ -253,6 +278,8 @@ class Transformer(TargetEngine):
         # every row's numbers are the same however the prompt is split into blocks, which lets a
         # cached prefix stand in for its rows bit for bit (``prefix_cache.py``).
         self.blockwise_prefill = bool(kernels)
+        # What the key/value cache holds (``kv_cache_kind``), for calibrations and bench reports to name.
+        self.kv_cache = kv_cache_kind(bool(kernels))
 
     @property
     def first_runs(self) -> int:
@@ -264,7 +291,7 @@ class Transformer(TargetEngine):
 
     def new_cache(self, capacity: int) -> KVCache:
         c = self.config
-        return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, capacity)
+        return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, capacity, self.kv_cache == "float16")
 
     def forward_batch(self, blocks: Sequence["Block"]) -> list[ForwardOutput]:
         """``forward`` for the blocks of several sequences (each its own cache) in one pass.

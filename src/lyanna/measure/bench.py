@@ -429,6 +429,7 @@ def run_bench(
         "model": decoder.target.name,
         "engine": decoder.engine.name,
         "kernel": getattr(decoder.engine, "kernel", decoder.engine.name),
+        "kv_cache": getattr(decoder.engine, "kv_cache", None),
         "memory": memory_info(decoder),
         "machine": machine_info(),
         "settings": {

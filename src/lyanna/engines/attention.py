@@ -365,7 +365,8 @@ class _Weighted:
 def _weighted_rows(typingctx, p, pstride, nq, v, voff, n, hd, out, ooff, ostride, scales):
     """For each query r < nq (1..``QUERIES``): ``out[ooff + r * ostride + e] = scales[r] *
     sum(p[r * pstride + j] * v[voff + j * hd + e] for j < n)`` for e < hd, keys in order, one
-    ``fma`` per term, starting from +0 (``v``: C-contiguous float32, or a half cache's 16 bits read as float32; ``out``: C-contiguous float32).
+    ``fma`` per term, starting from +0 (``out``: C-contiguous float32; ``v``: C-contiguous float32,
+    or a half cache's 16 bits, read as float32).
 
     Why IR: numba's loop keeps the accumulators in memory; here the accumulators of every query
     stay in registers across the keys and each value vector is loaded once for all of them. A

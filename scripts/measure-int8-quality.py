@@ -7,6 +7,9 @@ what the same choice costs there.
 1. Top-1 agreement, teacher-forced: for each of Spec-Bench's first ``--limit`` questions the
    fp32-input engine's greedy reply of ``--tokens`` tokens is fixed, every engine reads prompt +
    reply in one pass, and we count the reply positions where two engines' argmax agree.
+   ``gguf`` is the default engine (its key/value cache of halves, ``transformer.kv_cache_kind``);
+   ``gguf-kv32`` the same with a float32 cache, ``gguf-float`` the fp32-input reference with one,
+   so each change's cost shows alone.
 2. Perplexity of each engine on a fixed text: the packaged MT-bench questions (every turn, in file
    order, joined by blank lines), in windows of ``WINDOW`` tokens.
 
@@ -17,6 +20,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 from datetime import datetime, timezone
 
 import numpy as np
@@ -70,10 +74,14 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--out", default="docs/bench/int8-quality.json")
     args = parser.parse_args()
-    decoders = {w: Decoder(load_target(DEFAULT_MODEL, weight_format=w)) for w in ("gguf", "gguf-float")}
+    decoders = {"gguf": Decoder(load_target(DEFAULT_MODEL, weight_format="gguf"))}
+    os.environ["LYANNA_KV_CACHE"] = "float32"  # read when an engine is made
+    decoders["gguf-kv32"] = Decoder(load_target(DEFAULT_MODEL, weight_format="gguf"))
+    decoders["gguf-float"] = Decoder(load_target(DEFAULT_MODEL, weight_format="gguf-float"))
+    del os.environ["LYANNA_KV_CACHE"]
     engines = {w: d.engine for w, d in decoders.items()}
     engines["hf-fp32"] = load_torch_target(DEFAULT_MODEL)[1]
-    pairs = [("gguf", "gguf-float"), ("gguf", "hf-fp32"), ("gguf-float", "hf-fp32")]
+    pairs = [("gguf", "gguf-float"), ("gguf", "hf-fp32"), ("gguf-kv32", "hf-fp32"), ("gguf-float", "hf-fp32")]
     if importlib.util.find_spec("llama_cpp") is not None:
         engines["llamacpp"] = LlamaCppLogits(source_gguf(DEFAULT_MODEL))
         pairs.append(("llamacpp", "hf-fp32"))
@@ -102,6 +110,7 @@ def main() -> None:
         "machine": machine_info(),
         "model": DEFAULT_MODEL,
         "int8_path": PATH,
+        "kv_caches": {name: getattr(e, "kv_cache", "float32") for name, e in engines.items()},
         "agreement": {"questions": args.limit, "reply_tokens": args.tokens, "positions": positions,
                       "top1": {k: round(v / positions, 5) for k, v in agree.items()}},
         "perplexity": {"text": "packaged MT-bench questions, every turn", "tokens": len(tokens), "window": WINDOW,

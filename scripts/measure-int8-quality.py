@@ -33,6 +33,7 @@ from lyanna.engines.loading import DEFAULT_MODEL, load_target, source_gguf
 from lyanna.engines.torch_engine import load_torch_target
 from lyanna.measure.bench import load_questions, machine_info
 
+DEFAULT_OUT = "docs/bench/int8-quality.json"
 WINDOW = 512  # tokens per perplexity window: every token predicted from at least its window's start
 
 
@@ -72,7 +73,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--limit", type=int, default=26)
     parser.add_argument("--tokens", type=int, default=128)
-    parser.add_argument("--out", default="docs/bench/int8-quality.json")
+    parser.add_argument("--out", default=DEFAULT_OUT)
     args = parser.parse_args()
     decoders = {"gguf": Decoder(load_target(DEFAULT_MODEL, weight_format="gguf"))}
     os.environ["LYANNA_KV_CACHE"] = "float32"  # read when an engine is made
@@ -105,7 +106,7 @@ def main() -> None:
         total = sum(nll(all_logits(engine, w)[:-1], w[1:]) for w in tqdm(windows, desc=f"perplexity {name}"))
         perplexity[name] = round(float(np.exp(total / sum(len(w) - 1 for w in windows))), 4)
     report = {
-        "command": "python scripts/measure-int8-quality.py",
+        "command": "python scripts/measure-int8-quality.py" + ("" if args.out == DEFAULT_OUT else f" --out {args.out}"),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": machine_info(),
         "model": DEFAULT_MODEL,

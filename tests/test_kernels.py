@@ -389,12 +389,12 @@ def test_a_half_cache_gives_the_bits_of_its_values_in_float32(hd: int, rows: int
 
 
 def test_compiled_cache_writes_round_as_numpy_does() -> None:
-    """``attention.cache_value`` (what compiled passes write) and ``as_stored`` (what the numpy
+    """``halves.cache_value`` (what compiled passes write) and ``as_stored`` (what the numpy
     path writes) store the same half for every float32 class: ties to even, the smallest halves,
     overflow to infinity, signed zeros, NaN; and a float32 cache keeps the value as it is."""
     from numba import njit
 
-    from lyanna.engines.attention import as_floats, as_stored, cache_value
+    from lyanna.engines.halves import as_floats, as_stored, cache_value
 
     @njit
     def write(cache, x):

@@ -146,10 +146,8 @@ def model_key(name: str, engine: TargetEngine) -> str:
 
 
 def calibration_path(name: str, engine: TargetEngine) -> Path:
-    # The kernel's instruction-set path too (``intdot-vnni`` / ``intdot-avx2``): each has its own curve.
-    # And what its key/value cache holds (``transformer.kv_cache_kind``): halves read faster.
-    kernel = getattr(engine, "kernel", "")
-    kv = getattr(engine, "kv_cache", "")
+    # The kernel's instruction-set path (``intdot-vnni``...) and cache (``kv_cache``) too: each has its own curve.
+    kernel, kv = getattr(engine, "kernel", ""), getattr(engine, "kv_cache", "")
     digest = hashlib.sha256(f"{machine_id()} engine {engine.name} {kernel} {kv} {ENGINE_REVISION}".encode()).hexdigest()[:10]
     return cache_dir() / "calibration" / f"{model_key(name, engine)}-{digest}.json"
 

@@ -7,8 +7,9 @@ import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
-from numba.extending import intrinsic, overload
+from numba.extending import intrinsic
 
+from .halves import as_floats, ir_load_floats
 from .kernels import _EXP_FLOOR, _FAST, _LN2_HI, _LN2_LO, _LOG2E, LANES, _aligned, _launch, even_group, ir_muladd, ir_splat
 
 
@@ -49,53 +50,6 @@ QUERIES = 6 if LANES == 16 else 4
 # (three at a time ran slower); on AVX2's 16 registers, one.
 _SCORE_QUERIES = 2 if LANES == 16 else 1
 _KEYS = 8  # keys scored together: 8 lanes of a 256-bit vector, one key's dot product per lane
-
-
-def ir_load_floats(b: ir.IRBuilder, base: ir.Value, offset: ir.Value, kind: ir.Type) -> ir.Value:
-    """``kind`` (float32 or a vector of them) from element ``offset`` of ``base``: float32
-    elements as they are, 16-bit ones (a half cache's bits, ``KVCache``) widened to float32, which
-    is exact, so a key read from a half cache has the bits of the same key stored as float32."""
-    lanes = kind.count if isinstance(kind, ir.VectorType) else 1
-    at = b.gep(base, [offset])
-    if base.type.pointee == ir.IntType(16):
-        half = ir.VectorType(ir.HalfType(), lanes) if lanes > 1 else ir.HalfType()
-        return b.fpext(b.load(b.bitcast(at, half.as_pointer()), align=2), kind)
-    return b.load(b.bitcast(at, kind.as_pointer()), align=4)
-
-
-@intrinsic
-def _half_bits(typingctx, x):
-    """float32 ``x`` rounded to the nearest half-precision float (ties to even, as numpy's
-    ``astype(np.float16)`` rounds) as its 16 bits."""
-    if x != types.float32:
-        return None
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
-
-    return types.uint16(x), codegen
-
-
-def cache_value(cache, x):  # pragma: no cover - replaced in compiled code by the overload below
-    """``x`` (float32) as ``cache`` holds it: as it is in a float32 cache, as a half's bits in a
-    16-bit one (``KVCache``)."""
-
-
-@overload(cache_value)
-def _cache_value(cache, x):
-    if cache.dtype == types.uint16:
-        return lambda cache, x: _half_bits(np.float32(x))
-    return lambda cache, x: x
-
-
-def as_stored(cache: np.ndarray, values: np.ndarray) -> np.ndarray:
-    """``cache_value`` for numpy: ``values`` as a cache of ``cache``'s dtype holds them."""
-    return values.astype(np.float16).view(np.uint16) if cache.dtype == np.uint16 else values
-
-
-def as_floats(cache: np.ndarray) -> np.ndarray:
-    """A cache's (or a slice's) values as float32: a 16-bit cache's halves widened."""
-    return cache.view(np.float16).astype(np.float32) if cache.dtype == np.uint16 else cache
 
 
 def _reduce_pairs(b: ir.IRBuilder, x: ir.Value, y: ir.Value) -> ir.Value:

@@ -26,7 +26,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 from numba.typed import List
 
-from .attention import _attention_kernel, cache_value, span_layout
+from .attention import _attention_kernel, span_layout
+from .halves import cache_value
 from .config import ModelConfig
 from .kernels import SameTypes, _rms_norm_kernel, _rope_kernel, _silu_mul_kernel
 from . import intdot

@@ -20,10 +20,11 @@ import numpy as np
 from numba import njit
 
 from ..errors import LyannaError
-from .attention import AttentionSpan, as_stored, prefill_attention, ragged_attention
+from .attention import AttentionSpan, prefill_attention, ragged_attention
 from .base import Block, ForwardOutput, TargetEngine, block_inputs, compaction
 from .config import ModelConfig, rope_inv_freq
 from .fused import FusedLayers
+from .halves import as_stored
 from .kernels import BULK_MIN_ROWS, SameTypes, _launch, linear, linear_rows, rms_norm, rope_qk, silu_mul
 from . import intdot
 from .intdot_ir import HAS_F16C
@@ -58,7 +59,7 @@ def kv_cache_kind(blocks: bool) -> str:
 class KVCache:
     """Preallocated keys and values of every layer; the first ``length`` positions are valid.
     ``halves``: each value a half-precision float's 16 bits (``uint16``: the compiled kernels take
-    no float16 arrays; ``attention.as_floats`` reads them in numpy), else float32."""
+    no float16 arrays; ``halves.as_floats`` reads them in numpy), else float32."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int, halves: bool = False):
         shape = (num_layers, num_kv_heads, capacity, head_dim)

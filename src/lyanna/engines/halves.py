@@ -28,6 +28,16 @@ def ir_load_floats(b: ir.IRBuilder, base: ir.Value, offset: ir.Value, kind: ir.T
 
 
 @intrinsic
+def widen_half(typingctx, bits):
+    """float32 from a half's 16 bits, exactly: ``as_floats`` for one value in compiled code
+    (``intdot.pack``'s fp16 scales, where ``intdot.dequantize_rows`` reads them)."""
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+
+    return types.float32(types.uint16), codegen
+
+
+@intrinsic
 def _half_bits(typingctx, x):
     """float32 ``x`` rounded to the nearest half-precision float (ties to even, as numpy's
     ``astype(np.float16)`` rounds) as its 16 bits."""

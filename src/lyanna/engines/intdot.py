@@ -49,6 +49,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from . import intdot_amx
+from .halves import widen_half
 from .intdot_ir import (ALL_PATHS as _IR_PATHS, BYTE_BYTES, GROUP, HAS_AVX2, HAS_F16C, HAS_VNNI,  # noqa: F401
                         MANY_TILES, MAX_TILE, NIBBLE_BYTES, OUT, PATHS as _IR_RUNS, PREFETCH_BYTES, QK, _block_avx2,
                         _block_portable, _block_vnni)
@@ -382,15 +383,6 @@ def unpack(d: np.ndarray, m: np.ndarray, q: np.ndarray) -> tuple[np.ndarray, np.
     return d2, m2, np.ascontiguousarray(values)
 
 
-@intrinsic
-def _widen_half(typingctx, bits):
-    """fp32 from fp16 bits (exact)."""
-    def codegen(context, builder, signature, args):
-        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
-
-    return types.float32(types.uint16), codegen
-
-
 def _scale_at(a, c, v, b, w, lane):  # pragma: no cover - replaced in compiled code by the overload below
     """Scale ``a[c, v, b, w, lane]`` as fp32, whether ``pack`` kept it as fp32 or as fp16 bits."""
 
@@ -398,7 +390,7 @@ def _scale_at(a, c, v, b, w, lane):  # pragma: no cover - replaced in compiled c
 @overload(_scale_at)
 def _scale_at_by_type(a, c, v, b, w, lane):
     if a.dtype == types.uint16:
-        return lambda a, c, v, b, w, lane: _widen_half(a[c, v, b, w, lane])
+        return lambda a, c, v, b, w, lane: widen_half(a[c, v, b, w, lane])
     return lambda a, c, v, b, w, lane: a[c, v, b, w, lane]
 
 

@@ -159,8 +159,8 @@ def calibrate(engine: TargetEngine, name: str, sizes: Sequence[int] = DEFAULT_SI
     machine whose speed drifts while it calibrates (a shared host) shifts every size alike
     instead of bending the curve: measured size by size, a noisy moment once made 8 tokens look
     cheaper than 6 here, and the auto budget then chose trees too big for this CPU. Each block
-    follows an untimed one-token pass, as while decoding: after the last sweep's largest block a one-token
-    pass took 4.3 ms, a decoding step 3.8 (2-core Zen 4): plain decoding was priced above its cost."""
+    follows an untimed one-token pass, as while decoding: timed after the last sweep's largest block,
+    the one-token pass was dearer than a decoding step, and plain decoding priced above its cost."""
     sizes = sorted(set(int(s) for s in sizes))
     if len(sizes) < 2 or sizes[0] < 1:
         raise LyannaError(f"calibration needs at least two distinct positive block sizes, got {sizes}")

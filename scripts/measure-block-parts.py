@@ -5,7 +5,8 @@ attention over the cache with the block's causal mask). What the pass does besid
 SiLU, the calls between) is about the pass less the parts, within this host's noise (the parts,
 measured apart, need not add up to the pass). And the same passes timed inside, phase by phase
 (``ms_inside_pass``: the layers' phases by the CPU's cycle counter, ``fused.PHASES``, and what the
-pass spends outside the layers, the LM head mostly): there each part meets the caches as the pass
+pass spends outside the layers, the LM head mostly; a clocked pass takes ``fused._layers`` even
+where one sequence's small blocks otherwise take the held threads of ``step.py``): there each part meets the caches as the pass
 leaves them, where a part timed alone, over and over, finds much of its weights in cache (the LM
 head's 30 MB of blocks nearly fit a 32 MB L3). Also the integer kernel's multiply-adds per
 second on one matrix that stays in cache at 8 / 16 / 64 rows (its arithmetic bound, no memory

@@ -10,7 +10,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .halves import as_floats, ir_load_floats
-from .kernels import _EXP_FLOOR, _FAST, _LN2_HI, _LN2_LO, _LOG2E, LANES, _aligned, _launch, even_group, ir_muladd, ir_splat
+from .kernels import _FAST, LANES, _aligned, _ir_exp, _launch, even_group, ir_muladd, ir_splat
 
 
 def prefill_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, bias: np.ndarray) -> np.ndarray:
@@ -183,30 +183,6 @@ def _dot_keys(typingctx, q, qoff, qstride, nq, k, koff, hd, nkeys, s, sstride):
     return types.void(q, qoff, qstride, nq, k, koff, hd, nkeys, s, sstride), codegen
 
 
-def _ir_exp(b: ir.IRBuilder, x: ir.Value) -> ir.Value:
-    """``kernels.exp_nonpositive``'s arithmetic on ``x`` (float32 or a vector of them), with
-    every multiply-add an explicit ``fma``: a lane of a vector and the same value alone get the
-    same bits (no contraction left to the compiler), 0 below -87 and for -inf."""
-    kind = x.type
-    lanes = kind.count if isinstance(kind, ir.VectorType) else 1
-    c = lambda v: ir_splat(b, ir.Constant(ir.FloatType(), float(v)), kind)  # noqa: E731
-    fma = cgutils.get_or_insert_function(b.module, ir.FunctionType(kind, [kind] * 3),
-                                         f"llvm.fma.v{lanes}f32" if lanes > 1 else "llvm.fma.f32")
-    floor = cgutils.get_or_insert_function(b.module, ir.FunctionType(kind, [kind]),
-                                           f"llvm.floor.v{lanes}f32" if lanes > 1 else "llvm.floor.f32")
-    n = b.call(floor, [b.call(fma, [x, c(_LOG2E), c(0.5)])])
-    neg = b.fneg(n)
-    r = b.call(fma, [neg, c(_LN2_LO), b.call(fma, [neg, c(_LN2_HI), x])])
-    poly = c(1.0 / 5040.0)
-    for coef in (1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0):
-        poly = b.call(fma, [poly, r, c(coef)])
-    ints = ir.VectorType(ir.IntType(32), lanes) if lanes > 1 else ir.IntType(32)
-    bias = ir_splat(b, ir.IntType(32)(127), ints)
-    safe = b.select(b.fcmp_ordered(">=", x, c(_EXP_FLOOR)), n, c(0.0))  # -inf and far below: any exponent, unused
-    two_n = b.bitcast(b.shl(b.add(b.fptosi(safe, ints), bias), ir_splat(b, ir.IntType(32)(23), ints)), kind)
-    return b.select(b.fcmp_ordered(">=", x, c(_EXP_FLOOR)), b.fmul(poly, two_n), c(0.0))
-
-
 @intrinsic
 def _softmax_weights(typingctx, p, off, n):
     """``p[off + j] = exp(p[off + j] - max(p[off : off + n]))`` for j < n by ``_ir_exp``, in
@@ -370,51 +346,82 @@ def _attention_kernel(q: np.ndarray, ks, vs, layer: int, span_of: np.ndarray, lo
     capacity, head_dim]; tuples or typed lists: one launch for every sequence of a batch), plus its
     row of the span's additive mask when ``bias_at[s] >= 0``. One task per head and run of up to
     ``QUERIES`` rows of a span: the run's rows share each key's and value's loads."""
+    heads = q.shape[1]
+    chunks = _row_chunks(span_of)
+    last_all, inv_all, p_all = attention_scratch(chunks.shape[0] * heads, ends.max())
+    for t in prange(chunks.shape[0] * heads):
+        attention_task(t, chunks, q, ks, vs, layer, span_of, lo, ends, bias, bias_at, out, last_all, inv_all, p_all)
+
+
+# Softmax weights (at most 1) as integers in units of 2**-50, for ``_scales``' exact sums: a sum of
+# up to 8192 such weights stays below 2**63.
+_FIXED = np.float32(2.0 ** 50)
+
+
+@njit(cache=True, nogil=True)
+def _scales(p: np.ndarray, inv: np.ndarray) -> None:  # pragma: no cover - compiled
+    """``inv[r] = 1 / sum(p[r])`` for each row of softmax weights ``p`` [rows, width] (each in
+    [0, 1], the row's largest exactly 1), the sum taken exactly in integers: each weight in
+    units of 2**-50, truncated (the same for a weight wherever it is), added in int64, then
+    rounded once to float32. An integer sum has no order, so a row's denominator is the same bits
+    whatever the block, the key count, the vector width or the code around the loop, and a weight
+    of 0 (a key the row cannot see) changes nothing: alone, in a tree block or in a batch, a row
+    gets the same (a float64 sum left to the vectorizer now and then came out a last bit apart
+    between two callers). The dropped bits move the sum (at least 1) by under ``width * 2**-50``."""
+    rows, width = p.shape
+    for r in range(rows):
+        total = np.int64(0)
+        for j in range(width):
+            total += np.int64(p[r, j] * _FIXED)
+        inv[r] = np.float32(1.0) / np.float32(np.float64(total) / np.float64(_FIXED))
+
+
+@njit(cache=True, nogil=True)
+def attention_scratch(tasks: int, most_keys: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # pragma: no cover - compiled
+    """Every task's scratch in one allocation each: its rows' last visible key, weights and scales."""
+    return (np.empty((tasks, QUERIES), np.int64), np.empty((tasks, QUERIES), np.float32),
+            np.empty((tasks, QUERIES * most_keys), np.float32))
+
+
+@njit(fastmath=_FAST, cache=True, nogil=True)
+def attention_task(t: int, chunks: np.ndarray, q: np.ndarray, ks, vs, layer: int, span_of: np.ndarray, lo: np.ndarray,
+                   ends: np.ndarray, bias: np.ndarray, bias_at: np.ndarray, out: np.ndarray, last_all: np.ndarray,
+                   inv_all: np.ndarray, p_all: np.ndarray) -> None:  # pragma: no cover - compiled
+    """Task ``t`` of ``_attention_kernel`` (head ``t % heads`` of run ``t // heads`` of ``chunks``),
+    also one task of the one-row pass on held threads (``step``)."""
     n, heads, hd = q.shape
     groups = heads // ks[0].shape[1]
-    chunks = _row_chunks(span_of)
-    # every task's scratch in one allocation: its rows' last visible key, weights and scales
-    last_all = np.empty((chunks.shape[0] * heads, QUERIES), np.int64)
-    inv_all = np.empty((chunks.shape[0] * heads, QUERIES), np.float32)
-    p_all = np.empty((chunks.shape[0] * heads, QUERIES * ends.max()), np.float32)
-    for t in prange(chunks.shape[0] * heads):
-        r0, r1 = chunks[t // heads, 0], chunks[t // heads, 1]
-        h = t % heads
-        s = span_of[r0]
-        k = ks[s][layer]
-        v = vs[s][layer]
-        g = h // groups
-        masked = bias_at[s] >= 0
-        last, inv = last_all[t], inv_all[t]
-        for r in range(r1 - r0):
-            end = ends[s]
-            if masked:  # keys after the row's last visible one weigh exactly 0: skip them (half of a causal block)
-                row_bias = bias_at[s] + (r0 + r - lo[s]) * ends[s]
-                while end > 1 and bias[row_bias + end - 1] == -np.inf:
-                    end -= 1
-            last[r] = end
-        width = last[: r1 - r0].max()
-        p = p_all[t, : (r1 - r0) * width].reshape(r1 - r0, width)
-        _dot_keys(q, (r0 * heads + h) * hd, heads * hd, r1 - r0, k, g * k.shape[1] * hd, hd, width, p, width)
-        for r in range(r1 - r0):
-            i, end = r0 + r, last[r]
-            prow = p[r, :end]
-            p[r, end:] = 0.0
-            if masked:
-                row_bias = bias_at[s] + (i - lo[s]) * ends[s]
-                brow = bias[row_bias : row_bias + end]  # from 0: indexed as bias[row_bias + j], the loop ran scalar
-                for j in range(end):
-                    prow[j] += brow[j]
-            _softmax_weights(p, r * width, end)  # masked keys (-inf) get exactly 0
-            # The vectorized sum visits keys in an order that depends on how many there are; in
-            # float64 that order no longer shows once rounded to float32, so a query gets the same
-            # denominator alone, in a tree block whose later keys it cannot see, or in a batch.
-            total64 = 0.0
+    r0, r1 = chunks[t // heads, 0], chunks[t // heads, 1]
+    h = t % heads
+    s = span_of[r0]
+    k = ks[s][layer]
+    v = vs[s][layer]
+    g = h // groups
+    masked = bias_at[s] >= 0
+    last, inv = last_all[t], inv_all[t]
+    for r in range(r1 - r0):
+        end = ends[s]
+        if masked:  # keys after the row's last visible one weigh exactly 0: skip them (half of a causal block)
+            row_bias = bias_at[s] + (r0 + r - lo[s]) * ends[s]
+            while end > 1 and bias[row_bias + end - 1] == -np.inf:
+                end -= 1
+        last[r] = end
+    width = last[: r1 - r0].max()
+    p = p_all[t, : (r1 - r0) * width].reshape(r1 - r0, width)
+    _dot_keys(q, (r0 * heads + h) * hd, heads * hd, r1 - r0, k, g * k.shape[1] * hd, hd, width, p, width)
+    for r in range(r1 - r0):
+        i, end = r0 + r, last[r]
+        prow = p[r, :end]
+        p[r, end:] = 0.0
+        if masked:
+            row_bias = bias_at[s] + (i - lo[s]) * ends[s]
+            brow = bias[row_bias : row_bias + end]  # from 0: indexed as bias[row_bias + j], the loop ran scalar
             for j in range(end):
-                total64 += np.float64(prow[j])
-            inv[r] = np.float32(1.0) / np.float32(total64)
-        _weighted_rows(p, width, r1 - r0, v, g * v.shape[1] * hd, width, hd, out, r0 * out.shape[1] + h * hd,
-                       out.shape[1], inv)
+                prow[j] += brow[j]
+        _softmax_weights(p, r * width, end)  # masked keys (-inf) get exactly 0
+    _scales(p, inv)
+    _weighted_rows(p, width, r1 - r0, v, g * v.shape[1] * hd, width, hd, out, r0 * out.shape[1] + h * hd,
+                   out.shape[1], inv)
 
 
 class AttentionSpan(NamedTuple):

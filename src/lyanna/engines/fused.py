@@ -21,13 +21,14 @@ from typing import Sequence
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, types
+from numba import get_num_threads, njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 from numba.typed import List
 
 from .attention import _attention_kernel, span_layout
-from .halves import cache_value
+from .step import MOST_ROWS, step_layers
+from .halves import write_kv
 from .config import ModelConfig
 from .kernels import SameTypes, _rms_norm_kernel, _rope_kernel, _silu_mul_kernel
 from . import intdot
@@ -85,7 +86,7 @@ def _layers(x, rot, attn_norms, mlp_norms, d, m, q, k_caches, v_caches, span_of,
         _linear(h, d[w], m[w], q[w], qkv, path)
         t = _lap(clock, 1, t)
         _rope_kernel(qkv, rot, heads, kv_heads, head_dim, scale, qh, kh)
-        _write_kv(qkv, kh, k_caches, v_caches, layer, span_of, lo, starts, q_dim + kv_dim)
+        write_kv(qkv, kh, k_caches, v_caches, layer, span_of, lo, starts, q_dim + kv_dim)
         t = _lap(clock, 2, t)
         _attention_kernel(qh, k_caches, v_caches, layer, span_of, lo, ends, bias, bias_at, o)
         t = _lap(clock, 3, t)
@@ -103,20 +104,6 @@ def _layers(x, rot, attn_norms, mlp_norms, d, m, q, k_caches, v_caches, span_of,
         x += a
         _lap(clock, 9, t)
     return x
-
-
-@njit(nogil=True, cache=True)
-def _write_kv(qkv, kh, k_caches, v_caches, layer, span_of, lo, starts, v_at):  # pragma: no cover - compiled
-    """Each row's rotated keys ``kh`` and its values (``qkv`` from column ``v_at``) into its
-    sequence's caches at layer ``layer`` (slots as ``_layers`` says)."""
-    kv_heads, head_dim = kh.shape[1], kh.shape[2]
-    for i in range(kh.shape[0]):
-        s = span_of[i]
-        k_cache, v_cache, slot = k_caches[s], v_caches[s], starts[s] + i - lo[s]
-        for g in range(kv_heads):
-            for e in range(head_dim):
-                k_cache[layer, g, slot, e] = cache_value(k_cache, kh[i, g, e])
-                v_cache[layer, g, slot, e] = cache_value(v_cache, qkv[i, v_at + g * head_dim + e])
 
 
 # What ``_layers`` times per layer when it is given a clock (``PHASES`` cycle counts, summed over
@@ -175,6 +162,8 @@ class FusedLayers:
         # one sequence's caches as a tuple, a batch's as typed lists: two signatures, each called
         # straight at its machine code (the typed lists of weights cost the dispatcher every call)
         self._alone, self._batch = SameTypes(_layers), SameTypes(_layers)
+        # One-row passes of one sequence on threads held for the pass (``step``), on intdot's layout.
+        self._steps = SameTypes(step_layers) if mats and mats[0].q.dtype == np.uint8 else None
 
     @classmethod
     def of(cls, layers: Sequence, config: ModelConfig) -> "FusedLayers | None":
@@ -199,6 +188,8 @@ class FusedLayers:
             tap_slot[layer] = slot
         out = np.empty((len(taps), n, c.hidden_size), np.float32)
         span_of, lo, bias, bias_at = span_layout(n, [(lo, hi, bias) for lo, hi, _, _, _, bias in blocks])
+        if self._steps is not None and len(blocks) == 1 and clock.size == 0 and n <= MOST_ROWS:
+            return self._step(x, rot, blocks[0], (span_of, lo, bias, bias_at), tap_slot, out, taps)
         # A batch's caches as typed lists: one compiled ``_layers`` whatever the number of sequences.
         # One sequence's as a 1-tuple: a second compilation, specialized to one cache, whose steps ran faster.
         if len(blocks) == 1:
@@ -209,4 +200,15 @@ class FusedLayers:
                     k_caches, v_caches, span_of, lo, np.array([b[4] for b in blocks], np.int64), bias, bias_at,
                     tap_slot, out, np.float32(c.rms_norm_eps), c.num_heads, c.num_kv_heads, c.head_dim,
                     intdot.path_index(), clock)
+        return x, {layer: out[slot] for slot, layer in enumerate(taps)}
+
+    def _step(self, x: np.ndarray, rot: np.ndarray, block: tuple, spans: tuple, tap_slot: np.ndarray, out: np.ndarray,
+              taps: list[int]) -> tuple[np.ndarray, dict[int, np.ndarray]]:
+        """``__call__`` for a small block of one sequence, by ``step.step_layers`` (``spans``:
+        ``attention.span_layout``'s for it)."""
+        c = self.config
+        x = self._steps(np.ascontiguousarray(x, np.float32), np.ascontiguousarray(rot, np.complex64), self.attn_norms,
+                        self.mlp_norms, self.d, self.m, self.q, block[2], block[3], block[4], *spans, out, tap_slot,
+                        np.float32(c.rms_norm_eps), c.num_heads, c.num_kv_heads, c.head_dim, intdot.path_index(),
+                        get_num_threads())
         return x, {layer: out[slot] for slot, layer in enumerate(taps)}

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 from llvmlite import ir
-from numba import types
+from numba import njit, types
 from numba.extending import intrinsic, overload
 
 
@@ -70,3 +70,17 @@ def as_stored(cache: np.ndarray, values: np.ndarray) -> np.ndarray:
 def as_floats(cache: np.ndarray) -> np.ndarray:
     """A cache's (or a slice's) values as float32: a 16-bit cache's halves widened."""
     return cache.view(np.float16).astype(np.float32) if cache.dtype == np.uint16 else cache
+
+
+@njit(nogil=True, cache=True)
+def write_kv(qkv, kh, k_caches, v_caches, layer, span_of, lo, starts, v_at):  # pragma: no cover - compiled
+    """Each row's rotated keys ``kh`` and its values (``qkv`` from column ``v_at``) into its
+    sequence's caches at layer ``layer`` (slots as ``fused._layers`` says)."""
+    kv_heads, head_dim = kh.shape[1], kh.shape[2]
+    for i in range(kh.shape[0]):
+        s = span_of[i]
+        k_cache, v_cache, slot = k_caches[s], v_caches[s], starts[s] + i - lo[s]
+        for g in range(kv_heads):
+            for e in range(head_dim):
+                k_cache[layer, g, slot, e] = cache_value(k_cache, kh[i, g, e])
+                v_cache[layer, g, slot, e] = cache_value(v_cache, qkv[i, v_at + g * head_dim + e])

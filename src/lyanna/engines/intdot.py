@@ -279,8 +279,16 @@ def _by_rows(x, quantized, d, m, q, out, path):  # pragma: no cover - compiled
 
 @njit(parallel=True, cache=True, nogil=True)
 def _by_blocks(xq, dx, xs, xc, d, m, q, out, path):  # pragma: no cover - compiled
-    """``int_linear_kernel`` tile by tile, up to GROUP rows a call (a call: every block of a span of
-    the tile's output vectors)."""
+    """``int_linear_kernel`` tile by tile (``tile_rows``), the tiles shared among the threads."""
+    for c in prange(d.shape[0]):
+        tile_rows(c, xq, dx, xs, xc, d, m, q, out, path)
+
+
+@njit(cache=True, nogil=True)
+def tile_rows(c, xq, dx, xs, xc, d, m, q, out, path):  # pragma: no cover - compiled
+    """Tile ``c``'s outputs of every row, up to GROUP rows a call (a call: every block of a span
+    of the tile's output vectors); what one task of ``_by_blocks`` does, and of the one-row pass
+    on held threads (``step``)."""
     rows, k, tiles, nb, tw, nvec, g, size, nibbles, offsets = _shapes(xq, d, m, q)
     # as even as they go: 9 rows in groups of 8 were 8 + 1, the second group paying nearly a whole
     # group's unpacking and scaling for one row (docs/engine.md); each row's sums are the same bits
@@ -288,16 +296,15 @@ def _by_blocks(xq, dx, xs, xc, d, m, q, out, path):  # pragma: no cover - compil
     flat, xflat, dflat, sflat, cflat = q.reshape(-1), xq.reshape(-1), dx.reshape(-1), xs.reshape(-1), xc.reshape(-1)
     width = out.shape[1]
     span = nvec if rows <= most else SPAN
-    for c in prange(tiles):
-        out[:, c * tw : (c + 1) * tw] = 0
-        for j in range(0, nvec, span):
-            i = 0
-            while i < rows:  # the first group streams the span's weights, the others find them in L1
-                group = min(most, rows - i)
-                _tile(path, (flat, c * nb * nvec * size, min(j + span, nvec), nibbles, xflat, i * k, k, dflat,
-                             sflat, i * nb, nb, d, m, c * nb * tw, out, i * width + c * tw, width, group,
-                             1 if i == 0 else 0, offsets, cflat, j, g))
-                i += group
+    out[:, c * tw : (c + 1) * tw] = 0
+    for j in range(0, nvec, span):
+        i = 0
+        while i < rows:  # the first group streams the span's weights, the others find them in L1
+            group = min(most, rows - i)
+            _tile(path, (flat, c * nb * nvec * size, min(j + span, nvec), nibbles, xflat, i * k, k, dflat,
+                         sflat, i * nb, nb, d, m, c * nb * tw, out, i * width + c * tw, width, group,
+                         1 if i == 0 else 0, offsets, cflat, j, g))
+            i += group
 
 
 @njit(cache=True, nogil=True)

@@ -1,0 +1,70 @@
+"""The one-row pass on held threads (``engines/step.py``) gives every step the bits of the fused pass."""
+from __future__ import annotations
+
+import numba
+import numpy as np
+import pytest
+
+from lyanna.engines.base import Block
+
+
+@pytest.fixture(scope="module", params=["Q8_0", "Q4_1", "Q4_0"])
+def step_engines(request, tiny_model_dir):
+    """The tiny model's layers on blocks of one kind: an engine whose one-row passes take the held
+    threads, and one whose passes all go through ``fused._layers``."""
+    from lyanna.engines.loading import load_target
+    from lyanna.engines.quant import quantize_blocks
+    from lyanna.engines.transformer import Transformer
+
+    target = load_target(tiny_model_dir)
+    weights = {name: quantize_blocks(w, request.param) if w.ndim == 2 and ".layers." in name else w
+               for name, w in target.weights.items()}
+    held, fused = Transformer(target.config, weights), Transformer(target.config, weights)
+    assert held._fused is not None and held._fused._steps is not None
+    fused._fused._steps = None
+    return held, fused
+
+
+def _steps(engine, tokens: list[int], taps: tuple[int, ...]) -> tuple[list, object]:
+    """A prompt's prefill, then one token a pass (each with ``taps``): the outputs and the cache."""
+    cache = engine.new_cache(32)
+    engine.forward(np.array(tokens[:5]), np.arange(5), cache)
+    outs = [engine.forward_batch([Block(tokens=[t], positions=[5 + i], cache=cache, taps=taps)])[0]
+            for i, t in enumerate(tokens[5:])]
+    return outs, cache
+
+
+def test_one_row_steps_on_held_threads_equal_the_fused_pass(step_engines):
+    held, fused = step_engines
+    top = held.config.num_layers
+    tokens = [5, 9, 11, 3, 200, 17, 4, 4, 90, 1, 250, 33]
+    (a, cache_a), (b, cache_b) = _steps(held, tokens, (0, 1, top)), _steps(fused, tokens, (0, 1, top))
+    for x, y in zip(a, b):
+        assert np.array_equal(x.logits, y.logits)
+        assert x.hidden.keys() == y.hidden.keys() == {0, 1, top}
+        assert all(np.array_equal(x.hidden[t], y.hidden[t]) for t in x.hidden)
+    assert cache_a.length == cache_b.length == len(tokens)
+    assert np.array_equal(cache_a.k[:, :, : len(tokens)], cache_b.k[:, :, : len(tokens)])
+    assert np.array_equal(cache_a.v[:, :, : len(tokens)], cache_b.v[:, :, : len(tokens)])
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_held_threads_finish_with_fewer_or_more_threads_than_asked(step_engines, threads, monkeypatch):
+    """Tasks are claimed, not assigned: one thread does every task itself (no wait on a thread that
+    never comes), and more iterations than threads still end, with the same bits."""
+    from lyanna.engines import fused as fused_module
+
+    held, fused = step_engines
+    tokens = [7, 7, 8, 2, 3, 61, 12, 5]
+    want, _ = _steps(fused, tokens, (1,))
+    before = numba.get_num_threads()
+    monkeypatch.setattr(fused_module, "get_num_threads", lambda: threads)
+    try:
+        if threads == 1:
+            numba.set_num_threads(1)
+        got, _ = _steps(held, tokens, (1,))
+    finally:
+        numba.set_num_threads(before)
+    for x, y in zip(got, want):
+        assert np.array_equal(x.logits, y.logits) and np.array_equal(x.hidden[1], y.hidden[1])
+

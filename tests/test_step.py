@@ -8,6 +8,12 @@ import pytest
 from lyanna.engines.base import Block
 
 
+@pytest.fixture(autouse=True)
+def held_one_row_passes(monkeypatch):
+    """One-row passes on the held threads (off in the engine by default: ``step.MOST_ROWS``)."""
+    monkeypatch.setattr("lyanna.engines.step.MOST_ROWS", 1)
+
+
 @pytest.fixture(scope="module", params=["Q8_0", "Q4_1", "Q4_0"])
 def step_engines(request, tiny_model_dir):
     """The tiny model's layers on blocks of one kind: an engine whose one-row passes take the held

@@ -27,7 +27,8 @@ from numba.extending import intrinsic, overload
 from numba.typed import List
 
 from .attention import _attention_kernel, span_layout
-from .step import MOST_ROWS, step_layers
+from . import step
+from .step import step_layers
 from .halves import write_kv
 from .config import ModelConfig
 from .kernels import SameTypes, _rms_norm_kernel, _rope_kernel, _silu_mul_kernel
@@ -188,7 +189,7 @@ class FusedLayers:
             tap_slot[layer] = slot
         out = np.empty((len(taps), n, c.hidden_size), np.float32)
         span_of, lo, bias, bias_at = span_layout(n, [(lo, hi, bias) for lo, hi, _, _, _, bias in blocks])
-        if self._steps is not None and len(blocks) == 1 and clock.size == 0 and n <= MOST_ROWS:
+        if self._steps is not None and len(blocks) == 1 and clock.size == 0 and n <= step.MOST_ROWS:
             return self._step(x, rot, blocks[0], (span_of, lo, bias, bias_at), tap_slot, out, taps)
         # A batch's caches as typed lists: one compiled ``_layers`` whatever the number of sequences.
         # One sequence's as a 1-tuple: a second compilation, specialized to one cache, whose steps ran faster.

@@ -283,6 +283,71 @@ def test_silu_mul_matches_numpy_over_the_whole_range() -> None:
         silu_mul(np.zeros((2, 5), np.float32))
 
 
+def _rms_norm_as_written(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    """``kernels._rms_norm_kernel``'s operations in numpy float32, one rounding each: eight
+    running sums (column c to sum c % 8, a row's last d % 8 columns to sum 0), added pairwise."""
+    f = np.float32
+    n, d = x.shape
+    body = d - d % 8
+    sums = np.zeros((n, 8), f)
+    if body:
+        sums = np.cumsum((x[:, :body] * x[:, :body]).reshape(n, -1, 8), axis=1, dtype=f)[:, -1].copy()
+    for c in range(body, d):
+        sums[:, 0] += x[:, c] * x[:, c]
+    s = sums.T
+    total = ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]))
+    inv = f(1.0) / np.sqrt(total / f(d) + f(eps))
+    return x * inv[:, None] * w
+
+
+@pytest.mark.parametrize("d", [576, 37, 8, 5])
+def test_rms_norm_is_its_written_operations_bit_for_bit(d: int) -> None:
+    """No order left to the compiler: a copy of the norm compiled inside another function (the
+    one-token pass on held threads) must give the same bits, and only the written order does."""
+    from lyanna.engines.kernels import rms_norm
+
+    rng = np.random.default_rng(d)
+    x = (rng.standard_normal((6, d)) * 3).astype(np.float32)
+    w = rng.standard_normal(d).astype(np.float32)
+    assert np.array_equal(rms_norm(x, w, 1e-5), _rms_norm_as_written(x, w, 1e-5))
+
+
+def _silu_mul_as_written(g: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """``kernels.silu_mul_row`` (with ``exp_nonpositive``) in numpy float32, one rounding per
+    operation, no multiply-add fused."""
+    from lyanna.engines import kernels
+
+    f = np.float32
+    x = -np.abs(g)
+    n = np.floor(x * kernels._LOG2E + f(0.5))
+    r = (x - n * kernels._LN2_HI) - n * kernels._LN2_LO
+    p = np.full_like(x, f(1.0 / 5040.0))
+    for coef in (1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0):
+        p = p * r + f(coef)
+    live = x >= kernels._EXP_FLOOR
+    two_n = ((np.where(live, n, f(0.0)).astype(np.int32) + np.int32(127)) << np.int32(23)).view(f)
+    e = np.where(live, p * two_n, f(0.0))
+    return g * (np.where(g >= 0, f(1.0), e) / (f(1.0) + e)) * up
+
+
+def test_silu_mul_is_its_written_operations_bit_for_bit_in_every_lane() -> None:
+    """The same gate and up values in a row's vector body and in its scalar tail, in rows of
+    several lengths: every value equals the numpy model of the written operations (with
+    fastmath flags, contraction made the vectors and the tail, and copies compiled inside other
+    functions, disagree in the last bit)."""
+    from lyanna.engines.kernels import silu_mul
+
+    rng = np.random.default_rng(6)
+    gate = np.concatenate([rng.standard_normal(61) * 4, [-1e4, -100.0, -88.0, -87.0, -20.0, -1e-3, 0.0, 1e-3, 20.0]])
+    gate, up = gate.astype(np.float32), rng.standard_normal(gate.size).astype(np.float32)
+    want = _silu_mul_as_written(gate, up)
+    for shift in range(0, 19, 3):  # the values land in other lanes, some in the loop's tail
+        g = np.concatenate([np.ones(shift, np.float32), gate])
+        u = np.concatenate([np.ones(shift, np.float32), up])
+        got = silu_mul(np.concatenate([g, u])[None])[0, shift:]
+        assert np.array_equal(got, want), f"shift {shift}: {np.sum(got != want)} values differ"
+
+
 @pytest.mark.parametrize("n", [1, 5, 70])
 def test_rope_qk_matches_complex_rotation_and_a_row_keeps_its_bits(n: int) -> None:
     from lyanna.engines.kernels import rope_qk

@@ -10,7 +10,7 @@ from lyanna.engines.base import Block
 
 @pytest.fixture(autouse=True)
 def held_one_row_passes(monkeypatch):
-    """One-row passes on the held threads (off in the engine by default: ``step.MOST_ROWS``)."""
+    """One-row passes on the held threads (the engine's default, ``step.MOST_ROWS``), whatever it becomes."""
     monkeypatch.setattr("lyanna.engines.step.MOST_ROWS", 1)
 
 

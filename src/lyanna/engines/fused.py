@@ -28,7 +28,6 @@ from numba.typed import List
 
 from .attention import _attention_kernel, span_layout
 from . import step
-from .step import step_layers
 from .halves import write_kv
 from .config import ModelConfig
 from .kernels import SameTypes, _rms_norm_kernel, _rope_kernel, _silu_mul_kernel
@@ -164,7 +163,7 @@ class FusedLayers:
         # straight at its machine code (the typed lists of weights cost the dispatcher every call)
         self._alone, self._batch = SameTypes(_layers), SameTypes(_layers)
         # One-row passes of one sequence on threads held for the pass (``step``), on intdot's layout.
-        self._steps = SameTypes(step_layers) if mats and mats[0].q.dtype == np.uint8 else None
+        self._steps = SameTypes(step.step_layers) if mats and mats[0].q.dtype == np.uint8 else None
 
     @classmethod
     def of(cls, layers: Sequence, config: ModelConfig) -> "FusedLayers | None":

@@ -266,17 +266,40 @@ def _ir_exp(b: ir.IRBuilder, x: ir.Value) -> ir.Value:
 
 # On one core: a parallel launch cost more than the norm of 1 to 8 rows (on the 2-core Zen 4,
 # 2026-11-27: 1.3 / 1.5 us a call against 0.1 / 0.5 us serial; 64 rows 3.4 against 4.2), and a pass
-# makes two a layer.
-@njit(fastmath=_FAST, cache=True, nogil=True)
+# makes two a layer. No fastmath flags here nor in the sum: see ``_sum_of_squares``.
+@njit(cache=True, nogil=True)
 def _rms_norm_kernel(x: np.ndarray, weight: np.ndarray, eps: np.float32, out: np.ndarray) -> None:  # pragma: no cover - compiled
     n, d = x.shape
     for r in range(n):
-        total = np.float32(0.0)
-        for c in range(d):  # the same vectorized sum for every row, whatever n
-            total += x[r, c] * x[r, c]
-        inv = np.float32(1.0) / np.sqrt(total / np.float32(d) + eps)
+        inv = np.float32(1.0) / np.sqrt(_sum_of_squares(x, r) / np.float32(d) + eps)
         for c in range(d):
             out[r, c] = x[r, c] * inv * weight[c]
+
+
+@njit(cache=True, nogil=True)
+def _sum_of_squares(x: np.ndarray, r: int) -> np.float32:  # pragma: no cover - compiled
+    """Row ``r``'s sum of squares in an order the code fixes: eight running sums (column ``c``
+    to sum ``c % 8``; the last columns of a row whose length 8 does not divide to the first),
+    added pairwise. Why not a plain loop with ``reassoc``: LLVM then picks the order as it
+    vectorizes, and it picked differently where the norm was compiled inside another function
+    (the one-token pass on held threads, ``step``), so the same row's norm came out a last bit
+    apart on two paths. Eight independent sums still vectorize, and without fastmath flags every
+    compiled copy computes the written operations."""
+    d = x.shape[1]
+    s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = np.float32(0.0)
+    body = d - d % 8
+    for c in range(0, body, 8):
+        s0 += x[r, c] * x[r, c]
+        s1 += x[r, c + 1] * x[r, c + 1]
+        s2 += x[r, c + 2] * x[r, c + 2]
+        s3 += x[r, c + 3] * x[r, c + 3]
+        s4 += x[r, c + 4] * x[r, c + 4]
+        s5 += x[r, c + 5] * x[r, c + 5]
+        s6 += x[r, c + 6] * x[r, c + 6]
+        s7 += x[r, c + 7] * x[r, c + 7]
+    for c in range(body, d):
+        s0 += x[r, c] * x[r, c]
+    return ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
@@ -292,16 +315,19 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     return out.reshape(x.shape)
 
 
-@njit(parallel=True, fastmath=_FAST, cache=True, nogil=True)
+@njit(parallel=True, cache=True, nogil=True)
 def _silu_mul_kernel(gate_up: np.ndarray, out: np.ndarray) -> None:  # pragma: no cover - compiled
     for r in prange(gate_up.shape[0]):
         silu_mul_row(gate_up, out, r)
 
 
-@njit(fastmath=_FAST, cache=True, nogil=True)
+@njit(cache=True, nogil=True)
 def silu_mul_row(gate_up: np.ndarray, out: np.ndarray, r: int) -> None:  # pragma: no cover - compiled
-    """Row ``r`` of ``_silu_mul_kernel``'s output (always a whole row: the compiled loop's
-    vectors and its scalar tail need not give a value the same bits)."""
+    """Row ``r`` of ``_silu_mul_kernel``'s output. No fastmath flags: with them (contraction,
+    reciprocals, reassociation) the compiled loop's vectors and its scalar tail, and copies of
+    it compiled inside other functions (``step``), gave some values a last bit apart; without
+    them every copy computes the written operations, so a value's bits do not depend on where
+    or in which lane it is computed."""
     half = gate_up.shape[1] // 2
     for c in range(half):
         g = gate_up[r, c]

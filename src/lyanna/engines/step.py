@@ -31,16 +31,24 @@ from .intdot_ir import PREFETCH_BYTES, PREFETCH_LOCALITY
 from .kernels import _rms_norm_kernel, _rope_kernel, silu_mul_row
 
 
+def _counter(context, builder, signature, args):
+    """A pointer to ``counters[i]`` (the two arguments of ``_fetch_add`` and ``_load``)."""
+    arr = context.make_array(signature.args[0])(context, builder, args[0])
+    return cgutils.get_item_pointer(context, builder, signature.args[0], arr, [args[1]])
+
+
+def _int64s(counters) -> bool:
+    return isinstance(counters, types.Array) and counters.dtype == types.int64
+
+
 @intrinsic
 def _fetch_add(typingctx, counters, i):
     """``counters[i] += 1`` atomically (sequentially consistent); the value before."""
-    if not (isinstance(counters, types.Array) and counters.dtype == types.int64):
+    if not _int64s(counters):
         return None
 
     def codegen(context, builder, signature, args):
-        arr = context.make_array(signature.args[0])(context, builder, args[0])
-        ptr = cgutils.get_item_pointer(context, builder, signature.args[0], arr, [args[1]])
-        return builder.atomic_rmw("add", ptr, ir.IntType(64)(1), "seq_cst")
+        return builder.atomic_rmw("add", _counter(context, builder, signature, args), ir.IntType(64)(1), "seq_cst")
 
     return types.int64(counters, i), codegen
 
@@ -48,13 +56,11 @@ def _fetch_add(typingctx, counters, i):
 @intrinsic
 def _load(typingctx, counters, i):
     """``counters[i]``, read atomically (acquire: what the tasks that counted wrote is seen)."""
-    if not (isinstance(counters, types.Array) and counters.dtype == types.int64):
+    if not _int64s(counters):
         return None
 
     def codegen(context, builder, signature, args):
-        arr = context.make_array(signature.args[0])(context, builder, args[0])
-        ptr = cgutils.get_item_pointer(context, builder, signature.args[0], arr, [args[1]])
-        return builder.load_atomic(ptr, "acquire", 8)
+        return builder.load_atomic(_counter(context, builder, signature, args), "acquire", 8)
 
     return types.int64(counters, i), codegen
 
@@ -286,13 +292,11 @@ def _add(x, a):  # pragma: no cover - compiled
     x += a
 
 
-# The most rows a block may have to take the held threads: none, for now. The pass is written for
-# any block whose matrices ``int_linear_kernel`` shares by tiles (fewer than ``intdot.ROW_SHARES_MIN``
-# rows) and its one-row passes matched the fused pass's bits wherever tested, but with them on,
-# ``make run``'s greedy lyanna outputs differed from ``ar``, and a draft head's 3-row step came out a
-# last bit apart from the fused pass: some pass on held threads does not get the fused pass's bits,
-# and until that is found no pass takes them (``test_step.py`` sets this to compare the two).
-MOST_ROWS = 0
+# The most rows a block may have to take the held threads: one (every plain decoding step and a
+# draft head's chain steps). The pass is written for any block whose matrices ``int_linear_kernel``
+# shares by tiles (fewer than ``intdot.ROW_SHARES_MIN`` rows), but blocks of 2 to 5 rows ran no
+# faster on held threads than in the fused pass.
+MOST_ROWS = 1
 
 
 @njit(parallel=True, nogil=True, cache=True)

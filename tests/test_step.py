@@ -1,6 +1,9 @@
 """The one-row pass on held threads (``engines/step.py``) gives every step the bits of the fused pass."""
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numba
 import numpy as np
 import pytest
@@ -74,3 +77,43 @@ def test_held_threads_finish_with_fewer_or_more_threads_than_asked(step_engines,
     for x, y in zip(got, want):
         assert np.array_equal(x.logits, y.logits) and np.array_equal(x.hidden[1], y.hidden[1])
 
+
+
+# The comparison above in a new process, whose passes numba loads from the cache that the tests
+# above wrote (``compile_cache``): ``sys.argv[1]`` the tiny model, ``[2]`` the block kind.
+_FROM_THE_CACHE = """
+import sys
+import numpy as np
+from lyanna.engines import step
+from lyanna.engines.base import Block
+from lyanna.engines.loading import load_target
+from lyanna.engines.quant import quantize_blocks
+from lyanna.engines.transformer import Transformer
+
+step.MOST_ROWS = 1
+target = load_target(sys.argv[1])
+weights = {n: quantize_blocks(w, sys.argv[2]) if w.ndim == 2 and ".layers." in n else w for n, w in target.weights.items()}
+held, fused = Transformer(target.config, weights), Transformer(target.config, weights)
+fused._fused._steps = None
+
+def steps(engine):
+    cache, tokens = engine.new_cache(32), [5, 9, 11, 3, 200, 17, 4, 4, 90, 1, 250, 33]
+    engine.forward(np.array(tokens[:5]), np.arange(5), cache)
+    return [engine.forward_batch([Block(tokens=[t], positions=[5 + i], cache=cache, taps=(1,))])[0]
+            for i, t in enumerate(tokens[5:])]
+
+pairs = list(zip(steps(held), steps(fused)))
+print(sum(np.array_equal(a.logits, b.logits) and np.array_equal(a.hidden[1], b.hidden[1]) for a, b in pairs), len(pairs))
+"""
+
+
+def test_held_passes_loaded_from_numbas_cache_equal_the_fused_pass(step_engines, tiny_model_dir, request):
+    """Compiled in one process and loaded from numba's cache in another, the two passes still
+    agree: a fastmath loop (SiLU's) once came out a last bit apart only in passes loaded from the
+    cache, which every in-process comparison missed and ``make run`` (after ``make test``) met."""
+    kind = request.node.callspec.params["step_engines"]
+    out = subprocess.run([sys.executable, "-c", _FROM_THE_CACHE, str(tiny_model_dir), kind], capture_output=True,
+                         text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-2000:]
+    equal, steps = map(int, out.stdout.split()[-2:])
+    assert steps == 7 and equal == steps

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import numba
 import numpy as np
@@ -17,21 +18,28 @@ def held_one_row_passes(monkeypatch):
     monkeypatch.setattr("lyanna.engines.step.MOST_ROWS", 1)
 
 
-@pytest.fixture(scope="module", params=["Q8_0", "Q4_1", "Q4_0"])
-def step_engines(request, tiny_model_dir):
-    """The tiny model's layers on blocks of one kind: an engine whose one-row passes take the held
+TOKENS = [5, 9, 11, 3, 200, 17, 4, 4, 90, 1, 250, 33]  # a prompt of 5, then 7 one-token passes
+
+
+def held_and_fused(model_dir, kind: str) -> tuple:
+    """The tiny model's layers on blocks of ``kind``: an engine whose one-row passes take the held
     threads, and one whose passes all go through ``fused._layers``."""
     from lyanna.engines.loading import load_target
     from lyanna.engines.quant import quantize_blocks
     from lyanna.engines.transformer import Transformer
 
-    target = load_target(tiny_model_dir)
-    weights = {name: quantize_blocks(w, request.param) if w.ndim == 2 and ".layers." in name else w
+    target = load_target(model_dir)
+    weights = {name: quantize_blocks(w, kind) if w.ndim == 2 and ".layers." in name else w
                for name, w in target.weights.items()}
     held, fused = Transformer(target.config, weights), Transformer(target.config, weights)
     assert held._fused is not None and held._fused._steps is not None
     fused._fused._steps = None
     return held, fused
+
+
+@pytest.fixture(scope="module", params=["Q8_0", "Q4_1", "Q4_0"])
+def step_engines(request, tiny_model_dir):
+    return held_and_fused(tiny_model_dir, request.param)
 
 
 def _steps(engine, tokens: list[int], taps: tuple[int, ...]) -> tuple[list, object]:
@@ -46,15 +54,14 @@ def _steps(engine, tokens: list[int], taps: tuple[int, ...]) -> tuple[list, obje
 def test_one_row_steps_on_held_threads_equal_the_fused_pass(step_engines):
     held, fused = step_engines
     top = held.config.num_layers
-    tokens = [5, 9, 11, 3, 200, 17, 4, 4, 90, 1, 250, 33]
-    (a, cache_a), (b, cache_b) = _steps(held, tokens, (0, 1, top)), _steps(fused, tokens, (0, 1, top))
+    (a, cache_a), (b, cache_b) = _steps(held, TOKENS, (0, 1, top)), _steps(fused, TOKENS, (0, 1, top))
     for x, y in zip(a, b):
         assert np.array_equal(x.logits, y.logits)
         assert x.hidden.keys() == y.hidden.keys() == {0, 1, top}
         assert all(np.array_equal(x.hidden[t], y.hidden[t]) for t in x.hidden)
-    assert cache_a.length == cache_b.length == len(tokens)
-    assert np.array_equal(cache_a.k[:, :, : len(tokens)], cache_b.k[:, :, : len(tokens)])
-    assert np.array_equal(cache_a.v[:, :, : len(tokens)], cache_b.v[:, :, : len(tokens)])
+    assert cache_a.length == cache_b.length == len(TOKENS)
+    assert np.array_equal(cache_a.k[:, :, : len(TOKENS)], cache_b.k[:, :, : len(TOKENS)])
+    assert np.array_equal(cache_a.v[:, :, : len(TOKENS)], cache_b.v[:, :, : len(TOKENS)])
 
 
 @pytest.mark.parametrize("threads", [1, 3])
@@ -85,24 +92,11 @@ _FROM_THE_CACHE = """
 import sys
 import numpy as np
 from lyanna.engines import step
-from lyanna.engines.base import Block
-from lyanna.engines.loading import load_target
-from lyanna.engines.quant import quantize_blocks
-from lyanna.engines.transformer import Transformer
+from tests.test_step import TOKENS, _steps, held_and_fused
 
 step.MOST_ROWS = 1
-target = load_target(sys.argv[1])
-weights = {n: quantize_blocks(w, sys.argv[2]) if w.ndim == 2 and ".layers." in n else w for n, w in target.weights.items()}
-held, fused = Transformer(target.config, weights), Transformer(target.config, weights)
-fused._fused._steps = None
-
-def steps(engine):
-    cache, tokens = engine.new_cache(32), [5, 9, 11, 3, 200, 17, 4, 4, 90, 1, 250, 33]
-    engine.forward(np.array(tokens[:5]), np.arange(5), cache)
-    return [engine.forward_batch([Block(tokens=[t], positions=[5 + i], cache=cache, taps=(1,))])[0]
-            for i, t in enumerate(tokens[5:])]
-
-pairs = list(zip(steps(held), steps(fused)))
+held, fused = held_and_fused(sys.argv[1], sys.argv[2])
+pairs = list(zip(_steps(held, TOKENS, (1,))[0], _steps(fused, TOKENS, (1,))[0]))
 print(sum(np.array_equal(a.logits, b.logits) and np.array_equal(a.hidden[1], b.hidden[1]) for a, b in pairs), len(pairs))
 """
 
@@ -113,7 +107,7 @@ def test_held_passes_loaded_from_numbas_cache_equal_the_fused_pass(step_engines,
     cache, which every in-process comparison missed and ``make run`` (after ``make test``) met."""
     kind = request.node.callspec.params["step_engines"]
     out = subprocess.run([sys.executable, "-c", _FROM_THE_CACHE, str(tiny_model_dir), kind], capture_output=True,
-                         text=True, timeout=900)
+                         text=True, timeout=900, cwd=Path(__file__).parents[1])
     assert out.returncode == 0, out.stderr[-2000:]
     equal, steps = map(int, out.stdout.split()[-2:])
     assert steps == 7 and equal == steps

@@ -31,7 +31,7 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
-from .intdot_amx_ir import B_BYTES, C_STRIDE, HAS_AMX, PAIR, QUADS, TILE_ROWS, TILE_SETS, _declare, _i8p, _pairs
+from .intdot_amx_ir import B_BYTES, C_STRIDE, CHUNK, HAS_AMX, PAIR, QUADS, TILE_ROWS, TILE_SETS, _declare, _i8p, _pairs
 from .intdot_ir import NIBBLE_BYTES, OUT, QK
 from .kernels import even_group
 
@@ -98,7 +98,7 @@ def amx_by_tiles(xq, dx, xs, d, m, q, out):  # pragma: no cover - compiled
     flat, xflat, dflat, sflat = q.reshape(-1), xq.reshape(-1), dx.reshape(-1), xs.reshape(-1)
     dm, mm = d.reshape(-1), m.reshape(-1)
     for c in prange(tiles):
-        weights, sums = np.empty(2 * B_BYTES, np.int8), np.empty(2 * TILE_ROWS * PAIR, np.int32)
+        weights, sums = np.empty(CHUNK * B_BYTES, np.int8), np.empty(CHUNK * TILE_ROWS * PAIR, np.int32)
         config = np.empty(64, np.uint8)
         i = 0
         while i < rows:

@@ -6,11 +6,16 @@ scales, the rule's fp32 step) was not vectorized and took several times the whol
 it is 64-byte vectors: a B tile is built from 16 loads of 32 bytes, and each row's step for the
 pair's 16 outputs is a few 16-lane operations.
 
-Per block of a pair: the B tile (``[quad][16 outputs][4 inputs]``, the two vectors' quads side by
-side; nibbles widened) is written to ``weights``; the product ``sums = A @ B`` (exact int32) goes
-to ``sums``, by the tile instructions where this build targets AMX and by the same sums in plain
+Per chunk of ``CHUNK`` blocks of a pair, in three passes: each block's B tile (``[quad][16
+outputs][4 inputs]``, the two vectors' quads side by side; nibbles widened) is written to its own
+slot of ``weights``; then each block's product ``sums = A @ B`` (exact int32) goes to its slot of
+``sums``, by the tile instructions where this build targets AMX and by the same sums in plain
 vector IR where it does not (every host tests the layout and the addressing that way); then per
-row ``out += (d * dx) * isum (+ m * xs)``, operation for operation the rule of ``intdot``.
+row, block by block, ``out += (d * dx) * isum (+ m * xs)``, operation for operation the rule of
+``intdot``. Why passes: a tile load waits until the stores before it have left the core, and a
+vector load of stored sums waits for the tile store; block by block (unpack, load, product,
+store, step) each block paid those waits in full, which made the tiles slower than VNNI (an AMX
+Xeon's two cores, docs/engine.md); a chunk pays them about once.
 """
 from __future__ import annotations
 
@@ -28,6 +33,7 @@ QUADS = QK // 4  # rows of a B tile: one per four inputs of the block
 B_BYTES = QUADS * PAIR * 4  # a B tile: 8 rows of 64 bytes
 C_STRIDE = PAIR * 4  # bytes per row of the stored sums
 TILE_SETS = ((0, 1, 2), (3, 4, 5))  # tile registers (C the sums, A the inputs, B the weights), blocks taking turns
+CHUNK = 8  # most blocks whose products are issued before their fp32 steps (their sums: 8 KB at most)
 HAS_AMX = "+amx-int8" in _FEATURES and "+amx-tile" in _FEATURES  # tile code compiled in (else emulated)
 
 
@@ -57,6 +63,9 @@ class _PairsEmitter:
         self.v16i32, self.v16f32 = ir.VectorType(i32, PAIR), ir.VectorType(ir.FloatType(), PAIR)
         acc = cgutils.alloca_once(builder, ir.ArrayType(ir.FloatType(), TILE_ROWS * PAIR))  # the pair's sums
         self.acc = builder.bitcast(acc, ir.FloatType().as_pointer())
+        self.dchunk, self.mchunk = (
+            builder.bitcast(cgutils.alloca_once(builder, ir.ArrayType(ir.FloatType(), CHUNK * PAIR)),
+                            ir.FloatType().as_pointer()) for _ in range(2))  # a chunk's scales as fp32
 
     def _at(self, base, offset, kind):
         return self.b.bitcast(self.b.gep(base, [offset]), kind.as_pointer())
@@ -69,46 +78,61 @@ class _PairsEmitter:
 
     def emit(self) -> None:
         b, intp = self.b, self.intp
+        chunks = b.sdiv(b.add(self.nb, intp(CHUNK - 1)), intp(CHUNK))  # as even as they go: 18 blocks as 6 + 6 + 6
+        self.chunk = b.sdiv(b.add(self.nb, b.sub(chunks, intp(1))), chunks)
         with cgutils.for_range(b, self.pairs) as pair_loop:
             first = b.mul(pair_loop.index, intp(2))  # the pair's first vector in the tile
             j, w = b.sdiv(first, self.g), b.srem(first, self.g)
             col = b.add(self.ooff, b.mul(first, intp(OUT)))
             with cgutils.for_range(b, self.rows) as row_loop:
                 self._store(ir.Constant(self.v16f32, [0.0] * PAIR), self.acc, b.mul(row_loop.index, intp(PAIR)))
-            with cgutils.for_range(b, self.nb) as block_loop:
-                blk = block_loop.index
-                unit = b.add(b.mul(b.add(b.mul(j, self.nb), blk), self.g), w)  # the vector's block (``pack``)
-                qat = b.add(self.qoff, b.mul(unit, self.size))
-                self._prefetch(qat)
-                # Blocks take turns between two sets of tiles and buffers: a block's product need
-                # not wait for the previous block's sums to be read out of its C tile.
-                half = b.and_(blk, intp(1))
-                weights = b.gep(self.weights, [b.mul(half, intp(B_BYTES))])
-                sums = b.bitcast(b.gep(self.sums, [b.mul(half, intp(TILE_ROWS * PAIR))]), self.sums.type)
-                with b.if_else(b.icmp_signed("==", self.size, intp(NIBBLE_BYTES))) as (packed, plain):
-                    with packed:
-                        self._unpack(qat, weights, True)
-                    with plain:
-                        self._unpack(qat, weights, False)
-                xat = b.add(self.xoff, b.mul(blk, intp(QK)))
-                if self.amx:
-                    with b.if_else(b.icmp_signed("==", half, intp(0))) as (even, odd):
-                        with even:
-                            self._product(xat, weights, sums, 0)
-                        with odd:
-                            self._product(xat, weights, sums, 1)
-                else:
-                    self._emulated_product(xat, weights, sums)
-                sat = b.add(self.dmoff, b.mul(unit, intp(OUT)))
+            with cgutils.for_range_slice(b, intp(0), self.nb, self.chunk) as (start, _):
+                n = b.sub(self.nb, start)
+                n = b.select(b.icmp_signed("<", n, self.chunk), n, self.chunk)
+                # the chunk's B tiles, then its products, then its fp32 steps (see the module)
+                with cgutils.for_range(b, n) as block_loop:
+                    self._block_unpack(start, block_loop.index, j, w)
+                with cgutils.for_range(b, n) as block_loop:
+                    self._block_product(start, block_loop.index, j, w)
                 with b.if_else(b.icmp_signed("!=", self.offsets, intp(0))) as (with_offsets, without):
                     with with_offsets:
-                        self._add(blk, sat, sums, True)
+                        self._add_chunk(start, n, j, w, True)
                     with without:
-                        self._add(blk, sat, sums, False)
+                        self._add_chunk(start, n, j, w, False)
             with cgutils.for_range(b, self.rows) as row_loop:  # the pair's outputs, from the sums of every block
                 r = row_loop.index
                 self._store(self._load(self.acc, b.mul(r, intp(PAIR)), self.v16f32), self.out,
                             b.add(col, b.mul(r, self.ostride)))
+
+    def _block_unpack(self, start, i, j, w) -> None:
+        """Block ``start + i``'s B tile (pair: first vector ``w`` of group ``j``) into ``weights[i]``."""
+        b, intp = self.b, self.intp
+        blk = b.add(start, i)
+        unit = b.add(b.mul(b.add(b.mul(j, self.nb), blk), self.g), w)  # the vector's block (``pack``)
+        qat = b.add(self.qoff, b.mul(unit, self.size))
+        self._prefetch(qat)
+        weights = b.gep(self.weights, [b.mul(i, intp(B_BYTES))])
+        with b.if_else(b.icmp_signed("==", self.size, intp(NIBBLE_BYTES))) as (packed, plain):
+            with packed:
+                self._unpack(qat, weights, True)
+            with plain:
+                self._unpack(qat, weights, False)
+
+    def _block_product(self, start, i, j, w) -> None:
+        """Block ``start + i``'s sums into ``sums[i]`` from its B tile in ``weights[i]``; blocks
+        take turns between the two tile sets."""
+        b, intp = self.b, self.intp
+        weights = b.gep(self.weights, [b.mul(i, intp(B_BYTES))])
+        sums = b.bitcast(b.gep(self.sums, [b.mul(i, intp(TILE_ROWS * PAIR))]), self.sums.type)
+        xat = b.add(self.xoff, b.mul(b.add(start, i), intp(QK)))
+        if not self.amx:
+            self._emulated_product(xat, weights, sums)
+            return
+        with b.if_else(b.icmp_signed("==", b.and_(i, intp(1)), intp(0))) as (even, odd):
+            with even:
+                self._product(xat, weights, sums, 0)
+            with odd:
+                self._product(xat, weights, sums, 1)
 
     def _prefetch(self, qat) -> None:
         """The pair's weights ``PREFETCH_BYTES`` ahead into L2, as the VNNI kernel asks for them."""
@@ -179,22 +203,34 @@ class _PairsEmitter:
         bits = self._load(array, sat, ir.VectorType(ir.IntType(16), PAIR))
         return self.b.fpext(self.b.bitcast(bits, ir.VectorType(ir.HalfType(), PAIR)), self.v16f32)
 
-    def _add(self, blk, sat, sums, offsets: bool) -> None:
-        """Each row's step for the block, in the rule's operations and order: ``term = (d * dx) *
-        isum``, ``+ m * xs`` where ``m`` was kept, then ``out + term``, ``out`` the pair's sums so far
-        (``acc``, contiguous: rows of a wide ``out`` lie a multiple of 4 KB apart, in one cache set)."""
+    def _add_chunk(self, start, n, j, w, offsets: bool) -> None:
+        """Each row's steps for the chunk's blocks, in the rule's operations and order: ``term =
+        (d * dx) * isum``, ``+ m * xs`` where ``m`` was kept, then ``out + term``, ``out`` the
+        pair's sums so far (``acc``, contiguous: rows of a wide ``out`` lie a multiple of 4 KB
+        apart, in one cache set). Rows outside, blocks inside: a row's sums stay in a register
+        through the chunk; the chunk's scales are widened to fp32 once, before."""
         b, intp = self.b, self.intp
-        dv = self._scales(self.d, sat)
-        mv = self._scales(self.m, sat) if offsets else None
+        with cgutils.for_range(b, n) as block_loop:
+            i = block_loop.index
+            unit = b.add(b.mul(b.add(b.mul(j, self.nb), b.add(start, i)), self.g), w)
+            sat = b.add(self.dmoff, b.mul(unit, intp(OUT)))
+            self._store(self._scales(self.d, sat), self.dchunk, b.mul(i, intp(PAIR)))
+            if offsets:
+                self._store(self._scales(self.m, sat), self.mchunk, b.mul(i, intp(PAIR)))
         with cgutils.for_range(b, self.rows) as row_loop:
             r = row_loop.index
-            at = b.add(b.add(self.soff, b.mul(r, self.nb)), blk)
-            isum = b.sitofp(self._load(sums, b.mul(r, intp(PAIR)), self.v16i32), self.v16f32)
-            term = b.fmul(b.fmul(dv, ir_splat(b, b.load(b.gep(self.dx, [at])), self.v16f32)), isum)
-            if offsets:
-                term = b.fadd(term, b.fmul(mv, ir_splat(b, b.load(b.gep(self.xs, [at])), self.v16f32)))
+            row = b.add(b.add(self.soff, b.mul(r, self.nb)), start)
             at = b.mul(r, intp(PAIR))
-            self._store(b.fadd(self._load(self.acc, at, self.v16f32), term), self.acc, at)
+            with cgutils.for_range(b, n) as block_loop:
+                i = block_loop.index
+                isum = b.sitofp(self._load(self.sums, b.add(b.mul(i, intp(TILE_ROWS * PAIR)), at), self.v16i32),
+                                self.v16f32)
+                dv = self._load(self.dchunk, b.mul(i, intp(PAIR)), self.v16f32)
+                term = b.fmul(b.fmul(dv, ir_splat(b, b.load(b.gep(self.dx, [b.add(row, i)])), self.v16f32)), isum)
+                if offsets:
+                    mv = self._load(self.mchunk, b.mul(i, intp(PAIR)), self.v16f32)
+                    term = b.fadd(term, b.fmul(mv, ir_splat(b, b.load(b.gep(self.xs, [b.add(row, i)])), self.v16f32)))
+                self._store(b.fadd(self._load(self.acc, at, self.v16f32), term), self.acc, at)
 
 
 @intrinsic
@@ -205,8 +241,8 @@ def _pairs(typingctx, q, qoff, nb, g, size, xq, xoff, k, dx, xs, soff, d, m, dmo
     weights from ``qoff`` (``nb`` blocks, groups of ``g`` vectors of ``size`` bytes), ``xq`` the
     rows from ``xoff`` (``k`` a row), ``dx``/``xs`` theirs from ``soff`` (``nb`` a row), ``d``/``m``
     the tile's scales from ``dmoff``, ``out`` the rows' outputs of the tile from ``ooff``
-    (``ostride`` a row); ``offsets``: 1 where ``m`` was kept; ``weights``/``sums``: room for two
-    B tiles and two C tiles (``B_BYTES``, ``TILE_ROWS * PAIR`` each); ``pairs``: the tile's vectors / 2. Tiles configured by the caller."""
+    (``ostride`` a row); ``offsets``: 1 where ``m`` was kept; ``weights``/``sums``: room for
+    ``CHUNK`` B tiles and ``CHUNK`` C tiles (``B_BYTES``, ``TILE_ROWS * PAIR`` each); ``pairs``: the tile's vectors / 2. Tiles configured by the caller."""
     sig = types.void(q, qoff, nb, g, size, xq, xoff, k, dx, xs, soff, d, m, dmoff, out, ooff, ostride, rows, offsets,
                      weights, sums, pairs)
 

@@ -123,11 +123,11 @@ def test_the_tile_code_compiles_to_tile_instructions(tmp_path):
 @pytest.mark.skipif(not intdot_amx.AVAILABLE, reason="the CPU has no AMX-INT8 (or Linux did not grant the tiles)")
 @pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
 def test_on_tiles_the_amx_path_equals_the_rule(kind):
-    """Where the CPU has AMX: ``int_linear_kernel`` on the amx path, single rows on VNNI and blocks
-    on tiles, bit for bit the rule."""
+    """Where the CPU has AMX: ``int_linear_kernel`` on the amx path, blocks of fewer than
+    ``AMX_ROWS`` rows on VNNI and larger ones on tiles, bit for bit the rule."""
     d, m, q = matrix(kind, 1536, 608, seed=1, half=True)
     packed = intdot.pack(d, m, q)
-    x = inputs(64, 608, seed=2)
+    x = inputs(max(ROWS), 608, seed=2)
     want = intdot.reference(x, d, m, q)
     for rows in ROWS:
         out = np.empty((rows, 1536), np.float32)
@@ -139,7 +139,7 @@ def test_on_tiles_the_amx_path_equals_the_rule(kind):
 def test_whole_passes_and_drafted_replies_have_the_same_bits_on_the_amx_path(gguf_decoder, monkeypatch):
     """The default model on its blocks, the amx path against the CPU's first path: a prompt's
     logits (its rows on tiles) and a reply drafted by lyanna (blocks of tree rows verified on tiles,
-    single rows elsewhere; the head's own matrices too) are the same bits. Tiles emulated where
+    smaller blocks elsewhere; the head's own matrices too) are the same bits. Tiles emulated where
     the CPU has no AMX."""
     from lyanna.decoding.decoder import GenerationRequest
 

@@ -56,13 +56,15 @@ from .intdot_ir import (ALL_PATHS as _IR_PATHS, BYTE_BYTES, GROUP, HAS_AVX2, HAS
 from .kernels import even_group, ir_splat
 
 # ``amx`` (``intdot_amx``): tile products for blocks of ``AMX_ROWS`` rows and more, the first path
-# of ``PATHS`` for fewer. It runs only where it is asked for (``LYANNA_INTDOT_PATH=amx``) until its
-# speed and bits are measured on an AMX host; every other path is in ``intdot_ir``. Tests set
-# ``PATH = AMX`` on any CPU: without AMX its tile products are emulated (the same bits, slowly).
+# of ``PATHS`` for fewer (below 8 rows the tiles' fixed costs lost to it). It runs only where it is
+# asked for (``LYANNA_INTDOT_PATH=amx``): measured on an AMX host it takes about the first path's
+# time, since a block's rows cost mostly the rule's fp32 step, the same on every path
+# (docs/engine.md); every other path is in ``intdot_ir``. Tests set ``PATH = AMX`` on any CPU:
+# without AMX its tile products are emulated (the same bits, slowly).
 AMX = "amx"
 ALL_PATHS = _IR_PATHS + (AMX,)  # a path's index is what the kernels take
 PATHS = _IR_RUNS + ((AMX,) if intdot_amx.AVAILABLE else ())  # the ones this CPU runs
-AMX_ROWS = 2
+AMX_ROWS = 8
 _FIRST = _IR_PATHS.index(_IR_RUNS[0])
 
 

@@ -56,7 +56,7 @@ from .intdot_ir import (ALL_PATHS as _IR_PATHS, BYTE_BYTES, GROUP, HAS_AVX2, HAS
 from .kernels import even_group, ir_splat
 
 # ``amx`` (``intdot_amx``): tile products for blocks of ``AMX_ROWS`` rows and more, the first path
-# of ``PATHS`` for fewer (below 8 rows the tiles' fixed costs lost to it). It runs only where it is
+# of ``PATHS`` for fewer (on fewer rows the tiles' fixed costs lost to it). It runs only where it is
 # asked for (``LYANNA_INTDOT_PATH=amx``): measured on an AMX host it takes about the first path's
 # time, since a block's rows cost mostly the rule's fp32 step, the same on every path
 # (docs/engine.md); every other path is in ``intdot_ir``. Tests set ``PATH = AMX`` on any CPU:

@@ -109,6 +109,44 @@ def test_a_querys_attention_does_not_depend_on_masked_keys_after_it(cached: int,
     assert np.array_equal(attention(q, k, v, cached + 1 + extra, bias), alone)
 
 
+@pytest.mark.parametrize("half", [True, False])
+@pytest.mark.parametrize("hd", [64, 60, 12, 5])
+def test_queries_in_lanes_score_as_keys_in_lanes(half: bool, hd: int) -> None:
+    """Bit for bit: a task's scores with its queries in a vector's lanes (``_dot_keys_lanes``, for
+    8 queries and more) equal those of a head at a time with the keys in the lanes (``_dot_keys``),
+    for every count of queries and keys around the vectors' sizes, over float32 and half caches,
+    called from a function compiled with fastmath flags as the attention's tasks are."""
+    from numba import njit
+
+    from lyanna.engines.attention import LANES_FROM, _scores
+    from lyanna.engines.attention_ir import _dot_keys
+    from lyanna.engines.kernels import _FAST, LANES
+
+    @njit(fastmath=_FAST)
+    def lanes(q, r0, rows, h0, nh, k, kv_at, p, scratch):
+        _scores(q, r0, rows, h0, nh, k, kv_at, p, scratch)
+
+    @njit(fastmath=_FAST)
+    def keys(q, r0, rows, h0, nh, k, kv_at, p):
+        heads, width = q.shape[1], p.shape[1]
+        for i in range(nh):
+            _dot_keys(q, (r0 * heads + h0 + i) * hd, heads * hd, rows, k, kv_at, hd, width, p[i * rows :], width)
+
+    rng = np.random.default_rng(hd)
+    scratch = np.zeros(2 * hd * LANES + LANES * LANES, np.float32)
+    for rows, nh in [(3, 3), (5, 3), (8, 1), (6, 4), (2, 8)]:
+        assert rows * nh >= LANES_FROM
+        for nkeys in [1, 7, LANES, LANES + 1, 40, 131]:
+            q = rng.standard_normal((rows + 2, 9 if nh < 8 else 16, hd)).astype(np.float32)
+            k = rng.standard_normal((3, 140, hd)).astype(np.float32)
+            if half:
+                k = k.astype(np.float16).view(np.uint16)
+            want, got = np.full((2, rows * nh, nkeys), np.nan, np.float32)
+            keys(q, 1, rows, 1, nh, k, 140 * hd, want)
+            lanes(q, 1, rows, 1, nh, k, 140 * hd, got, scratch)
+            assert np.array_equal(got, want), (rows, nh, nkeys)
+
+
 @pytest.mark.parametrize("hd", [64, 12])
 @pytest.mark.parametrize("cached", [3, 40])
 def test_a_tree_rows_attention_is_its_paths_attention_alone(hd: int, cached: int) -> None:

@@ -7,8 +7,9 @@ import numpy as np
 from numba import njit, prange
 
 from .attention_ir import QUERIES, _dot_keys, _softmax_weights, _weighted_rows
+from .attention_lanes import _dot_keys_lanes
 from .halves import as_floats
-from .kernels import _FAST, _aligned, _launch, even_group
+from .kernels import _FAST, LANES, _aligned, _launch, even_group
 
 
 def prefill_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, bias: np.ndarray) -> np.ndarray:
@@ -37,14 +38,25 @@ def prefill_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, b
     return out.view(kv, groups, n, hd).permute(2, 0, 1, 3).reshape(n, heads * hd).numpy()
 
 
+# Queries a task scores with the queries in a vector's lanes (``_dot_keys_lanes``), at least: a
+# kv head's query heads over a run of rows. Fewer go a head at a time with the keys in the lanes
+# (``_dot_keys``), which costs less when most lanes would be empty. The bits are the same.
+LANES_FROM = 8
+
+
 @njit(cache=True, nogil=True)
-def _row_chunks(span_of: np.ndarray) -> np.ndarray:  # pragma: no cover - compiled
-    """[first, end) of each run of up to ``QUERIES`` consecutive rows of one span (rows of span -1
-    skipped), a span's runs as even as they can be (7 rows as 4 + 3, not 6 + 1: a run's time is
-    mostly its reads of the keys and values, whatever its rows)."""
+def attention_tasks(span_of: np.ndarray, heads: int, groups: int) -> np.ndarray:  # pragma: no cover - compiled
+    """The tasks of a block's attention as rows (first row, end row, first head, heads): a run of
+    consecutive rows of one span (rows of span -1 skipped) and the query heads of one kv head
+    (``groups`` of them) when they fill ``LANES_FROM`` lanes or more (on AVX2's 8 lanes, never for
+    3 query heads a kv head: 2 rows would fill 6), else one head. A span's runs
+    are as even as they can be (7 rows as 4 + 3, not 6 + 1: a run's time is mostly its reads of
+    the keys and values, whatever its rows): up to ``QUERIES`` rows a head, or as many as fill a
+    vector's lanes with their heads' queries."""
     n = span_of.shape[0]
-    bounds = np.empty((n, 2), np.int64)
+    tasks = np.empty((n * heads, 4), np.int64)
     count, i = 0, 0
+    per_group = LANES // groups
     while i < n:
         if span_of[i] < 0:
             i += 1
@@ -52,13 +64,16 @@ def _row_chunks(span_of: np.ndarray) -> np.ndarray:  # pragma: no cover - compil
         end = i + 1
         while end < n and span_of[end] == span_of[i]:
             end += 1
-        size = even_group(end - i, QUERIES)
+        grouped = per_group * groups >= LANES_FROM and (end - i) * groups >= LANES_FROM
+        size = even_group(end - i, per_group if grouped else QUERIES)
         while i < end:
             j = min(i + size, end)
-            bounds[count, 0], bounds[count, 1] = i, j
-            count += 1
+            for h in range(0, heads, groups if grouped else 1):
+                tasks[count, 0], tasks[count, 1], tasks[count, 2] = i, j, h
+                tasks[count, 3] = groups if grouped else 1
+                count += 1
             i = j
-    return bounds[:count]
+    return tasks[:count]
 
 
 @njit(parallel=True, fastmath=_FAST, cache=True, nogil=True)
@@ -67,13 +82,14 @@ def _attention_kernel(q: np.ndarray, ks, vs, layer: int, span_of: np.ndarray, lo
     """Row ``i`` of ``q`` belongs to span ``span_of[i]`` (-1: skipped) and attends to keys
     [0, ends[s]) of layer ``layer`` of that span's caches ``ks[s]``/``vs[s]`` ([layers, kv_heads,
     capacity, head_dim]; tuples or typed lists: one launch for every sequence of a batch), plus its
-    row of the span's additive mask when ``bias_at[s] >= 0``. One task per head and run of up to
-    ``QUERIES`` rows of a span: the run's rows share each key's and value's loads."""
-    heads = q.shape[1]
-    chunks = _row_chunks(span_of)
-    last_all, inv_all, p_all = attention_scratch(chunks.shape[0] * heads, ends.max())
-    for t in prange(chunks.shape[0] * heads):
-        attention_task(t, chunks, q, ks, vs, layer, span_of, lo, ends, bias, bias_at, out, last_all, inv_all, p_all)
+    row of the span's additive mask when ``bias_at[s] >= 0``. One task per run of rows of a span
+    and head, or kv head's query heads (``attention_tasks``): its queries share each key's and
+    value's loads."""
+    heads, hd = q.shape[1], q.shape[2]
+    tasks = attention_tasks(span_of, heads, heads // ks[0].shape[1])
+    scratch = attention_scratch(tasks, ends.max(), hd)
+    for t in prange(tasks.shape[0]):
+        attention_task(t, tasks, q, ks, vs, layer, span_of, lo, ends, bias, bias_at, out, *scratch)
 
 
 # Softmax weights (at most 1) as integers in units of 2**-50, for ``_scales``' exact sums: a sum of
@@ -100,51 +116,93 @@ def _scales(p: np.ndarray, inv: np.ndarray) -> None:  # pragma: no cover - compi
 
 
 @njit(cache=True, nogil=True)
-def attention_scratch(tasks: int, most_keys: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # pragma: no cover - compiled
-    """Every task's scratch in one allocation each: its rows' last visible key, weights and scales."""
-    return (np.empty((tasks, QUERIES), np.int64), np.empty((tasks, QUERIES), np.float32),
-            np.empty((tasks, QUERIES * most_keys), np.float32))
+def attention_scratch(tasks: np.ndarray, most_keys: int, hd: int
+                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:  # pragma: no cover - compiled
+    """Every task's scratch in one allocation each: its rows' last visible key, its queries'
+    weights and scales, and ``_dot_keys_lanes``' (its queries a dimension a vector, ``LANES`` keys
+    widened, ``LANES`` vectors of scores)."""
+    queries = max(QUERIES, LANES)
+    return (np.empty((tasks.shape[0], queries), np.int64), np.empty((tasks.shape[0], queries), np.float32),
+            np.empty((tasks.shape[0], queries * most_keys), np.float32),
+            np.empty((tasks.shape[0], 2 * hd * LANES + LANES * LANES), np.float32))
+
+
+@njit(cache=True, nogil=True)
+def _queries_in_lanes(q: np.ndarray, r0: int, rows: int, h0: int, first: int, count: int,
+                      scratch: np.ndarray) -> None:  # pragma: no cover - compiled
+    """Queries ``first`` .. ``first + count - 1`` of a task (query i: row ``r0 + i % rows`` of head
+    ``h0 + i // rows``) into ``scratch`` a dimension a vector, lanes past ``count`` zero."""
+    hd = q.shape[2]
+    scratch[: hd * LANES] = 0.0
+    for i in range(count):
+        row, head = r0 + (first + i) % rows, h0 + (first + i) // rows
+        for d in range(hd):
+            scratch[d * LANES + i] = q[row, head, d]
+
+
+@njit(cache=True, nogil=True)
+def _scores(q: np.ndarray, r0: int, rows: int, h0: int, nh: int, k: np.ndarray, kv_at: int, p: np.ndarray,
+            lanes: np.ndarray) -> None:  # pragma: no cover - compiled
+    """A task's scores ``p`` [queries, keys] (query i: row ``r0 + i % rows`` of head ``h0 + i //
+    rows``): with the queries in a vector's lanes when they fill ``LANES_FROM`` or more, else a
+    head at a time with the keys in the lanes; the same bits either way."""
+    heads, hd = q.shape[1], q.shape[2]
+    nq, width = p.shape
+    if nq >= LANES_FROM:
+        for first in range(0, nq, LANES):
+            count = min(LANES, nq - first)
+            _queries_in_lanes(q, r0, rows, h0, first, count, lanes)
+            _dot_keys_lanes(k, count, kv_at, hd, p[first:], width, lanes, width)
+    else:
+        for i in range(nh):
+            _dot_keys(q, (r0 * heads + h0 + i) * hd, heads * hd, rows, k, kv_at, hd, width, p[i * rows:], width)
 
 
 @njit(fastmath=_FAST, cache=True, nogil=True)
-def attention_task(t: int, chunks: np.ndarray, q: np.ndarray, ks, vs, layer: int, span_of: np.ndarray, lo: np.ndarray,
+def _visible(bias: np.ndarray, at: int, end: int) -> int:  # pragma: no cover - compiled
+    """Keys up to a row's last visible one (the mask row at ``bias[at:]``): those after it weigh
+    exactly 0, so a task skips them (half of a causal block)."""
+    while end > 1 and bias[at + end - 1] == -np.inf:
+        end -= 1
+    return end
+
+
+@njit(fastmath=_FAST, cache=True, nogil=True)
+def attention_task(t: int, tasks: np.ndarray, q: np.ndarray, ks, vs, layer: int, span_of: np.ndarray, lo: np.ndarray,
                    ends: np.ndarray, bias: np.ndarray, bias_at: np.ndarray, out: np.ndarray, last_all: np.ndarray,
-                   inv_all: np.ndarray, p_all: np.ndarray) -> None:  # pragma: no cover - compiled
-    """Task ``t`` of ``_attention_kernel`` (head ``t % heads`` of run ``t // heads`` of ``chunks``),
-    also one task of the one-row pass on held threads (``step``)."""
-    n, heads, hd = q.shape
-    groups = heads // ks[0].shape[1]
-    r0, r1 = chunks[t // heads, 0], chunks[t // heads, 1]
-    h = t % heads
-    s = span_of[r0]
-    k = ks[s][layer]
-    v = vs[s][layer]
-    g = h // groups
+                   inv_all: np.ndarray, p_all: np.ndarray, lanes_all: np.ndarray) -> None:  # pragma: no cover - compiled
+    """Task ``t`` of ``attention_tasks`` (rows ``r0 .. r1 - 1``, heads ``h0 .. h0 + nh - 1``; query
+    i is row ``r0 + i % rows`` of head ``h0 + i // rows``) of ``_attention_kernel``, also one task of
+    the one-row pass on held threads (``step``)."""
+    heads, hd = q.shape[1], q.shape[2]
+    r0, r1, h0, nh = tasks[t, 0], tasks[t, 1], tasks[t, 2], tasks[t, 3]
+    rows, s = r1 - r0, span_of[tasks[t, 0]]
+    k, v = ks[s][layer], vs[s][layer]
+    kv_at = (h0 // (heads // ks[0].shape[1])) * k.shape[1] * hd
     masked = bias_at[s] >= 0
     last, inv = last_all[t], inv_all[t]
-    for r in range(r1 - r0):
-        end = ends[s]
-        if masked:  # keys after the row's last visible one weigh exactly 0: skip them (half of a causal block)
-            row_bias = bias_at[s] + (r0 + r - lo[s]) * ends[s]
-            while end > 1 and bias[row_bias + end - 1] == -np.inf:
-                end -= 1
-        last[r] = end
-    width = last[: r1 - r0].max()
-    p = p_all[t, : (r1 - r0) * width].reshape(r1 - r0, width)
-    _dot_keys(q, (r0 * heads + h) * hd, heads * hd, r1 - r0, k, g * k.shape[1] * hd, hd, width, p, width)
-    for r in range(r1 - r0):
-        i, end = r0 + r, last[r]
-        prow = p[r, :end]
-        p[r, end:] = 0.0
+    for r in range(rows):
+        last[r] = _visible(bias, bias_at[s] + (r0 + r - lo[s]) * ends[s], ends[s]) if masked else ends[s]
+    width, nq = last[:rows].max(), rows * nh
+    p = p_all[t, : nq * width].reshape(nq, width)
+    _scores(q, r0, rows, h0, nh, k, kv_at, p, lanes_all[t])
+    for i in range(nq):
+        r = i % rows
+        end = last[r]
+        prow = p[i, :end]
+        p[i, end:] = 0.0
         if masked:
-            row_bias = bias_at[s] + (i - lo[s]) * ends[s]
+            row_bias = bias_at[s] + (r0 + r - lo[s]) * ends[s]
             brow = bias[row_bias : row_bias + end]  # from 0: indexed as bias[row_bias + j], the loop ran scalar
             for j in range(end):
                 prow[j] += brow[j]
-        _softmax_weights(p, r * width, end)  # masked keys (-inf) get exactly 0
-    _scales(p, inv)
-    _weighted_rows(p, width, r1 - r0, v, g * v.shape[1] * hd, width, hd, out, r0 * out.shape[1] + h * hd,
-                   out.shape[1], inv)
+        _softmax_weights(p, i * width, end)  # masked keys (-inf) get exactly 0
+    _scales(p, inv[:nq])
+    for i in range(nh):
+        for first in range(0, rows, QUERIES):
+            count = min(QUERIES, rows - first)
+            _weighted_rows(p[i * rows + first:], width, count, v, kv_at, width, hd, out,
+                           (r0 + first) * out.shape[1] + (h0 + i) * hd, out.shape[1], inv[i * rows + first:])
 
 
 class AttentionSpan(NamedTuple):

@@ -1,5 +1,7 @@
-"""The LLVM IR of attention's inner loops: a run of queries' scores against a span of keys, the
-softmax weights, and the weighted sum of the values. ``attention`` runs them as a block's tasks."""
+"""The LLVM IR of attention's inner loops: a run of queries' scores against a span of keys with
+the keys in a vector's lanes, the softmax weights, and the weighted sum of the values.
+``attention`` runs them as a block's tasks (``attention_lanes``: the scores with the queries in
+the lanes)."""
 from __future__ import annotations
 
 from llvmlite import ir

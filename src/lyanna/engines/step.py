@@ -25,7 +25,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from . import intdot
-from .attention import _row_chunks, attention_scratch, attention_task
+from .attention import attention_scratch, attention_task, attention_tasks
 from .halves import write_kv
 from .intdot_ir import PREFETCH_BYTES, PREFETCH_LOCALITY
 from .kernels import _rms_norm_kernel, _rope_kernel, silu_mul_row
@@ -169,16 +169,15 @@ def _tiles(sync, phase, quantized, d, m, q, out, path):  # pragma: no cover - co
 def _heads(sync, phase, qh, k_cache, v_cache, layer, spans, o, scratch):  # pragma: no cover - compiled
     """The attention's tasks (a head of a run of rows, ``attention.attention_task``), claimed one at
     a time; then the phase's end."""
-    span_of, lo, bias, bias_at, chunks, _, ends = spans
-    tasks = chunks.shape[0] * qh.shape[1]
+    span_of, lo, bias, bias_at, tasks, _, ends = spans
     back = _fetch_add(sync, _LINE * phase + _ARRIVED) == 1
     while True:
-        t = _claim(sync, phase, tasks, back)
+        t = _claim(sync, phase, tasks.shape[0], back)
         if t < 0:
             break
-        attention_task(t, chunks, qh, (k_cache,), (v_cache,), layer, span_of, lo, ends, bias, bias_at, o, *scratch)
+        attention_task(t, tasks, qh, (k_cache,), (v_cache,), layer, span_of, lo, ends, bias, bias_at, o, *scratch)
         _fetch_add(sync, _LINE * phase + _DONE)
-    _wait(sync, phase, tasks)
+    _wait(sync, phase, tasks.shape[0])
 
 
 @njit(nogil=True, cache=True)
@@ -216,7 +215,7 @@ def _attention_phases(layer, x, rot, norm, d, m, q, k_cache, v_cache, taps, tap_
     """Phases 0-3 of a layer (see ``step_layers``): the last layer's residual and this one's
     input norm, qkv, RoPE and the cache write, attention."""
     h, qkv, qh, kh, o, a = bufs[:6]
-    hq, scratch = bufs[8:12], bufs[20:23]
+    hq, scratch = bufs[8:12], bufs[20:24]
     n, heads, head_dim = qh.shape
     ph = PHASES_A_LAYER * layer
     if _first(sync, ph):
@@ -315,13 +314,13 @@ def step_layers(x, rot, attn_norms, mlp_norms, d, m, q, k_cache, v_cache, start,
     h, o, a = np.empty((n, hidden), np.float32), np.empty((n, q_dim), np.float32), np.empty((n, hidden), np.float32)
     gate_up = np.empty((n, d[2].size // (hidden // 32)), np.float32)
     act = np.empty((n, gate_up.shape[1] // 2), np.float32)
-    chunks = _row_chunks(span_of)
+    tasks = attention_tasks(span_of, heads, heads // kv_heads)
     # flat tuples: numba's parallel loop takes no tuple of arrays inside another
     bufs = (h, np.empty((n, q_dim + 2 * kv_dim), np.float32), np.empty((n, heads, head_dim), np.float32),
             np.empty((n, kv_heads, head_dim), np.float32), o, a, gate_up, act,
             *intdot._quantized(h), *intdot._quantized(o), *intdot._quantized(act),
-            *attention_scratch(chunks.shape[0] * heads, start + n))
-    spans = (span_of, lo, bias, bias_at, chunks, np.full(1, start, np.int64), np.full(1, start + n, np.int64))
+            *attention_scratch(tasks, start + n, head_dim))
+    spans = (span_of, lo, bias, bias_at, tasks, np.full(1, start, np.int64), np.full(1, start + n, np.int64))
     sync = np.zeros(_LINE * (PHASES_A_LAYER * len(attn_norms) + 1), np.int64)
     for _ in prange(threads):
         _thread(x, rot, attn_norms, mlp_norms, d, m, q, k_cache, v_cache, taps, tap_slot, eps, kv_heads, path, sync,

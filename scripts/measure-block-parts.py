@@ -12,7 +12,8 @@ head's 30 MB of blocks nearly fit a 32 MB L3). Also the integer kernel's multipl
 second on one matrix that stays in cache at 8 / 16 / 64 rows (its arithmetic bound, no memory
 stream; each also as a share of the CPU's 8-bit peak below): what each extra row of a block costs
 at the least; and this CPU's own peaks, both cores busy with independent operations on
-registers: 8-bit multiply-adds (``vpdpbusd`` on the ``vnni`` path, ``vpmaddubsw`` + ``vpmaddwd`` on ``avx2``) and fp32 fused multiply-adds, from
+registers: 8-bit multiply-adds (``vpdpbusd`` on the ``vnni`` path, ``vpmaddubsw`` + ``vpmaddwd`` on ``avx2``) and fp32 fused
+multiply-adds, on 512-bit registers too where the CPU has them (the faster width counts), from
 which the fastest a block could be on this machine follows (each extra row's matrix products at
 the integer peak and its attention at the fp32 peak, next to the measured one-token pass). And
 the layers' bytes streamed with no arithmetic, one parallel call per matrix as a one-row pass
@@ -62,31 +63,32 @@ CHAINS = 12  # independent accumulators in the peak loops: more than latency x i
 PEAK_ITERATIONS = 20_000_000
 
 
-def _peak_loop(kind: str):
-    """A compiled loop of ``CHAINS`` independent 256-bit operations per iteration on registers:
-    ``vnni`` one ``vpdpbusd`` (32 8-bit multiply-adds), ``avx2`` one ``vpmaddubsw`` + ``vpmaddwd``
-    pair (32), ``fma`` one fp32 fused multiply-add on 8 lanes (8); returns a value that depends
-    on every chain, so that nothing is optimized away."""
+def _peak_loop(kind: str, lanes: int = 8):
+    """A compiled loop of ``CHAINS`` independent operations per iteration on registers of ``lanes``
+    32-bit lanes (8: 256 bits, 16: 512): ``vnni`` one ``vpdpbusd`` (4 8-bit multiply-adds a lane),
+    ``avx2`` one ``vpmaddubsw`` + ``vpmaddwd`` pair (256 bits only), ``fma`` one fp32 fused
+    multiply-add (1 a lane); returns a value that depends on every chain, so that nothing is
+    optimized away."""
     @intrinsic
     def loop(typingctx, n, seed):
         def codegen(context, b, signature, args):
             n, seed = args
             i8, i16, i32, f32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
-            v32i8, v16i16, v8i32, v8f = (ir.VectorType(i8, 32), ir.VectorType(i16, 16), ir.VectorType(i32, 8),
-                                         ir.VectorType(f32, 8))
+            v32i8, v16i16, v8i32, v8f = (ir.VectorType(i8, 32), ir.VectorType(i16, 16), ir.VectorType(i32, lanes),
+                                         ir.VectorType(f32, lanes))
             fn = lambda name, ret, *a: cgutils.get_or_insert_function(b.module, ir.FunctionType(ret, list(a)), name)  # noqa: E731
             s = b.trunc(seed, i32)
             if kind == "fma":
-                kind_t, op = v8f, fn("llvm.fma.v8f32", v8f, v8f, v8f, v8f)
-                x = b.insert_element(ir.Constant(v8f, [0.999] * 8), b.sitofp(s, f32), i32(0))
-                inits = [ir.Constant(v8f, [float(k)] * 8) for k in range(CHAINS)]
+                kind_t, op = v8f, fn(f"llvm.fma.v{lanes}f32", v8f, v8f, v8f, v8f)
+                x = b.insert_element(ir.Constant(v8f, [0.999] * lanes), b.sitofp(s, f32), i32(0))
+                inits = [ir.Constant(v8f, [float(k)] * lanes) for k in range(CHAINS)]
                 step = lambda acc: b.call(op, [acc, x, x])  # noqa: E731
             else:
                 kind_t = v8i32
-                x = b.insert_element(ir.Constant(v8i32, [0x01020304] * 8), s, i32(0))
-                inits = [ir.Constant(v8i32, [k] * 8) for k in range(CHAINS)]
+                x = b.insert_element(ir.Constant(v8i32, [0x01020304] * lanes), s, i32(0))
+                inits = [ir.Constant(v8i32, [k] * lanes) for k in range(CHAINS)]
                 if kind == "vnni":
-                    op = fn("llvm.x86.avx512.vpdpbusd.256", v8i32, v8i32, v8i32, v8i32)
+                    op = fn(f"llvm.x86.avx512.vpdpbusd.{32 * lanes}", v8i32, v8i32, v8i32, v8i32)
                     step = lambda acc: b.call(op, [acc, x, x])  # noqa: E731
                 else:
                     maddubs = fn("llvm.x86.avx2.pmadd.ub.sw", v16i16, v32i8, v32i8)
@@ -133,17 +135,23 @@ def _peak_loop(kind: str):
     return on_every_core
 
 
-def peak_per_s(kind: str) -> float:
-    """Multiply-adds a second of ``_peak_loop(kind)`` with every core busy (the best of ROUNDS)."""
-    run, cores = _peak_loop(kind), os.cpu_count() or 1
-    run(10, cores)  # compile
-    best = float("inf")
-    for _ in range(ROUNDS):
-        start = time.perf_counter()
-        run(PEAK_ITERATIONS, cores)
-        best = min(best, time.perf_counter() - start)
-    per_op = 8 if kind == "fma" else 32
-    return PEAK_ITERATIONS * CHAINS * per_op * cores / best
+def peak_per_s(kind: str, widths: tuple[int, ...] = (8,)) -> float:
+    """Multiply-adds a second of ``_peak_loop(kind, lanes)`` with every core busy (the best of
+    ROUNDS), at the fastest of ``widths`` (lanes). Why both widths: on Intel's AVX-512 cores a
+    512-bit ``vpdpbusd`` or ``vfmadd`` does nearly twice a 256-bit one's work in the same time,
+    where Zen 4 splits it in two, so a 256-bit peak nearly doubled every share of Intel's peak."""
+    best_rate = 0.0
+    for lanes in widths:
+        run, cores = _peak_loop(kind, lanes), os.cpu_count() or 1
+        run(10, cores)  # compile
+        best = float("inf")
+        for _ in range(ROUNDS):
+            start = time.perf_counter()
+            run(PEAK_ITERATIONS, cores)
+            best = min(best, time.perf_counter() - start)
+        per_op = lanes if kind == "fma" else 4 * lanes
+        best_rate = max(best_rate, PEAK_ITERATIONS * CHAINS * per_op * cores / best)
+    return best_rate
 
 
 def median_ms(run, repeats: int = REPEATS) -> float:
@@ -484,8 +492,10 @@ def report(args: argparse.Namespace, engine: Transformer, rng: np.random.Generat
     # the portable path has no one instruction to time; amx's blocks are measured against VNNI's peak
     # (single rows run there; the tiles' own peak is not measured here)
     int_kind = {"portable": None, intdot.AMX: "vnni"}.get(intdot.PATH, intdot.PATH)
-    int_peak = peak_per_s(int_kind) if int_kind else None
-    fma_peak = peak_per_s("fma") if "fma" in machine["cpu_features"] else None
+    wide = (8, 16) if "avx512f" in machine["cpu_features"] else (8,)
+    int_peak = peak_per_s(int_kind, wide if int_kind == "vnni" and "avx512_vnni" in machine["cpu_features"] else (8,)) \
+        if int_kind else None
+    fma_peak = peak_per_s("fma", wide) if "fma" in machine["cpu_features"] else None
     # attention's multiply-adds for one more row: a score and a weighted value row per cached key and head
     attention_macs = c.num_layers * c.num_heads * (CONTEXT + 1) * c.head_dim * 2
     at_peaks = None

@@ -115,7 +115,8 @@ def test_queries_in_lanes_score_as_keys_in_lanes(half: bool, hd: int) -> None:
     """Bit for bit: a task's scores with its queries in a vector's lanes (``_dot_keys_lanes``, for
     8 queries and more) equal those of a head at a time with the keys in the lanes (``_dot_keys``),
     for every count of queries and keys around the vectors' sizes, over float32 and half caches,
-    called from a function compiled with fastmath flags as the attention's tasks are."""
+    the task's scores called from a function compiled with fastmath flags as the attention's tasks
+    are (they must not reach the scores' arithmetic)."""
     from numba import njit
 
     from lyanna.engines.attention import LANES_FROM, _scores
@@ -126,7 +127,7 @@ def test_queries_in_lanes_score_as_keys_in_lanes(half: bool, hd: int) -> None:
     def lanes(q, r0, rows, h0, nh, k, kv_at, p, scratch):
         _scores(q, r0, rows, h0, nh, k, kv_at, p, scratch)
 
-    @njit(fastmath=_FAST)
+    @njit
     def keys(q, r0, rows, h0, nh, k, kv_at, p):
         heads, width = q.shape[1], p.shape[1]
         for i in range(nh):
@@ -145,6 +146,54 @@ def test_queries_in_lanes_score_as_keys_in_lanes(half: bool, hd: int) -> None:
             keys(q, 1, rows, 1, nh, k, 140 * hd, want)
             lanes(q, 1, rows, 1, nh, k, 140 * hd, got, scratch)
             assert np.array_equal(got, want), (rows, nh, nkeys)
+
+
+_LANES_ON_OTHER_CPUS = """
+import numpy as np
+from numba import njit
+from lyanna.engines.attention import _scores
+from lyanna.engines.attention_ir import _dot_keys
+from lyanna.engines.intdot_ir import HAS_F16C
+from lyanna.engines.kernels import _FAST, LANES
+
+@njit(fastmath=_FAST)
+def lanes(q, k, p, scratch):
+    _scores(q, 0, 4, 0, 4, k, 0, p, scratch)
+
+@njit
+def keys(q, k, want):
+    for i in range(4):
+        _dot_keys(q, i * 64, 16 * 64, 4, k, 0, 64, want.shape[1], want[i * 4 :], want.shape[1])
+
+rng = np.random.default_rng(0)
+q = rng.standard_normal((4, 16, 64)).astype(np.float32)
+k = rng.standard_normal((1, 50, 64)).astype(np.float16)
+k = k.view(np.uint16) if HAS_F16C else k.astype(np.float32)  # halves are widened by F16C's instruction
+p, want = np.zeros((2, 16, 50), np.float32)
+lanes(q, k, p, np.zeros(2 * 64 * LANES + LANES * LANES, np.float32))
+keys(q, k, want)
+print(LANES, np.array_equal(p, want))
+"""
+
+
+@pytest.mark.parametrize("dropped", [("+avx512",), ("+avx", "+fma", "+f16c", "+vaes", "+vpclmul", "+amx", "+gfni")])
+def test_queries_in_lanes_score_as_keys_in_lanes_without_avx512_or_avx(tmp_path, dropped):
+    """The same comparison compiled for this CPU without AVX-512 (8 lanes, ymm registers) and
+    without AVX at all (8 lanes in two xmm halves, where the sums' barrier takes each half)."""
+    import os
+    import subprocess
+    import sys
+
+    from llvmlite.binding import get_host_cpu_features
+
+    if dropped[0] not in get_host_cpu_features().flatten():
+        pytest.skip(f"the CPU has no {dropped[0][1:]} to leave out")
+    features = ",".join("-" + f[1:] if f.startswith(dropped) else f for f in get_host_cpu_features().flatten().split(","))
+    env = dict(os.environ, NUMBA_CPU_FEATURES=features, NUMBA_CACHE_DIR=str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", _LANES_ON_OTHER_CPUS], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split()[-2:] == ["8", "True"]
 
 
 @pytest.mark.parametrize("hd", [64, 12])

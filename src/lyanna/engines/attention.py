@@ -140,12 +140,15 @@ def _queries_in_lanes(q: np.ndarray, r0: int, rows: int, h0: int, first: int, co
             scratch[d * LANES + i] = q[row, head, d]
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def _scores(q: np.ndarray, r0: int, rows: int, h0: int, nh: int, k: np.ndarray, kv_at: int, p: np.ndarray,
             lanes: np.ndarray) -> None:  # pragma: no cover - compiled
     """A task's scores ``p`` [queries, keys] (query i: row ``r0 + i % rows`` of head ``h0 + i //
     rows``): with the queries in a vector's lanes when they fill ``LANES_FROM`` or more, else a
-    head at a time with the keys in the lanes; the same bits either way."""
+    head at a time with the keys in the lanes; the same bits either way. ``fastmath=False`` stated:
+    numba compiles a function that leaves it unset with its caller's flags (``attention_task``'s),
+    the IR inside included, and under them LLVM regrouped the lanes kernel's sums (scores a last
+    bit apart from ``_dot_keys``'), and on a CPU without fused multiply-adds the chains' sums too."""
     heads, hd = q.shape[1], q.shape[2]
     nq, width = p.shape
     if nq >= LANES_FROM:

@@ -19,16 +19,6 @@ _LANE_KEYS = 4 if LANES == 16 else 2
 _WRITTEN_OUT = 64  # a head's dimensions for which ``_Lanes`` writes its loops out (SmolLM2's, Llama's)
 
 
-def _kept(b: ir.IRBuilder, x: ir.Value) -> ir.Value:
-    """``x`` through an empty inline assembly block: the optimizer cannot see that it is ``x``, so
-    the sums on either side stay the sums written. Why: numba marks every float instruction of a
-    function compiled with fastmath (the IR inside it included, and, first compiled from such a
-    function, its callees'), and LLVM then regrouped a tree of plain additions: scores a last bit
-    apart from ``_dot_keys``' (whose tree runs through shuffles, which it left alone)."""
-    asm = ir.InlineAsm(ir.FunctionType(x.type, [x.type]), "", "=v,0" if LANES == 16 else "=x,0")
-    return b.call(asm, [x])
-
-
 class _Lanes:
     """The IR of ``_dot_keys_lanes`` (see there)."""
 
@@ -117,7 +107,7 @@ class _Lanes:
         b, intp, hd = self.b, self.intp, self.hd
         rows = [b.mul(b.add(first, intp(c)), hd) for c in range(count)]
         lanes = [sums for four in (0, 4) for sums in self.lane_chains(tuple(range(four, four + 4)), rows, steps)]
-        pair = lambda x, y: [_kept(b, b.fadd(p, q)) for p, q in zip(x, y)]  # noqa: E731
+        pair = lambda x, y: [b.fadd(p, q) for p, q in zip(x, y)]  # noqa: E731
         low = pair(pair(lanes[0], lanes[1]), pair(lanes[2], lanes[3]))
         totals = pair(low, pair(pair(lanes[4], lanes[5]), pair(lanes[6], lanes[7])))
         muladd = ir_muladd(b, self.vec)

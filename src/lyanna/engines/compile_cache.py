@@ -45,3 +45,22 @@ def use_source_keyed_cache() -> None:
         from numba.core import config
 
         config.CACHE_DIR = where
+
+
+def prefer_full_vectors() -> None:
+    """Let LLVM use the CPU's widest vectors. For AVX-512 CPUs LLVM prefers 256-bit vectors by
+    default (a tuning flag, "prefer-256-bit"), which halves the multiply-adds per instruction of
+    the kernels where they are bound by arithmetic, not memory (a layer's four fp32 matmuls of 8
+    rows took about 1.35x as long with it on an AVX-512 Xeon). This sets numba's process-wide target
+    features, read once when its code generator starts (the first ``cache=True`` decoration
+    starts it), so it runs when the package is imported, before any module of kernels; a
+    NUMBA_CPU_FEATURES the user set wins. Without AVX-512 the flag changes nothing. (Set from
+    ``kernels``, it came after ``halves``' decorations on most import orders: the CLI, the server
+    and the decoder compiled with the 256-bit preference, and a process that imported ``step``
+    first without it, so neither could load the other's cached kernels.)"""
+    from numba.core import config
+    from numba.core.codegen import get_host_cpu_features
+
+    if config.CPU_FEATURES is None:
+        host = get_host_cpu_features()
+        config.CPU_FEATURES = f"{host},-prefer-256-bit" if host else "-prefer-256-bit"

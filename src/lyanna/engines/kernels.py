@@ -26,22 +26,8 @@ from numba.core.dispatcher import Dispatcher
 from numba.extending import intrinsic
 
 
-def _prefer_full_vectors() -> None:
-    """Let LLVM use the CPU's widest vectors. For AVX-512 CPUs LLVM prefers 256-bit vectors by
-    default (a tuning flag, "prefer-256-bit"), which halves the multiply-adds per instruction of
-    the kernels below where they are bound by arithmetic, not memory: a layer's four matmuls on
-    the 2-core Xeon (Emerald Rapids), 2026-11-23, for 1 / 2 / 4 / 8 / 16 / 64 rows took 0.66 /
-    0.66 / 0.80 / 1.14 / 1.62 / 4.02 ms with it and 0.66 / 0.57 / 0.65 / 0.84 / 1.12 / 3.57 ms
-    without (one row streams weights from memory either way). This sets numba's process-wide
-    target features, so it takes effect only if nothing was compiled with numba before; a
-    NUMBA_CPU_FEATURES the user set wins. Without AVX-512 the flag changes nothing."""
-    if numba_config.CPU_FEATURES is None:
-        host = get_host_cpu_features()
-        numba_config.CPU_FEATURES = f"{host},-prefer-256-bit" if host else "-prefer-256-bit"
-
-
-_prefer_full_vectors()
-_FEATURES = numba_config.CPU_FEATURES or get_host_cpu_features()  # what numba compiles for
+# what numba compiles for: the package's import set it (``compile_cache.prefer_full_vectors``)
+_FEATURES = numba_config.CPU_FEATURES or get_host_cpu_features()
 LANES = 16 if "+avx512f" in _FEATURES else 8  # fp32 lanes of one vector register
 # A fused multiply-add rounds once, exactly as IEEE 754 defines it, so it is as deterministic as a
 # multiply and an add, and it halves the arithmetic of the IR kernels (quant.py: 8 rows took 0.45x

@@ -118,13 +118,15 @@ def _scales(p: np.ndarray, inv: np.ndarray) -> None:  # pragma: no cover - compi
 @njit(cache=True, nogil=True)
 def attention_scratch(tasks: np.ndarray, most_keys: int, hd: int
                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:  # pragma: no cover - compiled
-    """Every task's scratch in one allocation each: its rows' last visible key, its queries'
-    weights and scales, and ``_dot_keys_lanes``' (its queries a dimension a vector, ``LANES`` keys
-    widened, ``LANES`` vectors of scores)."""
-    queries = max(QUERIES, LANES)
+    """Every task's scratch in one allocation each, sized for the block's largest task: its rows'
+    last visible key, its queries' weights and scales, and ``_dot_keys_lanes``' (its queries a
+    dimension a vector, ``LANES`` keys widened, ``LANES`` vectors of scores) where a task scores so."""
+    queries = 1
+    for t in range(tasks.shape[0]):
+        queries = max(queries, (tasks[t, 1] - tasks[t, 0]) * tasks[t, 3])
+    lanes = 2 * hd * LANES + LANES * LANES if queries >= LANES_FROM else 0
     return (np.empty((tasks.shape[0], queries), np.int64), np.empty((tasks.shape[0], queries), np.float32),
-            np.empty((tasks.shape[0], queries * most_keys), np.float32),
-            np.empty((tasks.shape[0], 2 * hd * LANES + LANES * LANES), np.float32))
+            np.empty((tasks.shape[0], queries * most_keys), np.float32), np.empty((tasks.shape[0], lanes), np.float32))
 
 
 @njit(cache=True, nogil=True)

@@ -33,6 +33,35 @@ def _reduce_pairs(b: ir.IRBuilder, x: ir.Value, y: ir.Value) -> ir.Value:
     return b.fadd(pick([0, 2, 8, 10, 4, 6, 12, 14]), pick([1, 3, 9, 11, 5, 7, 13, 15]))
 
 
+def ir_carried_loop(b: ir.IRBuilder, end: ir.Value, step: int, inits: list, body) -> list:
+    """``body(i, values) -> values`` for i = 0, step, 2 * step, ... below ``end``, the values
+    carried from ``inits`` in registers (phis) and the last ones returned (``inits`` when the loop
+    does not run): the accumulators of the kernels' loops over dimensions or keys."""
+    intp = end.type
+    entry = b.block
+    loop, done = b.append_basic_block("carried.body"), b.append_basic_block("carried.done")
+    b.cbranch(b.icmp_signed(">", end, intp(0)), loop, done)
+    b.position_at_end(loop)
+    i = b.phi(intp)
+    i.add_incoming(intp(0), entry)
+    acc = [b.phi(x.type) for x in inits]
+    for a, x in zip(acc, inits):
+        a.add_incoming(x, entry)
+    new = body(i, acc)
+    i_next = b.add(i, intp(step))
+    i.add_incoming(i_next, b.block)
+    for a, x in zip(acc, new):
+        a.add_incoming(x, b.block)
+    last = b.block
+    b.cbranch(b.icmp_signed("<", i_next, end), loop, done)
+    b.position_at_end(done)
+    out = [b.phi(x.type) for x in inits]
+    for o, x, n in zip(out, inits, new):
+        o.add_incoming(x, entry)
+        o.add_incoming(n, last)
+    return out
+
+
 class _Scores:
     """The IR of ``_dot_keys`` (see there)."""
 
@@ -53,34 +82,17 @@ class _Scores:
     def lane_sums(self, queries, keys):
         """The 8 lane sums of each of ``keys`` with each of ``queries`` over dimensions [0, full):
         every key vector loaded once for all the queries."""
-        b, intp, v8 = self.b, self.intp, self.v8
+        b, v8 = self.b, self.v8
         muladd = ir_muladd(b, v8)
-        entry = b.block
-        body, done = b.append_basic_block("dims.body"), b.append_basic_block("dims.done")
         zero = ir.Constant(v8, [0.0] * 8)
-        b.cbranch(b.icmp_signed(">", self.full, intp(0)), body, done)
-        b.position_at_end(body)
-        d = b.phi(intp)
-        d.add_incoming(intp(0), entry)
-        acc = [[b.phi(v8) for _ in keys] for _ in queries]
-        for a in (a for row in acc for a in row):
-            a.add_incoming(zero, entry)
-        qv = [b.load(self._at(self.qp, b.add(query, d)), align=4) for query in queries]
-        kv = [ir_load_floats(b, self.kp, b.add(b.add(self.koff, b.mul(key, self.hd)), d), v8) for key in keys]
-        new = [[muladd(q, k, a) for k, a in zip(kv, row)] for q, row in zip(qv, acc)]
-        d_next = b.add(d, intp(8))
-        d.add_incoming(d_next, b.block)
-        for row, xs in zip(acc, new):
-            for a, x in zip(row, xs):
-                a.add_incoming(x, b.block)
-        b.cbranch(b.icmp_signed("<", d_next, self.full), body, done)
-        b.position_at_end(done)
-        sums = [[b.phi(v8) for _ in keys] for _ in queries]
-        for row, xs in zip(sums, new):
-            for total, x in zip(row, xs):
-                total.add_incoming(zero, entry)
-                total.add_incoming(x, body)
-        return sums
+
+        def step(d, acc):
+            qv = [b.load(self._at(self.qp, b.add(query, d)), align=4) for query in queries]
+            kv = [ir_load_floats(b, self.kp, b.add(b.add(self.koff, b.mul(key, self.hd)), d), v8) for key in keys]
+            return [muladd(q, k, acc[i * len(keys) + j]) for i, q in enumerate(qv) for j, k in enumerate(kv)]
+
+        flat = ir_carried_loop(b, self.full, 8, [zero] * (len(queries) * len(keys)), step)
+        return [flat[i * len(keys) : (i + 1) * len(keys)] for i in range(len(queries))]
 
     def store(self, query, out, key, total) -> None:
         """``total`` plus the dimensions past ``full`` in order, at ``s[out + key]``."""
@@ -236,33 +248,18 @@ class _Weighted:
         muladd = ir_muladd(b, kind)
         at = lambda base, offset: b.bitcast(b.gep(base, [offset]), kind.as_pointer())  # noqa: E731
         zero = ir.Constant(kind, [0.0] * lanes if lanes > 1 else 0.0)
-        entry = b.block
-        body, done = b.append_basic_block("keys.body"), b.append_basic_block("keys.done")
-        b.cbranch(b.icmp_signed(">", n, intp(0)), body, done)
-        b.position_at_end(body)
-        j = b.phi(intp)
-        j.add_incoming(intp(0), entry)
-        acc = [[b.phi(kind) for _ in range(width)] for _ in range(queries)]
-        for a in (x for row in acc for x in row):
-            a.add_incoming(zero, entry)
-        row = b.add(b.add(self.voff, b.mul(j, self.hd)), e)
-        vals = [ir_load_floats(b, self.vp, b.add(row, intp(w * lanes)), kind) for w in range(width)]
-        new = []
-        for r in range(queries):
-            pv = ir_splat(b, b.load(b.gep(self.pp, [b.add(b.mul(intp(r), self.pstride), j)])), kind)
-            new.append([muladd(pv, vals[w], acc[r][w]) for w in range(width)])
-        j_next = b.add(j, intp(1))
-        j.add_incoming(j_next, b.block)
-        for r in range(queries):
-            for a, x in zip(acc[r], new[r]):
-                a.add_incoming(x, b.block)
-        b.cbranch(b.icmp_signed("<", j_next, n), body, done)
-        b.position_at_end(done)
-        totals = [[b.phi(kind) for _ in range(width)] for _ in range(queries)]  # phis first in a block
-        for r in range(queries):
-            for total, x in zip(totals[r], new[r]):
-                total.add_incoming(zero, entry)
-                total.add_incoming(x, body)
+
+        def step(j, acc):
+            row = b.add(b.add(self.voff, b.mul(j, self.hd)), e)
+            vals = [ir_load_floats(b, self.vp, b.add(row, intp(w * lanes)), kind) for w in range(width)]
+            new = []
+            for r in range(queries):
+                pv = ir_splat(b, b.load(b.gep(self.pp, [b.add(b.mul(intp(r), self.pstride), j)])), kind)
+                new += [muladd(pv, vals[w], acc[r * width + w]) for w in range(width)]
+            return new
+
+        flat = ir_carried_loop(b, n, 1, [zero] * (queries * width), step)
+        totals = [flat[r * width : (r + 1) * width] for r in range(queries)]
         for r in range(queries):
             scale = ir_splat(b, b.load(b.gep(self.scp, [intp(r)])), kind)
             for w, total in enumerate(totals[r]):

@@ -8,6 +8,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from .attention_ir import ir_carried_loop
 from .halves import ir_load_floats
 from .kernels import LANES, ir_muladd, ir_splat
 
@@ -69,29 +70,10 @@ class _Lanes:
             for m in range(steps):
                 acc = step(intp(8 * m), acc)
             return acc
-        entry = b.block
-        body, done = b.append_basic_block("lane.body"), b.append_basic_block("lane.done")
-        b.cbranch(b.icmp_signed(">", self.full, intp(0)), body, done)
-        b.position_at_end(body)
-        d = b.phi(intp)
-        d.add_incoming(intp(0), entry)
-        acc = [[b.phi(vec) for _ in rows] for _ in lanes]
-        for a in (a for chain in acc for a in chain):
-            a.add_incoming(zero, entry)
-        new = step(d, acc)
-        d_next = b.add(d, intp(8))
-        d.add_incoming(d_next, b.block)
-        for chain, xs in zip(acc, new):
-            for a, x in zip(chain, xs):
-                a.add_incoming(x, b.block)
-        b.cbranch(b.icmp_signed("<", d_next, self.full), body, done)
-        b.position_at_end(done)
-        sums = [[b.phi(vec) for _ in rows] for _ in lanes]
-        for chain, xs in zip(sums, new):
-            for total, x in zip(chain, xs):
-                total.add_incoming(zero, entry)
-                total.add_incoming(x, body)
-        return sums
+        per = len(rows)
+        flat = ir_carried_loop(b, self.full, 8, [zero] * (len(lanes) * per),
+                               lambda d, acc: sum(step(d, [acc[i * per : (i + 1) * per] for i in range(len(lanes))]), []))
+        return [flat[i * per : (i + 1) * per] for i in range(len(lanes))]
 
     def totals(self, first, count: int) -> None:
         """Scores of keys ``first`` .. ``first + count - 1`` of ``kf`` into rows of ``tt``: lanes

@@ -33,7 +33,7 @@ from .quant import QuantMatrix
 Weight = np.ndarray | QuantMatrix  # a matrix in fp32, or computed on a GGUF's blocks (``quant``)
 
 # Bumped whenever the forward pass's cost or its calibration changes, so cached latency calibrations are redone.
-ENGINE_REVISION = 21
+ENGINE_REVISION = 22
 KV_CACHES = ("float16", "float32")  # what ``LYANNA_KV_CACHE`` may name
 
 

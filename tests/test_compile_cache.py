@@ -45,3 +45,38 @@ def test_importing_lyanna_points_numba_there_unless_the_user_chose(tmp_path):
     assert _numba_cache_dir(env) == str(source_keyed_dir(tmp_path))
     env["NUMBA_CACHE_DIR"] = str(tmp_path / "mine")
     assert _numba_cache_dir(env) == str(tmp_path / "mine")
+
+
+_SILU_AFTER = """
+import sys
+import numpy as np
+from numba import njit
+from lyanna.engines import kernels
+
+@njit(fastmath={"reassoc", "contract", "nsz", "arcp"})
+def fast_softmax_sum(x):  # as the draft tree's softmax calls it
+    total = np.float32(0.0)
+    for v in x:
+        total += kernels.exp_nonpositive(v)
+    return total
+
+if sys.argv[1] == "fastmath-caller-first":
+    fast_softmax_sum(-np.abs(np.arange(64, dtype=np.float32)))
+gate_up = (np.random.default_rng(0).standard_normal((8, 512)) * 4).astype(np.float32)
+print(kernels.silu_mul(gate_up).view(np.int32).tobytes().hex())
+"""
+
+
+def test_the_targets_silu_has_the_same_bits_whichever_caller_compiled_its_exp_first(tmp_path):
+    """numba compiles a shared function that leaves ``fastmath`` unset with its first caller's
+    flags and hands that copy to every later caller (and to later processes, from its cache):
+    ``exp_nonpositive`` states it, so the target's SiLU gets the same bits in a process (with a
+    cache of its own) that compiled a fastmath softmax over it first."""
+    outputs = []
+    for order in ("fastmath-caller-first", "silu-first"):
+        env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / order))
+        run = subprocess.run([sys.executable, "-c", _SILU_AFTER, order], env=env, capture_output=True, text=True,
+                             timeout=600)
+        assert run.returncode == 0, run.stderr[-3000:]
+        outputs.append(run.stdout.split()[-1])
+    assert outputs[0] == outputs[1]

@@ -202,14 +202,19 @@ _LN2_LO = np.float32(-2.12194440e-4)
 _EXP_FLOOR = np.float32(-87.0)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=False)
 def exp_nonpositive(x: float) -> float:  # pragma: no cover - compiled
     """exp(x) in float32 for x <= 0 (a softmax score minus its row's maximum), within 4e-7
     relative of the true value, and exactly 0 below -87 and for -inf (masked keys).
 
     Plain arithmetic instead of libm's ``expf``: LLVM vectorizes it (libm's is a scalar call per
     key: 30-40% of attention), and the vector and scalar copies of a loop compute it with the
-    same operations, so a key's weight has the same bits whatever number of keys its row has."""
+    same operations, so a key's weight has the same bits whatever number of keys its row has.
+    ``fastmath=False`` stated: numba compiles a function that leaves it unset with the flags of
+    the first caller that needs it, and every later caller, in this process or from numba's
+    cache, gets that copy; compiled first for the draft tree's fastmath softmax, its polynomial
+    was fused into multiply-adds and the target's SiLU (``silu_mul_row``) came out a last bit
+    apart, so plain decoding's tokens could depend on what a process compiled first."""
     if x < _EXP_FLOOR:
         return np.float32(0.0)
     n = np.floor(x * _LOG2E + np.float32(0.5))

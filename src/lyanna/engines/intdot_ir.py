@@ -7,6 +7,8 @@ rule every path computes and holds the kernels that call these.
 """
 from __future__ import annotations
 
+import functools
+
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
@@ -267,18 +269,19 @@ class _Emitter:
             term = b.fadd(term, b.fmul(mv, xs))
         return term
 
-    def _two_chains(self, kind, rows: int, cols: int):
-        """Two zero sums per row and value for ``vnni``'s products: the low and high nibbles (or
-        the even and odd quads of bytes) add into separate registers, added together once a block.
-        One chain of a block's 8 ``vpdpbusd`` per row and value left a core as many chains in
-        flight as rows, too few to cover the instruction's latency at its throughput, and the
-        kernel on a matrix in cache ran faster with two; integer sums are exact in any order,
-        so the bits are the same."""
+    def _zero_sums(self, kind, rows: int, cols: int):
+        """Zero sums per row and value, as chains: two on ``vnni`` (the low and high nibbles, or
+        the even and odd quads of bytes, add into separate registers, joined once a block), one
+        on the other paths. One chain of a block's 8 ``vpdpbusd`` per row and value left a core as
+        many chains in flight as rows, too few to cover the instruction's latency at its
+        throughput, and the kernel on a matrix in cache ran faster with two; integer sums are
+        exact in any order, so the bits are the same."""
         zero = ir.Constant(kind, [0] * kind.count)
-        return [[[zero, zero] for _ in range(cols)] for _ in range(rows)]
+        return [[[zero] * (2 if self.vnni else 1) for _ in range(cols)] for _ in range(rows)]
 
     def _joined(self, chains):
-        return [[self.b.add(*pair) for pair in row] for row in chains]
+        """Each row and value's chains added into one sum."""
+        return [[functools.reduce(self.b.add, value) for value in row] for row in chains]
 
     def _packed_sums(self, qbase, xrow, per: int):
         """Per row and value, the block's 32-bit sums from 4-bit weights (16-bit partial sums but on
@@ -286,7 +289,7 @@ class _Emitter:
         b, intp = self.b, self.intp
         v8, v16, v32 = self.kinds(per)[0], self.v16i16, self.kinds(per)[1]
         low, four = ir.Constant(v8, [15] * v8.count), ir.Constant(v8, [4] * v8.count)
-        acc = self._two_chains(v32 if self.vnni else v16, len(xrow), len(qbase))
+        acc = self._zero_sums(v32 if self.vnni else v16, len(xrow), len(qbase))
         for p in range(4):
             packed = [self._gather(self.q, [b.add(at, intp(32 * p)) for at in value], self.v32i8) for value in qbase]
             lo = [b.and_(v, low) for v in packed]
@@ -295,14 +298,14 @@ class _Emitter:
                 xlo = self._broadcast(b.add(row, intp(4 * p)), per)
                 xhi = self._broadcast(b.add(row, intp(4 * p + 16)), per)
                 for c in range(len(qbase)):
-                    low_sum, high_sum = acc[r][c]
                     if self.vnni:
+                        low_sum, high_sum = acc[r][c]
                         acc[r][c] = [self.dot4(low_sum, lo[c], xlo), self.dot4(high_sum, hi[c], xhi)]
-                    else:  # one 16-bit sum, as before
-                        acc[r][c][0] = b.add(b.add(low_sum, self.maddubs(lo[c], xlo)), self.maddubs(hi[c], xhi))
-        if self.vnni:
-            return self._joined(acc)
-        return [[self.widen(pair[0]) for pair in row] for row in acc]
+                    else:  # one 16-bit sum
+                        (total,) = acc[r][c]
+                        acc[r][c] = [b.add(b.add(total, self.maddubs(lo[c], xlo)), self.maddubs(hi[c], xhi))]
+        sums = self._joined(acc)
+        return sums if self.vnni else [[self.widen(a) for a in row] for row in sums]
 
     def _byte_sums(self, qbase, xrow, srow, per: int):
         """Per row and value, the block's 32-bit sums from signed byte weights (the sign trick)."""
@@ -328,7 +331,7 @@ class _Emitter:
         b, intp = self.b, self.intp
         v8, v32, _ = self.kinds(per)
         flip = ir.Constant(v8, [-128] * v8.count)  # 0x80
-        acc = self._two_chains(v32, len(xrow), len(qbase))
+        acc = self._zero_sums(v32, len(xrow), len(qbase))
         for g in range(8):
             w = [b.xor(self._gather(self.q, [b.add(at, intp(32 * g)) for at in value], self.v32i8), flip)
                  for value in qbase]

@@ -13,6 +13,7 @@ import numpy as np
 
 from ..engines.base import TargetEngine
 from ..engines.fused import FusedLayers
+from ..engines.halves import as_stored
 from ..engines.kernels import linear, rms_norm, rope_qk
 from ..engines.quant import QuantMatrix, quantize_q8_0
 from ..engines.transformer import KVCache, LayerWeights, Span, Weight, attention_bias, ragged_layer_forward, rotation
@@ -56,10 +57,14 @@ class DraftHead:
         self.inv_freq = target.inv_freq
         # A head reading several taps projects their rows, side by side, to one feature (``PairContext``).
         self.taps_fc = get("taps_fc.weight") if "taps_fc.weight" in weights else None
+        # Keys and values held as the target holds its own (halves on a GGUF's blocks): the head's
+        # layers then run the target's compiled passes for the same argument types, not a second
+        # compilation of each for a float32 cache, and its attention reads half the bytes.
+        self.halves = getattr(target, "kv_cache", "float32") == "float16"
 
     def new_cache(self, capacity: int) -> KVCache:
         c = self.config
-        return KVCache(len(self.layers), c.num_kv_heads, c.head_dim, capacity)
+        return KVCache(len(self.layers), c.num_kv_heads, c.head_dim, capacity, self.halves)
 
     def context(self, taps: Sequence[int]) -> "PairContext":
         """A new generation's view of the committed context (``PairContext``)."""
@@ -99,8 +104,9 @@ class DraftHead:
         qkv[:, q_dim:] = kv
         _, k = rope_qk(qkv, rotation(self.inv_freq, positions), c.num_heads, c.num_kv_heads, c.head_dim)
         end = cache.length + n
-        cache.k[-1, :, cache.length : end] = k.transpose(1, 0, 2)
-        cache.v[-1, :, cache.length : end] = kv[:, kv_dim:].reshape(n, c.num_kv_heads, c.head_dim).transpose(1, 0, 2)
+        cache.k[-1, :, cache.length : end] = as_stored(cache.k, k.transpose(1, 0, 2))
+        cache.v[-1, :, cache.length : end] = as_stored(cache.v, kv[:, kv_dim:].reshape(n, c.num_kv_heads,
+                                                                                     c.head_dim).transpose(1, 0, 2))
         cache.length = end
 
     def layer_step(self, x: np.ndarray, positions: np.ndarray | Sequence[int], cache: KVCache,

@@ -95,11 +95,14 @@ def _chain_logits(features, tokens, embed, fc, fc_b, fl, cache, start, rot, dept
     chain = np.empty((depth, hidden), np.float32)
     chain[0] = out[n - 1]
     none = np.zeros(0, np.float32)
+    # "masked" as a run-time bool (always false), not the literal False: numba compiles a callee
+    # again for each literal it is given, and ``_one_span`` with the layers in it takes long
+    unmasked = none.size > 0
     for level in range(1, depth):
         row = np.empty((1, hidden), np.float32)
         row[0] = chain[level - 1]
         chain[level] = _one_span(row, rot[n + level - 1 : n + level].copy(), fl, cache, start + n + level - 1, none,
-                                 False, eps, shape, path)[0]
+                                 unmasked, eps, shape, path)[0]
     h = np.empty((depth, hidden), np.float32)
     _rms_norm_kernel(chain, norm, eps, h)
     raw = np.empty((depth, lm[0].size // (hidden // 32)), np.float32)  # a scale per output row and block

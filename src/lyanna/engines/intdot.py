@@ -270,20 +270,23 @@ def _by_rows(x, quantized, d, m, q, out, path):  # pragma: no cover - compiled
     flat, xflat, dflat, sflat, cflat = q.reshape(-1), xq.reshape(-1), dx.reshape(-1), xs.reshape(-1), xc.reshape(-1)
     width = out.shape[1]
     shares = _shares(rows)
+    # as int64s, not literals: ``_tile``'s argument types as ``tile_rows`` gives them, so both callers
+    # share one compiled copy of it (numba compiles a callee again for each literal it is given)
+    streams, first_vector = np.int64(1), np.int64(0)
     for share in prange(shares):
         i, group = _share_span(rows, shares, share)
         _quantize_span(x, i, i + group, quantized)
         out[i : i + group] = 0
         for c in range(tiles):
             _tile(path, (flat, c * nb * nvec * size, nvec, nibbles, xflat, i * k, k, dflat, sflat, i * nb, nb, d, m,
-                         c * nb * tw, out, i * width + c * tw, width, group, 1, offsets, cflat, 0, g))
+                         c * nb * tw, out, i * width + c * tw, width, group, streams, offsets, cflat, first_vector, g))
 
 
 @njit(parallel=True, cache=True, nogil=True)
 def _by_blocks(xq, dx, xs, xc, d, m, q, out, path):  # pragma: no cover - compiled
     """``int_linear_kernel`` tile by tile (``tile_rows``), the tiles shared among the threads."""
-    for c in prange(d.shape[0]):
-        tile_rows(c, xq, dx, xs, xc, d, m, q, out, path)
+    for c in prange(d.shape[0]):  # the index as an int64, as ``step`` gives it: one compiled ``tile_rows``
+        tile_rows(np.int64(c), xq, dx, xs, xc, d, m, q, out, path)
 
 
 @njit(cache=True, nogil=True)

@@ -20,7 +20,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from lyanna.engines.loading import DEFAULT_MODEL
-from lyanna.measure.bench import checkout_commit, json_beside, machine_info
+from lyanna.measure.bench import checkout_commit, json_beside, machine_info, script_command
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO / "docs" / "bench" / "draft-round.json"
@@ -101,13 +101,8 @@ def main() -> None:
         row["draft_over_step"] = {d: round(ms / row["step_ms"], 3) for d, ms in row["draft_ms"].items()}
         row["step_ms"] = round(row["step_ms"], 3)
         row["draft_ms"] = {d: round(ms, 3) for d, ms in row["draft_ms"].items()}
-    shown = args.out.resolve()
     report = {
-        "command": "python scripts/measure-draft-round.py" + (" --against CHECKOUT" if args.against else "")
-                   + "".join(f" --{k.replace('_', '-')} {getattr(args, k)}" for k in ("rounds", "limit", "budget", "max_new_tokens")
-                             if getattr(args, k) != parser.get_default(k))
-                   + (f" --out {shown.relative_to(REPO) if shown.is_relative_to(REPO) else shown}"
-                      if args.out != DEFAULT_OUT else ""),
+        "command": script_command("measure-draft-round.py", parser, args, ("rounds", "limit", "budget", "max_new_tokens"), REPO, DEFAULT_OUT),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": machine_info(),
         "model": DEFAULT_MODEL,

@@ -21,7 +21,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from lyanna.engines.loading import DEFAULT_MODEL
-from lyanna.measure.bench import checkout_commit, json_beside, machine_info
+from lyanna.measure.bench import checkout_commit, json_beside, machine_info, script_command
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO / "docs" / "bench" / "first-run.json"
@@ -90,13 +90,8 @@ def main() -> None:
             run = {k: round(v, 1) if isinstance(v, float) else v for k, v in measure(checkout, args.max_new_tokens).items()}
             runs.setdefault(name, []).append(run)
             print(name, json.dumps(run), flush=True)
-    shown = args.out.resolve()
     report = {
-        "command": "python scripts/measure-first-run.py" + (" --against CHECKOUT" if args.against else "")
-                   + "".join(f" --{k.replace('_', '-')} {getattr(args, k)}" for k in ("rounds", "max_new_tokens")
-                             if getattr(args, k) != parser.get_default(k))
-                   + (f" --out {shown.relative_to(REPO) if shown.is_relative_to(REPO) else shown}"
-                      if args.out != DEFAULT_OUT else ""),
+        "command": script_command("measure-first-run.py", parser, args, ("rounds", "max_new_tokens"), REPO, DEFAULT_OUT),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": machine_info(),
         "model": DEFAULT_MODEL,

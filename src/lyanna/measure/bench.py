@@ -27,6 +27,7 @@ from .llamacpp_baseline import METHODS as LLAMACPP_METHODS
 from .peers import Peer, PeerFailed, start_peers
 
 if TYPE_CHECKING:
+    from argparse import ArgumentParser, Namespace
     from importlib.resources.abc import Traversable
 
 EXTERNAL_METHODS = ("hf", "hf-pld")
@@ -105,6 +106,18 @@ def checkout_commit(checkout: str | Path) -> str:
 
     return subprocess.run(["git", "-C", str(checkout), "describe", "--always", "--dirty", "--abbrev=7", "--exclude=*"],
                           capture_output=True, text=True, check=True).stdout.strip()
+
+
+def script_command(script: str, parser: ArgumentParser, args: Namespace, options: Sequence[str], repo: Path,
+                   default_out: Path) -> str:
+    """How a measuring script ran, as its JSON records it: ``options`` that differ from their
+    defaults, ``--against`` as CHECKOUT, ``--out`` relative to ``repo`` where it lies inside."""
+    parts = [f"python scripts/{script}"] + [" --against CHECKOUT"] * bool(getattr(args, "against", None))
+    parts += [f" --{k.replace('_', '-')} {getattr(args, k)}" for k in options if getattr(args, k) != parser.get_default(k)]
+    if args.out != default_out:
+        out = args.out.resolve()
+        parts.append(f" --out {out.relative_to(repo) if out.is_relative_to(repo) else out}")
+    return "".join(parts)
 
 
 def json_beside(checkout: str | Path, argv: Sequence[str]) -> Any:

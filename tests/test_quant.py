@@ -177,9 +177,10 @@ def test_default_model_runs_on_its_gguf_blocks(gguf_decoder, default_decoder, mo
     ar = gguf_decoder.generate(ids, req)
     for method in ("suffix", "eagle", "lyanna", "lyanna+suffix"):
         assert gguf_decoder.generate(ids, req, method=method, budget=16).tokens == ar.tokens, method
-    # The draft heads' matrices follow the target onto blocks (Q8_0: drafts need no exact weights).
+    # The draft heads' matrices follow the target onto blocks (4-bit: drafts need no exact weights).
     head = gguf_decoder.drafter_for("lyanna").head
     assert isinstance(head.layers[0].w_down, QuantMatrix) and isinstance(head.fc_w, QuantMatrix)
+    assert head.fc_w.row_layout()[1].any() and head.layers[0].w_down.row_layout()[2].max() <= 15  # Q4_1's offsets, nibbles
     # Their layer runs as one fused call, with the layer-by-layer path's bits.
     from lyanna.engines.transformer import attention_bias
 

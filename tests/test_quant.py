@@ -8,7 +8,8 @@ import pytest
 from gguf import GGMLQuantizationType, quants
 
 from lyanna.engines.kernels import linear
-from lyanna.engines.quant import KERNELS, SUPPORTED, QuantMatrix, from_blocks, hf_name, quantize_q8_0
+from lyanna.engines.quant import (KERNELS, SUPPORTED, QuantMatrix, fit_q4_1, from_blocks, hf_name, quantize_blocks,
+                                  quantize_q8_0)
 
 from .conftest import stir_upper_layers
 
@@ -102,6 +103,25 @@ def test_fp32_matrices_quantize_to_q8_0_within_half_a_step():
     assert np.all(np.abs(blocks.dense() - w).reshape(40, 3, 32) <= step * (0.5 + 127 * 2.0**-11))
     with pytest.raises(ValueError, match="multiple of 32"):
         quantize_q8_0(np.zeros((4, 40), np.float32))
+
+
+def test_fitted_q4_1_blocks_err_less_than_the_reference_quantizers():
+    rng = np.random.default_rng(11)
+    w = (rng.standard_normal((48, 128)) * rng.uniform(0.01, 1, (48, 1))).astype(np.float32)
+    w[0, :32] = 0.25  # a block of one value
+    w[1, 32:64] = 0  # and of zeros
+    fitted, reference = fit_q4_1(w), quantize_blocks(w, "Q4_1")
+    d, m, q = fitted.row_layout()
+    assert q.min() >= 0 and q.max() <= 15  # 4-bit codes, kept packed by the kernel
+    assert all(np.array_equal(a.astype(np.float16).astype(np.float32), a) for a in (d, m))  # as a file holds them
+    blocks = lambda a: ((a.dense() - w) ** 2).reshape(48, 4, 32).sum(axis=-1)
+    # no block worse than the reference (both round their scales to fp16, hence the slack), the
+    # matrix better by a clear margin
+    assert np.all(blocks(fitted) <= blocks(reference) * (1 + 1e-3) + 1e-12)
+    assert blocks(fitted).sum() < 0.95 * blocks(reference).sum()
+    assert np.array_equal(fitted.dense()[0, :32], w[0, :32]) and not fitted.dense()[1, 32:64].any()
+    with pytest.raises(ValueError, match="multiple of 32"):
+        fit_q4_1(np.zeros((4, 40), np.float32))
 
 
 def test_bad_blocks_are_refused():

@@ -15,25 +15,21 @@ from ..engines.base import TargetEngine
 from ..engines.fused import FusedLayers
 from ..engines.halves import as_stored
 from ..engines.kernels import linear, rms_norm, rope_qk
-from ..engines.quant import QuantMatrix, quantize_blocks
+from ..engines.quant import QuantMatrix, fit_q4_1
 from ..engines.transformer import KVCache, LayerWeights, Span, Weight, attention_bias, ragged_layer_forward, rotation
 from ..errors import LyannaError
 from .checkpoint import head_layer_count, layer_prefixes
 
 
-# The blocks of a host head's matrices on a GGUF's target (see ``DraftHead``). 4-bit, not 8: the
-# target's pass pushes the head's weights out of the caches, so every round reads them again from
-# memory, and half the bytes draft faster by more than the coarser weights cost in accepted tokens.
-HEAD_BLOCKS = "Q4_1"
-
-
 class DraftHead:
     def __init__(self, target: TargetEngine, weights: dict[str, np.ndarray]):
         c = target.config
-        # On a target computed on a GGUF's blocks the head's matrices become blocks too
-        # (``HEAD_BLOCKS``): a draft step streams a fraction of the bytes (the head is one layer, so
-        # its step is bound by reading its weights), and a draft needs no exact weights, the
-        # target checks it.
+        # On a target computed on a GGUF's blocks the head's matrices become Q4_1 blocks too
+        # (``quant.fit_q4_1``): a draft step streams a sixth of the fp32 bytes (the head is one
+        # layer, so its step is bound by reading its weights), and a draft needs no exact weights,
+        # the target checks it. 4-bit, not 8: the target's pass pushes the head's weights out of
+        # the caches, so every round reads them again from memory, and the bytes saved draft
+        # faster than the coarser weights cost in accepted drafts.
         blocks = isinstance(target.lm_head, QuantMatrix)
 
         def get(name: str) -> Weight:
@@ -41,7 +37,7 @@ class DraftHead:
                 w = np.ascontiguousarray(weights[name], dtype=np.float32)
             except KeyError:
                 raise LyannaError(f"draft head weight {name!r} is missing") from None
-            return quantize_blocks(w, HEAD_BLOCKS, target.lm_head.kernel) if blocks and w.ndim == 2 else w
+            return fit_q4_1(w, target.lm_head.kernel) if blocks and w.ndim == 2 else w
 
         self.config = c
         self.fc_w = get("fc.weight")

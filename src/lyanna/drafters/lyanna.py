@@ -29,6 +29,7 @@ import numpy as np
 from ..engines.base import PendingOutput, TargetEngine
 from ..engines.kernels import linear, rms_norm
 from ..engines.loading import Target
+from ..engines.quant import QuantMatrix, fit_q4_1
 from ..errors import LyannaError
 from .base import BatchDrafter, DeviceDrafter, Drafter, DraftsTogether
 from .checkpoint import decode_settings, head_taps, load_head
@@ -62,9 +63,11 @@ class ChainHead(DraftHead):
         if d2t.ndim != 1 or d2t.size == 0 or np.unique(d2t).size != d2t.size or d2t.min() < 0 or d2t.max() >= self.config.vocab_size:
             raise LyannaError("draft vocabulary map d2t must list distinct target token ids")
         self.d2t = d2t
-        # The target's LM-head rows of the draft vocabulary, in the target's own weight format
-        # (a quantized LM head stays quantized: a third of the bytes per draft step).
-        self.draft_lm_head = target.lm_head.take(d2t, axis=0)
+        # The target's LM-head rows of the draft vocabulary; on a GGUF's blocks as Q4_1 blocks
+        # fitted to them, as the head's own matrices (``DraftHead``): every round reads them from
+        # memory again, and they are the largest matrix a round reads.
+        rows = target.lm_head.take(d2t, axis=0)
+        self.draft_lm_head = fit_q4_1(rows.dense(), rows.kernel) if isinstance(rows, QuantMatrix) else rows
         self.batch = HostChains(self)  # a batch's rounds drafted together
         self._compiled = CompiledChain.of(self)  # a round's passes in one call, where the head allows
 

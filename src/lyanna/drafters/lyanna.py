@@ -66,8 +66,8 @@ class ChainHead(DraftHead):
         # The target's LM-head rows of the draft vocabulary; on a GGUF's blocks as Q4_1 blocks
         # fitted to them, as the head's own matrices (``DraftHead``): every round reads them from
         # memory again, and they are the largest matrix a round reads.
-        rows = target.lm_head.take(d2t, axis=0)
-        self.draft_lm_head = fit_q4_1(rows.dense(), rows.kernel) if isinstance(rows, QuantMatrix) else rows
+        lm = target.lm_head
+        self.draft_lm_head = fit_q4_1(lm[d2t], lm.kernel) if isinstance(lm, QuantMatrix) else lm.take(d2t, axis=0)
         self.batch = HostChains(self)  # a batch's rounds drafted together
         self._compiled = CompiledChain.of(self)  # a round's passes in one call, where the head allows
 

@@ -369,17 +369,21 @@ def _fit_blocks(x, steps, step, d, m):  # pragma: no cover - compiled
     each candidate scale's codes."""
     for b in prange(x.shape[0]):
         lo, hi = np.float64(x[b].min()), np.float64(x[b].max())
+        d[b], m[b] = 0.0, lo
+        if hi <= lo:  # one value: no scale to fit
+            continue
         best_d, best_m = (hi - lo) / 15.0, lo
-        tries = steps if hi > lo else -1  # one value: no scale to fit
-        best = _block_error(x[b], best_d, best_m) if hi > lo else 0.0
-        for s in range(-tries, tries + 1):
+        best = _block_error(x[b], best_d, best_m)
+        sx = np.float64(0.0)
+        for i in range(QK):
+            sx += x[b, i]
+        for s in range(-steps, steps + 1):
             iscale = (15.0 + step * s) / (hi - lo)
-            sl = sll = sx = slx = 0.0
+            sl = sll = slx = 0.0
             for i in range(QK):
                 code = min(max(np.rint((x[b, i] - lo) * iscale), 0.0), 15.0)
                 sl += code
                 sll += code * code
-                sx += x[b, i]
                 slx += code * x[b, i]
             det = QK * sll - sl * sl
             if det <= 0:

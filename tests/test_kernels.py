@@ -458,6 +458,19 @@ def test_rope_qk_matches_complex_rotation_and_a_row_keeps_its_bits(n: int) -> No
         rope_qk(qkv, rot[:, :-1], heads, kv_heads, hd)
 
 
+def test_rotation_table_rows_are_the_computed_rows_bit_for_bit() -> None:
+    from lyanna.engines.transformer import Rotations, rotation
+
+    rng = np.random.default_rng(7)
+    for hd in (16, 64):
+        inv_freq = (1.0 / 10000 ** (np.arange(0, hd, 2) / hd)).astype(np.float32)
+        table = Rotations(inv_freq, positions=8)
+        for positions in (np.array([3]), rng.integers(0, 8, 5), rng.integers(0, 3000, 7), np.arange(2990, 3010),
+                          np.array([40000, 5])):  # grown past its rows twice
+            assert np.array_equal(table(positions), rotation(inv_freq, positions)), positions
+        assert table(np.zeros(0, np.int64)).shape == (0, hd // 2)
+
+
 def test_kernel_launches_warn_once_when_a_second_live_thread_launches():
     import threading
     import warnings

@@ -239,6 +239,32 @@ def test_compiled_tree_builder_matches_reference(fallback, topk, width, max_node
         np.testing.assert_allclose(ti.table[ti.row_of[t]], a[t] @ b, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("seed", range(12))
+def test_top_k_skipping_blocks_equals_a_stable_sort(seed):
+    """``_top_k`` skips a block whose maximum cannot enter the list: its picks are still a stable
+    sort's first k (ties to the earlier column), over many blocks, a tail and ties."""
+    from lyanna.drafters.token_info import _top_k
+
+    rng = np.random.default_rng(seed)
+    n, k = int(rng.integers(1, 200)), int(rng.integers(1, 7))
+    x = rng.integers(-5, 6, n).astype(np.float32) if seed % 2 else rng.normal(size=n).astype(np.float32)
+    if seed % 3 == 0:
+        x = np.sort(x)  # rising: every block enters the list
+    top_v, top_i = np.empty(k, np.float32), np.empty(k, np.int64)
+    _top_k(x, top_v, top_i)
+    want = np.argsort(-x, kind="stable")[:k]
+    assert top_i[: want.size].tolist() == want.tolist() and np.array_equal(top_v[: want.size], x[want])
+    assert (top_i[want.size:] == -1).all() and np.isneginf(top_v[want.size:]).all()
+
+
+def test_a_tree_from_nan_logits_is_refused():
+    rng = np.random.default_rng(0)
+    a, b = rng.normal(size=(40, 4)).astype(np.float32), rng.normal(size=(4, 30)).astype(np.float32)
+    ti, d2t = TokenInfo(a, b, hot=np.arange(5)), np.arange(30)
+    with pytest.raises(ValueError, match="invalid tree"):
+        token_info_tree(np.full((2, 30), np.nan, np.float32), 3, ti, d2t, 2, 2, 8)
+
+
 def test_resampled_tree_needs_zero_draft_passes(tiny_decoder, fitted):
     head, _, _ = fitted
     drafter = drafter_for(tiny_decoder, head, policy="reuse", reuse_min_expected=0.0, depth=5)

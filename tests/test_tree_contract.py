@@ -233,6 +233,12 @@ def test_depths_and_closed_scores_follow_each_nodes_path(seed):
         kept = [node_of[int(t)] for t in cut.tokens]
         assert len(cut) == k
         assert [kept[p] if p >= 0 else -1 for p in cut.parents.tolist()] == [int(parents[i]) for i in kept]
+        # the cut carries its nodes' depths (not computed again): they are its own paths' lengths
+        assert cut.depths.tolist() == [len(cut.path_to(i)) for i in range(k)]
+        assert cut.best(k // 2, cut.closed_scores()).depths.tolist() == tree.best(k // 2).depths.tolist()
+        pruned = tree.prune_depth(2)
+        assert pruned.depths.tolist() == [len(pruned.path_to(i)) for i in range(len(pruned))]
+        assert pruned.depths.max(initial=0) <= 2
 
 
 def _random_tree(rng, n: int, vocab: int, origin: int) -> DraftTree:

@@ -16,7 +16,7 @@ from ..engines.fused import FusedLayers
 from ..engines.halves import as_stored
 from ..engines.kernels import linear, rms_norm, rope_qk
 from ..engines.quant import QuantMatrix, fit_q4_1
-from ..engines.transformer import KVCache, LayerWeights, Span, Weight, attention_bias, ragged_layer_forward, rotation
+from ..engines.transformer import KVCache, LayerWeights, Span, Weight, attention_bias, ragged_layer_forward, Rotations
 from ..errors import LyannaError
 from .checkpoint import head_layer_count, layer_prefixes
 
@@ -58,6 +58,7 @@ class DraftHead:
         self.embed = target.embed
         self.lm_head = target.lm_head
         self.inv_freq = target.inv_freq
+        self.rotations = Rotations(self.inv_freq)  # a round's positions' RoPE factors, read from a table
         # A head reading several taps projects their rows, side by side, to one feature (``PairContext``).
         self.taps_fc = get("taps_fc.weight") if "taps_fc.weight" in weights else None
         # Keys and values held as the target holds its own (halves on a GGUF's blocks): the head's
@@ -105,7 +106,7 @@ class DraftHead:
         q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         qkv = np.zeros((n, q_dim + 2 * kv_dim), np.float32)  # rope_qk reads the fused layout
         qkv[:, q_dim:] = kv
-        _, k = rope_qk(qkv, rotation(self.inv_freq, positions), c.num_heads, c.num_kv_heads, c.head_dim)
+        _, k = rope_qk(qkv, self.rotations(positions), c.num_heads, c.num_kv_heads, c.head_dim)
         end = cache.length + n
         cache.k[-1, :, cache.length : end] = as_stored(cache.k, k.transpose(1, 0, 2))
         cache.v[-1, :, cache.length : end] = as_stored(cache.v, kv[:, kv_dim:].reshape(n, c.num_kv_heads,
@@ -123,7 +124,7 @@ class DraftHead:
         """``layer_step`` for the rows of several sequences at once (``spans``: each one's rows
         ``[lo, hi)`` of ``x``, its cache and its additive mask or None), the weights streamed
         once for all of them; each row's numbers are those it gets alone."""
-        rot = rotation(self.inv_freq, positions)
+        rot = self.rotations(positions)
         layers, fused = (self.layers[:-1], self._fused_below) if below else (self.layers, self._fused)
         if fused is not None:
             return fused(x, rot, [(lo, hi, kv.k, kv.v, kv.length, bias) for lo, hi, kv, bias in spans], [])[0]

@@ -28,7 +28,7 @@ from ..engines.config import ModelConfig
 from ..engines.fused import FusedLayers, _layers, _linear
 from ..engines.kernels import SameTypes, _launch, _rms_norm_kernel
 from ..engines.quant import QuantMatrix
-from ..engines.transformer import Weight, rotation
+from ..engines.transformer import Rotations, Weight
 from .head import STEP_CATCH_UP, PairContext
 from .token_info import TokenInfo, round_tree
 from .tree import DraftTree
@@ -39,7 +39,7 @@ class ChainWeights(Protocol):
     module need not import ``lyanna``, which imports it."""
 
     config: ModelConfig
-    inv_freq: np.ndarray
+    rotations: Rotations
     embed: Weight
     fc_w: Weight
     fc_b: Weight
@@ -116,8 +116,7 @@ def _round(features, tokens, embed, fc, fc_b, fl, cache, start, rot, depth, norm
     """A round's drafting: ``_chain_logits``' raw rows and ``token_info.round_tree`` of them (with
     the ``leftover`` rows of the last chain), rooted at the catch-up's last token."""
     raw = _chain_logits(features, tokens, embed, fc, fc_b, fl, cache, start, rot, depth, norm, lm, eps, shape, path)
-    tree = round_tree(raw, leftover, tokens[-1], table, row_of, filled, a, b, lowrank, d2t, topk, width, max_nodes)
-    return raw, tree[0], tree[1], tree[2], tree[3]
+    return raw, round_tree(raw, leftover, tokens[-1], table, row_of, filled, a, b, lowrank, d2t, topk, width, max_nodes)
 
 
 def _blocks(w: object, unpadded: bool = True) -> bool:
@@ -131,7 +130,7 @@ class CompiledChain:
 
     def __init__(self, head: ChainWeights, fused: FusedLayers):
         c = head.config
-        self.inv_freq = head.inv_freq
+        self.rotations = head.rotations
         self.fl = (fused.attn_norms, fused.mlp_norms, fused.d, fused.m, fused.q)
         self.embed = (head.embed.d, head.embed.m, head.embed.q)
         self.fc = (head.fc_w.d, head.fc_w.m, head.fc_w.q)
@@ -158,7 +157,7 @@ class CompiledChain:
         if len(pending) > STEP_CATCH_UP or depth < 1:
             return None
         cache = pc.cache
-        rot = rotation(self.inv_freq, np.concatenate([pending, len(ctx) + np.arange(depth - 1)]))
+        rot = self.rotations(np.concatenate([pending, len(ctx) + np.arange(depth - 1)]))
         return (pc.features[pending - 1], np.ascontiguousarray(ctx[pending], np.int64), self.embed, self.fc, self.fc_b,
                 self.fl, (cache.k, cache.v), int(cache.length), rot, int(depth), self.norm, self.lm, self.eps, self.shape,
                 intdot.path_index())
@@ -190,7 +189,6 @@ class CompiledChain:
             return None
         rows = self._no_rows if leftover is None else np.ascontiguousarray(leftover, np.float32)
         with _launch:
-            raw, tokens, parents, scores, origin = self._round(*args, rows, *ti.kernel_args(), d2t, int(topk), int(width),
-                                                               int(max_nodes))
+            raw, tree = self._round(*args, rows, *ti.kernel_args(), d2t, int(topk), int(width), int(max_nodes))
         self._drafted(pc, ctx, depth)
-        return raw, ti.tree(tokens, parents, scores, origin)
+        return raw, ti.tree(*tree)

@@ -11,7 +11,7 @@ from numba import njit
 
 from ..engines.kernels import exp_nonpositive
 from ..errors import LyannaError
-from .tree import DraftTree, _best_subset, _union
+from .tree import DraftTree, _best_subset, _depths, _flaw, _union
 
 # Cold parents whose token-info rows the tree builder keeps once computed (32 KB each for an
 # 8192-token draft vocabulary): a cold row costs 35-50 us to form (rank 32), against a row read for
@@ -44,9 +44,12 @@ class TokenInfo:
         return self.table, self.row_of, self.filled, self.a, self.b, self.fallback == "lowrank"
 
     @staticmethod
-    def tree(tokens: np.ndarray, parents: np.ndarray, log_scores: np.ndarray, origin: np.ndarray) -> DraftTree:
-        """The ``DraftTree`` of a compiled builder's nodes (scores as probabilities)."""
-        return DraftTree(tokens, parents, np.exp(log_scores), origin=origin) if tokens.size else DraftTree.empty()
+    def tree(tokens: np.ndarray, parents: np.ndarray, scores: np.ndarray, origin: np.ndarray, depths: np.ndarray,
+             flaw: int) -> DraftTree:
+        """The ``DraftTree`` of a compiled builder's nodes (``as_tree``'s outputs)."""
+        if flaw:  # NaN logits, say: a tree must not carry them to the budget
+            raise ValueError(f"the token-info tree builder made an invalid tree (DraftTree flaw {flaw})")
+        return DraftTree.valid(tokens, parents, scores, origin, depths) if tokens.size else DraftTree.empty()
 
     def __call__(self, token: int) -> np.ndarray:
         row = self.row_of[token]
@@ -86,22 +89,43 @@ def _branch_logits(raw: np.ndarray, tok: int, table: np.ndarray, row_of: np.ndar
             _add_low_rank(a, b, tok, x)
 
 
+# Columns a block of ``_top_k``'s scan: their maximum, taken in vector lanes, decides whether the
+# block is scanned one column at a time (rarely, after the first blocks: a row's top few stand out).
+TOP_K_BLOCK = 16
+
+
+@njit(cache=True)
+def _insert(x: np.ndarray, j: int, top_v: np.ndarray, top_i: np.ndarray) -> None:  # pragma: no cover - compiled
+    """Column ``j`` into the sorted top list if it beats its last entry (ties: the earlier column stays first)."""
+    k = top_v.shape[0]
+    if x[j] > top_v[k - 1]:
+        p = k - 1
+        while p > 0 and x[j] > top_v[p - 1]:
+            top_v[p] = top_v[p - 1]
+            top_i[p] = top_i[p - 1]
+            p -= 1
+        top_v[p] = x[j]
+        top_i[p] = j
+
+
 @njit(cache=True)
 def _top_k(x: np.ndarray, top_v: np.ndarray, top_i: np.ndarray) -> None:  # pragma: no cover - compiled
     """The ``len(top_v)`` largest of ``x`` and their columns, largest first, earlier columns
-    first among equals."""
-    k = top_v.shape[0]
+    first among equals: the columns in order, a block of ``TOP_K_BLOCK`` skipped whole where its
+    maximum does not beat the list's last entry (none of its columns would enter)."""
+    k, blocks = top_v.shape[0], x.shape[0] // TOP_K_BLOCK
     top_v[:] = -np.inf
     top_i[:] = -1
-    for j in range(x.shape[0]):
-        if x[j] > top_v[k - 1]:
-            p = k - 1
-            while p > 0 and x[j] > top_v[p - 1]:
-                top_v[p] = top_v[p - 1]
-                top_i[p] = top_i[p - 1]
-                p -= 1
-            top_v[p] = x[j]
-            top_i[p] = j
+    for blk in range(blocks):
+        lo = blk * TOP_K_BLOCK
+        m = x[lo]
+        for j in range(lo + 1, lo + TOP_K_BLOCK):
+            m = max(m, x[j])
+        if m > top_v[k - 1]:
+            for j in range(lo, lo + TOP_K_BLOCK):
+                _insert(x, j, top_v, top_i)
+    for j in range(blocks * TOP_K_BLOCK, x.shape[0]):
+        _insert(x, j, top_v, top_i)
 
 
 # Reassociation lets LLVM vectorize the softmax sums (a draft tree needs no fixed rounding). The GIL
@@ -161,7 +185,7 @@ def _best_tree(raw, root, table, row_of, filled, a, b, lowrank, d2t, topk, width
     tokens, parents, scores = _tree_candidates(raw, root, table, row_of, filled, a, b, lowrank, d2t, topk, width)
     if max_nodes >= tokens.shape[0]:
         return tokens, parents, scores
-    keep, kept = _best_subset(parents, scores, max(max_nodes, 0))
+    keep, kept, _ = _best_subset(parents, scores, max(max_nodes, 0))
     return tokens[keep], kept, scores[keep]
 
 
@@ -175,13 +199,21 @@ def round_tree(raw, leftover, root, table, row_of, filled, a, b, lowrank, d2t, t
     tokens, parents, scores = _best_tree(raw, root, *knobs)
     origin = np.zeros(tokens.shape[0], np.int8)
     if leftover.shape[0] == 0:
-        return tokens, parents, scores, origin
+        return as_tree(tokens, parents, scores, origin)
     t2, p2, s2 = _best_tree(leftover, root, *knobs)
     tokens, parents, scores, origin = _union(tokens, parents, scores, origin, t2, p2, s2, np.ones(t2.shape[0], np.int8))
     if max_nodes >= tokens.shape[0]:
-        return tokens, parents, scores, origin
-    keep, kept = _best_subset(parents, scores, max(max_nodes, 0))
-    return tokens[keep], kept, scores[keep], origin[keep]
+        return as_tree(tokens, parents, scores, origin)
+    keep, kept, _ = _best_subset(parents, scores, max(max_nodes, 0))
+    return as_tree(tokens[keep], kept, scores[keep], origin[keep])
+
+
+@njit(cache=True)
+def as_tree(tokens, parents, log_scores, origin):  # pragma: no cover - compiled
+    """A builder's nodes as ``TokenInfo.tree`` takes them: scores as probabilities, with the
+    nodes' depths and ``DraftTree``'s check of parents and scores (``_flaw``: 0 where valid)."""
+    scores = np.exp(log_scores)
+    return tokens, parents, scores, origin, _depths(parents), _flaw(parents, scores)
 
 
 def token_info_tree(raw: np.ndarray, root: int, ti: TokenInfo, d2t: np.ndarray, topk: int, width: int,
@@ -189,4 +221,4 @@ def token_info_tree(raw: np.ndarray, root: int, ti: TokenInfo, d2t: np.ndarray, 
     """A tree rooted at ``root`` from one raw-logit row per depth; no draft forward pass."""
     tokens, parents, scores = _best_tree(np.ascontiguousarray(raw, np.float32), int(root), *ti.kernel_args(), d2t,
                                          topk, width, max_nodes)
-    return ti.tree(tokens, parents, scores, np.full(tokens.size, origin, np.int8))
+    return ti.tree(*as_tree(tokens, parents, scores, np.full(tokens.size, origin, np.int8)))

@@ -68,6 +68,22 @@ class DraftTree:
         return _EMPTY
 
     @classmethod
+    def valid(cls, tokens: np.ndarray, parents: np.ndarray, scores: np.ndarray, origin: np.ndarray,
+              depths: np.ndarray) -> "DraftTree":
+        """A tree without sampled children from parts that hold its contracts already, with their
+        depths: a compiled builder's output (its scores checked by ``_flaw`` where it ran; the
+        tests check each builder's trees) or a cut of a valid tree. The checks and conversions of
+        construction are skipped: a round makes a tree, prunes it and cuts it, each with its data
+        cold after the target's pass, and they cost about what building the tree did."""
+        tree = object.__new__(cls)
+        for name, value in (("tokens", tokens), ("parents", parents), ("scores", scores), ("sampled_from", {}),
+                            ("origin", origin)):
+            object.__setattr__(tree, name, value)
+        depths.flags.writeable = False
+        tree.__dict__["depths"] = depths  # the cached property, known already
+        return tree
+
+    @classmethod
     def best_of(cls, tokens: list[int], parents: list[int], scores: list[float], max_nodes: int,
                 origin: list[int] | None = None) -> "DraftTree":
         """The ``max_nodes`` candidates (parents listed before children, all chosen deterministically)
@@ -173,10 +189,12 @@ class DraftTree:
             return self
         if self.sampled_from:
             raise ValueError("choosing among sampled children by score is not lossless; cut the tree with shallowest()")
-        if closed is None:  # the nodes and their renumbered parents in one compiled call
-            keep, parents = _best_subset(self.parents, self.scores, max(n, 0))
-            return DraftTree(self.tokens[keep], parents, self.scores[keep], origin=self.origin[keep])
-        return self._subset(_best_nodes(self.depths, closed, max(n, 0)))
+        # the nodes, their renumbered parents and their depths in one compiled call
+        if closed is None:
+            keep, parents, depths = _best_subset(self.parents, self.scores, max(n, 0))
+        else:
+            keep, parents, depths = _best_closed(self.parents, self.depths, closed, max(n, 0))
+        return DraftTree.valid(self.tokens[keep], parents, self.scores[keep], self.origin[keep], depths)
 
     def shallowest(self, n: int) -> "DraftTree":
         """The first ``n`` nodes by depth, then tree order, scores unseen (for trees of i.i.d.
@@ -189,6 +207,9 @@ class DraftTree:
         """The nodes ``keep`` (ancestor-closed, increasing), renumbered."""
         remap = np.full(len(self) + 1, -1, np.int64)  # index -1 (the root) stays -1
         remap[keep] = np.arange(keep.size)
+        if not self.sampled_from:
+            return DraftTree.valid(self.tokens[keep], remap[self.parents[keep]], self.scores[keep], self.origin[keep],
+                                   self.depths[keep])
         return DraftTree(
             self.tokens[keep], remap[self.parents[keep]], self.scores[keep],
             {int(remap[p]): q for p, q in self.sampled_from.items() if p == -1 or remap[p] >= 0}, self.origin[keep],
@@ -267,17 +288,25 @@ def _best_nodes(depths: np.ndarray, closed: np.ndarray, n: int) -> np.ndarray:  
 
 
 @njit(cache=True)
-def _best_subset(parents: np.ndarray, scores: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:  # pragma: no cover
-    """``best(n)`` of a valid tree in one call: the kept nodes (``_best_nodes`` of the closed
-    scores and depths) and their parents renumbered among them."""
-    keep = _best_nodes(_depths(parents), _closed_scores(parents, scores), n)
+def _best_closed(parents: np.ndarray, depths: np.ndarray, closed: np.ndarray,
+                 n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # pragma: no cover - compiled
+    """``best(n, closed)`` of a valid tree: the kept nodes (``_best_nodes``), their parents
+    renumbered among them and their depths."""
+    keep = _best_nodes(depths, closed, n)
     remap = np.full(parents.shape[0], -1, np.int64)
     remap[keep] = np.arange(keep.shape[0])
     kept = np.empty(keep.shape[0], np.int64)
     for i in range(keep.shape[0]):
         p = parents[keep[i]]
         kept[i] = remap[p] if p >= 0 else -1
-    return keep, kept
+    return keep, kept, depths[keep]
+
+
+@njit(cache=True)
+def _best_subset(parents: np.ndarray, scores: np.ndarray,
+                 n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # pragma: no cover - compiled
+    """``best(n)`` of a valid tree in one call (``_best_closed`` of its depths and closed scores)."""
+    return _best_closed(parents, _depths(parents), _closed_scores(parents, scores), n)
 
 
 @njit(cache=True)

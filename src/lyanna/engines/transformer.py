@@ -149,6 +149,26 @@ def rotation(inv_freq: np.ndarray, positions: np.ndarray) -> np.ndarray:
     return (np.cos(angles) + 1j * np.sin(angles)).astype(np.complex64)
 
 
+class Rotations:
+    """``rotation`` of positions read from a table of every position up to the highest asked
+    (grown by doubling). Why: a pass and a draft round each need a few positions' factors, and
+    computed afresh, with cos, sin and complex temporaries whose code and data the pass before
+    left cold, they cost about as much as a small kernel call. Every entry is ``rotation``'s
+    own element for its position (each is computed on its own, whatever else shares the array),
+    so rows read from the table are bit-identical to rows computed."""
+
+    def __init__(self, inv_freq: np.ndarray, positions: int = 1024):
+        self.inv_freq = inv_freq
+        self._table = rotation(inv_freq, np.arange(positions))
+
+    def __call__(self, positions: np.ndarray) -> np.ndarray:
+        positions = np.asarray(positions, np.int64)
+        top = int(positions.max()) + 1 if positions.size else 0
+        if top > self._table.shape[0]:
+            self._table = rotation(self.inv_freq, np.arange(max(top, 2 * self._table.shape[0])))
+        return self._table[positions]
+
+
 def attention_bias(start: int, within: np.ndarray) -> np.ndarray:
     """Additive mask [n, start + n]: the cached prefix is visible, the block as ``within`` says."""
     n = within.shape[0]
@@ -265,6 +285,7 @@ class Transformer(TargetEngine):
         self.lm_head = self.embed if c.tie_word_embeddings or "lm_head.weight" not in weights else get("lm_head.weight")
         self.layers = [LayerWeights.from_hf(get, f"model.layers.{i}.", c) for i in range(c.num_layers)]
         self.inv_freq = rope_inv_freq(c)
+        self.rotations = Rotations(self.inv_freq)
         # Calibrations are cached per engine name: each kernel has its own latency curve.
         kernels = {w.kernel for w in weights.values() if isinstance(w, QuantMatrix)}
         if kernels:
@@ -314,7 +335,7 @@ class Transformer(TargetEngine):
             biases.append(bias)
             bounds.append((lo, lo + t.shape[0], b.cache.length))
             lo += t.shape[0]
-        rot = rotation(self.inv_freq, np.concatenate(positions))
+        rot = self.rotations(np.concatenate(positions))
         x = self.embed[np.concatenate(tokens)]
         wanted = set().union(*(b.taps for b in blocks))
         hidden: dict[int, np.ndarray] = {}

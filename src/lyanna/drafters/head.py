@@ -16,7 +16,7 @@ from ..engines.fused import FusedLayers
 from ..engines.halves import as_stored
 from ..engines.kernels import linear, rms_norm, rope_qk
 from ..engines.quant import QuantMatrix, fit_q4_1
-from ..engines.transformer import KVCache, LayerWeights, Span, Weight, attention_bias, ragged_layer_forward, Rotations
+from ..engines.transformer import KVCache, LayerWeights, Span, Weight, attention_bias, Rotations, ragged_layer_forward
 from ..errors import LyannaError
 from .checkpoint import head_layer_count, layer_prefixes
 
@@ -57,8 +57,7 @@ class DraftHead:
         self._bkv = None if last.bqkv is None else last.bqkv[q_dim:]
         self.embed = target.embed
         self.lm_head = target.lm_head
-        self.inv_freq = target.inv_freq
-        self.rotations = Rotations(self.inv_freq)  # a round's positions' RoPE factors, read from a table
+        self.rotations = Rotations(target.inv_freq)  # a round's positions' RoPE factors, read from a table
         # A head reading several taps projects their rows, side by side, to one feature (``PairContext``).
         self.taps_fc = get("taps_fc.weight") if "taps_fc.weight" in weights else None
         # Keys and values held as the target holds its own (halves on a GGUF's blocks): the head's

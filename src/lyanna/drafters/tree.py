@@ -207,13 +207,11 @@ class DraftTree:
         """The nodes ``keep`` (ancestor-closed, increasing), renumbered."""
         remap = np.full(len(self) + 1, -1, np.int64)  # index -1 (the root) stays -1
         remap[keep] = np.arange(keep.size)
+        tokens, parents, scores, origin = self.tokens[keep], remap[self.parents[keep]], self.scores[keep], self.origin[keep]
         if not self.sampled_from:
-            return DraftTree.valid(self.tokens[keep], remap[self.parents[keep]], self.scores[keep], self.origin[keep],
-                                   self.depths[keep])
-        return DraftTree(
-            self.tokens[keep], remap[self.parents[keep]], self.scores[keep],
-            {int(remap[p]): q for p, q in self.sampled_from.items() if p == -1 or remap[p] >= 0}, self.origin[keep],
-        )
+            return DraftTree.valid(tokens, parents, scores, origin, self.depths[keep])
+        sampled = {int(remap[p]): q for p, q in self.sampled_from.items() if p == -1 or remap[p] >= 0}
+        return DraftTree(tokens, parents, scores, sampled, origin)
 
     def __len__(self) -> int:
         return int(self.tokens.size)

@@ -3,11 +3,14 @@ the curve's shape, each block size correcting its own factor, and the auto budge
 both."""
 from __future__ import annotations
 
+import statistics
+from collections import deque
+
 import numpy as np
 import pytest
 
 from lyanna.decoding.budget import Budget, LatencyCurve
-from lyanna.decoding.costs import ANCHOR_PASSES, MAX_DEPTH, SHAPE_ROWS, DraftCost, PassCost
+from lyanna.decoding.costs import ANCHOR_PASSES, DRAFT_MEASURES, MAX_DEPTH, SHAPE_ROWS, DraftCost, PassCost, _draft_prices
 from lyanna.drafters.tree import DraftTree
 
 # A calibration that met a noisy moment: every block up to 8 rows priced like one row.
@@ -105,6 +108,30 @@ def test_drafting_is_priced_by_depth_from_the_depths_met():
     assert by_depth[7] == pytest.approx(0.002) and by_depth[MAX_DEPTH] == pytest.approx(0.0016 + 0.0002 * (MAX_DEPTH - 5))
     cost.observe(5, 0.0020)  # two measures of a depth: their median
     assert cost.by_depth()[5] == pytest.approx(0.0018)
+
+
+def test_a_depths_price_is_the_median_of_its_last_measures_and_a_bound_cuts_them():
+    """Against a plain model of the rule (a deque of each depth's last ``DRAFT_MEASURES`` measures,
+    their median, every measure cut to a bound below the depth's price): random measures and
+    bounds over a few depths give the same prices, bit for bit."""
+    rng = np.random.default_rng(7)
+    cost, recent = DraftCost(), {}
+    for _ in range(400):
+        depth, seconds = int(rng.integers(0, 6)), float(rng.lognormal(-7.0, 0.5))
+        d = min(max(depth, 1), MAX_DEPTH)
+        if rng.random() < 0.2:  # a bound: only where some depth has a price and it is below d's
+            priced = cost.by_depth()
+            cost.at_most(depth, seconds)
+            if priced is None or seconds >= priced[d]:
+                continue
+            recent[d] = deque([min(x, seconds) for x in recent[d]] if recent.get(d) else [seconds], maxlen=DRAFT_MEASURES)
+        else:
+            cost.observe(depth, seconds)
+            recent.setdefault(d, deque(maxlen=DRAFT_MEASURES)).append(seconds)
+        learned = np.full(MAX_DEPTH + 1, np.nan)
+        for k, measures in recent.items():
+            learned[k] = statistics.median(measures)
+        assert np.array_equal(cost.by_depth(), _draft_prices(learned))
 
 
 def test_one_hiccup_does_not_price_a_depth_out_of_reach():

@@ -35,14 +35,13 @@ from pathlib import Path
 from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
-from numba import njit
 
 from ..drafters.tree import DraftTree
 from ..engines.base import TargetEngine
 from ..engines.loading import cache_dir
 from ..engines.transformer import ENGINE_REVISION
 from ..errors import LyannaError
-from .costs import DraftCost, PassCost
+from .costs import DraftCost, PassCost, sized_cut
 
 DEFAULT_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80)
 # Block sizes whose latency a curve keeps in a table: a batch of 8 sequences with 128-token prefill
@@ -365,21 +364,24 @@ class Budget:
         # costs what it adds to the total block; where the pass is compute-bound (many rows)
         # that exceeds what it is worth and the tree shrinks towards plain decoding by itself.
         others, other_rows, _ = self.load()
-        closed = tree.closed_scores()
-        passes = self.cost.shaped(self.curve.span(other_rows + 1, len(tree) + 1), other_rows + 1)  # 0, 1, ... nodes
         drafting_round, plain_round = self._overheads()
         by_depth = None if free else ev.drafting.by_depth()  # a free tree's own time prices it whatever its depth
-        keep, rate = _best_size(closed, tree.depths, self.correction, others + 1.0,
-                                np.array([seconds]) if by_depth is None else by_depth, drafting_round, self.slowdown,
-                                passes)
+        keep, rate, one_row, kept = sized_cut(tree.tokens, tree.parents, tree.scores, tree.origin, tree.depths,
+                                              self.correction, others + 1.0,
+                                              np.array([seconds]) if by_depth is None else by_depth, drafting_round,
+                                              self.slowdown, self.curve.span(other_rows + 1, len(tree) + 1),
+                                              self.cost.factors, other_rows + 1)  # passes of 0, 1, ... nodes
         seconds += drafting_round
-        plain_pass = self.slowdown * passes[0] + plain_round
+        plain_pass = self.slowdown * one_row + plain_round
         if others and rate < (1.0 + SHARED_MARGIN) * (others + 1.0) / (seconds + plain_pass):
             keep = 0
         if judged:
             self._judge(rate * plain_pass / (others + 1.0) - 1.0 if keep else -seconds / (seconds + plain_pass),
                         int(seconds * (others + 1) / (PROBE_SHARE * plain_pass)))
-        chosen = tree.best(keep, closed)
+        if keep >= len(tree):
+            chosen = tree
+        else:  # the size ``sized_cut`` kept, or none in a shared pass it does not pay
+            chosen = DraftTree.valid(*kept) if keep == len(kept[0]) else tree.best(keep)
         self._kept_depth = int(chosen.depths.max()) if len(chosen) else (self._kept_depth or 0)  # ``limit_depth``
         if keep and not free:
             self._ahead = _bucket(keep)
@@ -474,27 +476,3 @@ class Budget:
         ev = self.evidence
         ev.predicted = self.decay * ev.predicted + predicted
         ev.accepted = self.decay * ev.accepted + accepted
-
-
-@njit(cache=True)
-def _best_size(closed: np.ndarray, depths: np.ndarray, correction: float, base: float, drafting: np.ndarray,
-               host: float, slowdown: float, passes: np.ndarray) -> tuple[int, float]:  # pragma: no cover - compiled
-    """The node count ``n`` that maximizes ``(base + sum of the n best min(correction * closed, 1))
-    / (drafting + host + slowdown * passes[n])`` (the first of equals) and that rate, in one
-    compiled call: a round sizes its tree with this while its data is cold, where each numpy call
-    costs several microseconds. ``drafting[d]`` is a round drafting ``d`` levels (deeper ones take
-    the last entry; one entry prices every tree alike); the ``n`` best, kept to depth ``k``, are
-    priced at ``drafting[k + 1]``: what the rounds after them draft (``Budget.limit_depth``)."""
-    order = np.argsort(-closed, kind="mergesort")
-    last = drafting.shape[0] - 1
-    accepted = 0.0  # summed on its own, then added to base: the order numpy's cumsum had, bit for bit
-    deepest = 0
-    best, best_rate = 0, base / ((drafting[min(1, last)] + host) + slowdown * passes[0])
-    for n in range(1, order.shape[0] + 1):
-        node = order[n - 1]
-        accepted += min(closed[node] * correction, 1.0)
-        deepest = max(deepest, depths[node])
-        rate = (base + accepted) / ((drafting[min(deepest + 1, last)] + host) + slowdown * passes[n])
-        if rate > best_rate:
-            best, best_rate = n, rate
-    return best, best_rate

@@ -23,10 +23,10 @@ between those met around it (above the largest, extended as explained at each cl
 """
 from __future__ import annotations
 
-from collections import deque
-
 import numpy as np
 from numba import njit
+
+from ..drafters.tree import best_nodes, _closed_scores
 
 # Block sizes whose factor is learned (a tree verified alone rarely has more rows; larger blocks
 # take the last factor). The factor of one row is 1 by definition: ``slowdown`` holds the drift.
@@ -67,11 +67,15 @@ class PassCost:
         """The shape factor of a block of ``rows`` rows."""
         return float(self._factors[min(max(rows, 1), SHAPE_ROWS)])
 
+    @property
+    def factors(self) -> np.ndarray:
+        """Each block size's factor (index: rows, up to ``SHAPE_ROWS``; ``shaped`` applies them)."""
+        return self._factors
+
     def shaped(self, passes: np.ndarray, first: int) -> np.ndarray:
         """Curve values ``passes`` for blocks of ``first``, ``first + 1``, ... rows, each times
         its size's factor, never decreasing with the size (without ``slowdown``: callers scale)."""
-        sizes = np.minimum(np.arange(first, first + len(passes)), SHAPE_ROWS)
-        return np.maximum.accumulate(passes * self._factors[np.maximum(sizes, 1)])
+        return _shaped(np.asarray(passes, np.float64), self._factors, first)
 
     def observe(self, rows: int, seconds: float, predicted: float) -> None:
         """A pass over ``rows`` rows took ``seconds`` where the curve says ``predicted``: the
@@ -107,23 +111,17 @@ class DraftCost:
     step and logits together."""
 
     def __init__(self) -> None:
-        self._recent: dict[int, deque[float]] = {}
+        # each depth's last DRAFT_MEASURES measures, oldest first, and how many it has
+        self._recent = np.zeros((MAX_DEPTH + 1, DRAFT_MEASURES))
+        self._count = np.zeros(MAX_DEPTH + 1, np.int64)
         self._learned = np.full(MAX_DEPTH + 1, np.nan)  # each depth's median; NaN: not met yet
         self._by_depth: np.ndarray | None = None  # filled; None: nothing met yet
 
     def observe(self, depth: int, seconds: float) -> None:
         """Told every judged drafting round, so in the decode loop: only the depth measured
-        changes its median, and the bounds are one compiled call."""
-        depth = min(max(depth, 1), MAX_DEPTH)
-        self._recent.setdefault(depth, deque(maxlen=DRAFT_MEASURES)).append(seconds)
-        self._settle(depth)
-
-    def _settle(self, depth: int) -> None:
-        """Depth ``depth``'s price the median of its measures, and every depth's from them."""
-        ordered = sorted(self._recent[depth])
-        half = len(ordered) // 2
-        self._learned[depth] = ordered[half] if len(ordered) % 2 else (ordered[half - 1] + ordered[half]) / 2
-        self._by_depth = _draft_prices(self._learned)
+        changes its median, in the same compiled call as the bounds (``_measured``)."""
+        self._by_depth = _measured(self._recent, self._count, self._learned, min(max(depth, 1), MAX_DEPTH),
+                                   float(seconds), False)
 
     def at_most(self, depth: int, seconds: float) -> None:
         """A drafting round whose time only bounds its drafting's (it caught the drafter up on
@@ -135,13 +133,33 @@ class DraftCost:
         depth = min(max(depth, 1), MAX_DEPTH)
         if self._by_depth is None or seconds >= self._by_depth[depth]:
             return
-        recent = self._recent.get(depth)
-        self._recent[depth] = deque([min(x, seconds) for x in recent] if recent else [seconds], maxlen=DRAFT_MEASURES)
-        self._settle(depth)
+        self._by_depth = _measured(self._recent, self._count, self._learned, depth, float(seconds), True)
 
     def by_depth(self) -> np.ndarray | None:
         """Seconds of a round drafting 0, 1, ... ``MAX_DEPTH`` levels (None before any measure)."""
         return self._by_depth
+
+
+@njit(cache=True)
+def _measured(recent: np.ndarray, count: np.ndarray, learned: np.ndarray, depth: int, seconds: float,
+              bound: bool) -> np.ndarray:  # pragma: no cover - compiled
+    """``DraftCost``'s measures of ``depth`` told ``seconds`` (appended, the oldest dropped past
+    ``DRAFT_MEASURES``; ``bound``: each cut to it instead, or it alone where none was), that
+    depth's median in ``learned`` and every depth's price from them (``_draft_prices``)."""
+    k, row = count[depth], recent[depth]
+    if bound and k:
+        for i in range(k):
+            row[i] = min(row[i], seconds)
+    elif k < row.shape[0]:
+        row[k] = seconds
+        count[depth] = k = k + 1
+    else:
+        row[:-1] = row[1:].copy()
+        row[-1] = seconds
+    ordered = np.sort(row[:k])
+    half = k // 2
+    learned[depth] = ordered[half] if k % 2 else (ordered[half - 1] + ordered[half]) / 2
+    return _draft_prices(learned)
 
 
 @njit(cache=True)
@@ -168,3 +186,54 @@ def _draft_prices(learned: np.ndarray) -> np.ndarray:  # pragma: no cover - comp
     for d in range(1, n):
         out[d] = min(max(out[d], out[d - 1]), out[d - 1] + level_at_most)
     return out
+
+
+@njit(cache=True)
+def _shaped(passes: np.ndarray, factors: np.ndarray, first: int) -> np.ndarray:  # pragma: no cover - compiled
+    """``PassCost.shaped``: each curve value times its size's factor, then the running maximum."""
+    out = np.empty(passes.shape[0])
+    top = -np.inf
+    for i in range(passes.shape[0]):
+        top = max(top, passes[i] * factors[min(max(first + i, 1), SHAPE_ROWS)])
+        out[i] = top
+    return out
+
+
+@njit(cache=True)
+def _best_size(closed: np.ndarray, depths: np.ndarray, correction: float, base: float, drafting: np.ndarray,
+               host: float, slowdown: float, passes: np.ndarray) -> tuple[int, float]:  # pragma: no cover - compiled
+    """The node count ``n`` that maximizes ``(base + sum of the n best min(correction * closed, 1))
+    / (drafting + host + slowdown * passes[n])`` (the first of equals) and that rate, in one
+    compiled call: a round sizes its tree with this while its data is cold, where each numpy call
+    costs several microseconds. ``drafting[d]`` is a round drafting ``d`` levels (deeper ones take
+    the last entry; one entry prices every tree alike); the ``n`` best, kept to depth ``k``, are
+    priced at ``drafting[k + 1]``: what the rounds after them draft (``Budget.limit_depth``)."""
+    order = np.argsort(-closed, kind="mergesort")
+    last = drafting.shape[0] - 1
+    accepted = 0.0  # summed on its own, then added to base: the order numpy's cumsum had, bit for bit
+    deepest = 0
+    best, best_rate = 0, base / ((drafting[min(1, last)] + host) + slowdown * passes[0])
+    for n in range(1, order.shape[0] + 1):
+        node = order[n - 1]
+        accepted += min(closed[node] * correction, 1.0)
+        deepest = max(deepest, depths[node])
+        rate = (base + accepted) / ((drafting[min(deepest + 1, last)] + host) + slowdown * passes[n])
+        if rate > best_rate:
+            best, best_rate = n, rate
+    return best, best_rate
+
+
+@njit(cache=True)
+def sized_cut(tokens: np.ndarray, parents: np.ndarray, scores: np.ndarray, origin: np.ndarray, depths: np.ndarray,
+              correction: float, base: float, drafting: np.ndarray, host: float, slowdown: float, span: np.ndarray,
+              factors: np.ndarray, first: int):  # pragma: no cover - compiled
+    """``Budget.choose``'s arithmetic on a tree in one compiled call: its closed scores, the pass
+    of each size (``span``: the curve from ``first`` rows, ``_shaped`` by ``factors``), the best
+    size and its rate (``_best_size``), the pass of ``first`` rows, and the kept nodes as
+    ``DraftTree.valid``'s arguments (``best_nodes``; none where the tree is kept whole). Called
+    one by one, each of these cost a few microseconds more, every round, with the data cold."""
+    closed = _closed_scores(parents, scores)
+    passes = _shaped(span, factors, first)
+    n, rate = _best_size(closed, depths, correction, base, drafting, host, slowdown, passes)
+    return n, rate, passes[0], best_nodes(tokens, parents, scores, origin, depths, closed,
+                                          n if n < parents.shape[0] else 0)

@@ -189,12 +189,11 @@ class DraftTree:
             return self
         if self.sampled_from:
             raise ValueError("choosing among sampled children by score is not lossless; cut the tree with shallowest()")
-        # the nodes, their renumbered parents and their depths in one compiled call
+        # the kept nodes' tokens, renumbered parents, scores, origins and depths in one compiled call
         if closed is None:
-            keep, parents, depths = _best_subset(self.parents, self.scores, max(n, 0))
-        else:
-            keep, parents, depths = _best_closed(self.parents, self.depths, closed, max(n, 0))
-        return DraftTree.valid(self.tokens[keep], parents, self.scores[keep], self.origin[keep], depths)
+            closed = self.closed_scores()
+        return DraftTree.valid(*best_nodes(self.tokens, self.parents, self.scores, self.origin, self.depths, closed,
+                                           max(n, 0)))
 
     def shallowest(self, n: int) -> "DraftTree":
         """The first ``n`` nodes by depth, then tree order, scores unseen (for trees of i.i.d.
@@ -305,6 +304,20 @@ def _best_subset(parents: np.ndarray, scores: np.ndarray,
                  n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # pragma: no cover - compiled
     """``best(n)`` of a valid tree in one call (``_best_closed`` of its depths and closed scores)."""
     return _best_closed(parents, _depths(parents), _closed_scores(parents, scores), n)
+
+
+@njit(cache=True)
+def best_nodes(tokens: np.ndarray, parents: np.ndarray, scores: np.ndarray, origin: np.ndarray, depths: np.ndarray,
+               closed: np.ndarray, n: int):  # pragma: no cover - compiled
+    """``best(n, closed)`` of a valid tree as ``DraftTree.valid``'s arguments: each kept node's
+    token, renumbered parent, score, origin and depth (``_best_closed``), gathered here, where a
+    round's cut would otherwise make a numpy call of each with its data cold."""
+    keep, kept, kept_depths = _best_closed(parents, depths, closed, n)
+    m = keep.shape[0]
+    out_tokens, out_scores, out_origin = np.empty(m, np.int64), np.empty(m, np.float64), np.empty(m, np.int8)
+    for i in range(m):
+        out_tokens[i], out_scores[i], out_origin[i] = tokens[keep[i]], scores[keep[i]], origin[keep[i]]
+    return out_tokens, kept, out_scores, out_origin, kept_depths
 
 
 @njit(cache=True)

@@ -66,7 +66,7 @@ PEAK_ITERATIONS = 20_000_000
 def _peak_loop(kind: str, lanes: int = 8):
     """A compiled loop of ``CHAINS`` independent operations per iteration on registers of ``lanes``
     32-bit lanes (8: 256 bits, 16: 512): ``vnni`` one ``vpdpbusd`` (4 8-bit multiply-adds a lane),
-    ``avx2`` one ``vpmaddubsw`` + ``vpmaddwd`` pair (256 bits only), ``fma`` one fp32 fused
+    ``avx2`` one ``vpmaddubsw`` added in 16 bits (32 8-bit products; 256 bits only), ``fma`` one fp32 fused
     multiply-add (1 a lane); returns a value that depends on every chain, so that nothing is
     optimized away."""
     @intrinsic
@@ -92,13 +92,17 @@ def _peak_loop(kind: str, lanes: int = 8):
                     step = lambda acc: b.call(op, [acc, x, x])  # noqa: E731
                 else:
                     maddubs = fn("llvm.x86.avx2.pmadd.ub.sw", v16i16, v32i8, v32i8)
-                    madd = fn("llvm.x86.avx2.pmadd.wd", v8i32, v16i16, v16i16)
-                    ones = ir.Constant(v16i16, [1] * 16)
 
-                    def step(acc):
-                        # the input varies with the chain, or LLVM would compute one product for all
-                        pairs = b.call(maddubs, [b.bitcast(b.xor(acc, x), v32i8), b.bitcast(x, v32i8)])
-                        return b.add(acc, b.call(madd, [pairs, ones]))
+                    def step(acc, k, varied):
+                        # The nibble kernel's inner step: a vpmaddubsw added in 16 bits (its vpmaddwd
+                        # widening comes once for eight of them). One input varies with the iteration
+                        # (``varied``, shared by the chains), the other with the chain: every product
+                        # is new (nothing to hoist or share) and none waits on a chain's last sum.
+                        # Inputs taken from the accumulator (an xor) put each product behind the last
+                        # one's latency: that loop ran slower than the kernel itself on an AVX2-only Zen.
+                        other = ir.Constant(v32i8, [(7 * k + j) % 61 + 1 for j in range(32)])
+                        pairs = b.call(maddubs, [b.bitcast(varied, v32i8), other])
+                        return b.bitcast(b.add(b.bitcast(acc, v16i16), pairs), v8i32)
             entry = b.block
             body, done = b.append_basic_block("body"), b.append_basic_block("done")
             b.branch(body)
@@ -110,7 +114,11 @@ def _peak_loop(kind: str, lanes: int = 8):
                 acc = b.phi(kind_t)
                 acc.add_incoming(init, entry)
                 accs.append(acc)
-            new = [step(acc) for acc in accs]
+            if kind == "avx2":
+                varied = b.add(x, b.insert_element(ir.Constant(v8i32, [0] * lanes), b.trunc(i, i32), i32(0)))
+                new = [step(acc, k, varied) for k, acc in enumerate(accs)]
+            else:
+                new = [step(acc) for acc in accs]
             nxt = b.add(i, n.type(1))
             i.add_incoming(nxt, body)
             for acc, value in zip(accs, new):

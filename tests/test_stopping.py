@@ -1,7 +1,11 @@
 """Committing blocks of tokens: EOS, stop strings and max_new_tokens end the output exactly."""
 from __future__ import annotations
 
-from lyanna.decoding.stopping import OutputTracker
+import types
+
+import numpy as np
+
+from lyanna.decoding.stopping import OutputTracker, text_decoder
 
 
 class CharTokenizer:
@@ -75,3 +79,37 @@ def test_real_tokenizer_multibyte_text_streams_whole_characters(tiny_decoder):
     assert t.text == text
     assert "".join(streamed) == text
     assert all("\ufffd" not in s for s in streamed)
+
+
+def test_the_backend_decodes_what_the_tokenizer_decodes(tiny_decoder, monkeypatch):
+    """``text_decoder`` goes straight to the Rust backend only where transformers' decode would
+    return the backend's text as it is: the same text for any ids (special tokens skipped, a
+    multi-byte character cut anywhere) without the Python decode being called; a tokenizer that
+    asks for clean-up or overrides ``_decode`` is decoded by its own ``decode``."""
+    from transformers import PreTrainedTokenizerFast
+
+    tok = tiny_decoder.tokenizer
+    rng = np.random.default_rng(0)
+    windows = [rng.integers(0, len(tok), n).tolist() for n in rng.integers(0, 10, 300)]
+    windows += [[*rng.choice(tok.all_special_ids, 2).tolist(), int(i)] for i in rng.integers(0, len(tok), 30)]
+    accents = tok("héllo → wörld ✓", add_special_tokens=False)["input_ids"]
+    windows += [accents[i:j] for i in range(len(accents)) for j in range(i, len(accents) + 1)]
+    expected = [tok.decode(w, skip_special_tokens=True) for w in windows]
+    calls = []
+    own = PreTrainedTokenizerFast._decode
+
+    def counted(self, *args, **kwargs):
+        calls.append(1)
+        return own(self, *args, **kwargs)
+
+    decode = text_decoder(tok)
+    monkeypatch.setattr(tok, "_decode", types.MethodType(counted, tok))  # the Python decode, counted from now
+    assert [decode(w) for w in windows] == expected and not calls
+    decode = text_decoder(tok)  # ``_decode`` overridden: the tokenizer's own decode
+    assert [decode(w) for w in windows] == expected and len(calls) == len(windows)
+    monkeypatch.undo()
+    monkeypatch.setattr(tok, "clean_up_tokenization_spaces", True)
+    decode = text_decoder(tok)  # clean-up asked for: the tokenizer's own decode
+    monkeypatch.setattr(tok, "_decode", types.MethodType(counted, tok))
+    calls.clear()
+    assert [decode(w) for w in windows[:20]] == expected[:20] and len(calls) == 20

@@ -10,6 +10,34 @@ import time
 from typing import Any, Callable, Sequence
 
 
+def text_decoder(tokenizer: Any) -> Callable[[list[int]], str]:
+    """``tokenizer.decode(ids, skip_special_tokens=True)``, or the same call on its Rust
+    ``tokenizers`` backend where transformers' decode would do no more than that: its ``decode``
+    and ``_decode`` are the library's own (a subclass that overrides either keeps them) and no
+    clean-up of spaces is asked for. The text is the same; the wrapper's Python is not paid, and
+    the tracker decodes twice for every committed token, between passes that leave the
+    interpreter's code and data cold."""
+    def slow(ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=True)
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or not hasattr(backend, "decode") or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return slow
+    try:
+        from transformers import PreTrainedTokenizerFast
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+    except ImportError:
+        return slow
+    own = (PreTrainedTokenizerBase.decode, PreTrainedTokenizerFast._decode)
+    if any(getattr(getattr(tokenizer, name), "__func__", None) is not f for name, f in zip(("decode", "_decode"), own)):
+        return slow
+
+    def fast(ids: list[int]) -> str:
+        return backend.decode(ids, skip_special_tokens=True)
+
+    return fast
+
+
 class OutputTracker:
     """Accumulates output tokens and their text; knows when and why generation finished."""
 
@@ -27,6 +55,7 @@ class OutputTracker:
         if tokenizer is None and any(stop):
             raise ValueError("stop strings need a tokenizer (to see the text)")
         self.tokenizer = tokenizer  # None: token ids only, no text
+        self._decode = None if tokenizer is None else text_decoder(tokenizer)
         self.eos = frozenset(int(t) for t in eos_token_ids)
         self.max_new_tokens = max_new_tokens
         self.stop = tuple(s for s in stop if s)
@@ -69,11 +98,10 @@ class OutputTracker:
         return taken
 
     def _decode_new(self) -> None:
-        if self.tokenizer is None:
+        if self._decode is None:
             return
-        window = self.tokens[self._prefix :]
-        seen = self.tokenizer.decode(self.tokens[self._prefix : self._read], skip_special_tokens=True)
-        full = self.tokenizer.decode(window, skip_special_tokens=True)
+        seen = self._decode(self.tokens[self._prefix : self._read])
+        full = self._decode(self.tokens[self._prefix :])
         if len(full) <= len(seen) or full.endswith("\ufffd"):
             return  # an incomplete UTF-8 sequence: wait for the next token
         before = len(self.text)

@@ -230,7 +230,7 @@ def sized_cut(tokens: np.ndarray, parents: np.ndarray, scores: np.ndarray, origi
     """``Budget.choose``'s arithmetic on a tree in one compiled call: its closed scores, the pass
     of each size (``span``: the curve from ``first`` rows, ``_shaped`` by ``factors``), the best
     size and its rate (``_best_size``), the pass of ``first`` rows, and the kept nodes as
-    ``DraftTree.valid``'s arguments (``best_nodes``; none where the tree is kept whole). Called
+    ``DraftTree.valid``'s arguments (``best_nodes``; none, unsorted, where the tree is kept whole). Called
     one by one, each of these cost a few microseconds more, every round, with the data cold."""
     closed = _closed_scores(parents, scores)
     passes = _shaped(span, factors, first)

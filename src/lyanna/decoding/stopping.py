@@ -54,8 +54,7 @@ class OutputTracker:
             raise ValueError("max_new_tokens must be >= 1")
         if tokenizer is None and any(stop):
             raise ValueError("stop strings need a tokenizer (to see the text)")
-        self.tokenizer = tokenizer  # None: token ids only, no text
-        self._decode = None if tokenizer is None else text_decoder(tokenizer)
+        self._decode = None if tokenizer is None else text_decoder(tokenizer)  # None: token ids only, no text
         self.eos = frozenset(int(t) for t in eos_token_ids)
         self.max_new_tokens = max_new_tokens
         self.stop = tuple(s for s in stop if s)

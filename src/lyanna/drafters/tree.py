@@ -278,7 +278,10 @@ def _closed_scores(parents: np.ndarray, scores: np.ndarray) -> np.ndarray:  # pr
 @njit(cache=True)
 def _best_nodes(depths: np.ndarray, closed: np.ndarray, n: int) -> np.ndarray:  # pragma: no cover - compiled
     """The ``n`` nodes first by closed score (descending), then depth, then tree order, in tree
-    order: two stable sorts, the secondary key first."""
+    order: two stable sorts, the secondary key first (none for no nodes: a tree kept whole or
+    cut to nothing, most of a budget's rounds)."""
+    if n <= 0:
+        return np.empty(0, np.int64)
     by_depth = np.argsort(depths, kind="mergesort")
     order = by_depth[np.argsort(-closed[by_depth], kind="mergesort")]
     return np.sort(order[:n])
